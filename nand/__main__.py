@@ -1,0 +1,5 @@
+import sys
+
+from nand.cli import main
+
+sys.exit(main())

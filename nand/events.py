@@ -1,0 +1,221 @@
+"""The event model shared by the agent, the wire, the server and the tests.
+
+An :class:`Event` says where a non-finite value was seen on one rank. Events
+are ordered *logically*, never by wall clock::
+
+    (step, micro_step, phase, order)
+
+with phases in the order of :data:`PHASES`. The server uses the same key across
+ranks, so "first" means the same thing everywhere.
+
+This module imports nothing heavy (no torch, no FastAPI): both a training job
+and a server host import it.
+
+>>> e = Event(run="r1", rank=0, step=3, phase="forward", module="fc1")
+>>> e.sort_key() < Event(run="r1", rank=0, step=3, phase="backward").sort_key()
+True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+#: Where in a training step a value was checked, in execution order.
+#:
+#: - ``input``: data entering the root module (positional and keyword args)
+#: - ``forward``: a module's output
+#: - ``loss``: the gradient arriving at the model's output is non-finite although
+#:   the forward was finite (the loss computation outside the model made it)
+#: - ``backward``: a gradient flowing out of a module (w.r.t. its input)
+#: - ``grad``: a parameter's ``.grad`` after backward, before the optimizer step
+#: - ``param``: a parameter after ``optimizer.step()``
+#: - ``optimizer_state``: an optimizer state tensor (e.g. Adam's ``exp_avg_sq``)
+PHASES: tuple[str, ...] = (
+    "input",
+    "forward",
+    "loss",
+    "backward",
+    "grad",
+    "param",
+    "optimizer_state",
+)
+PHASE_RANK: dict[str, int] = {name: i for i, name in enumerate(PHASES)}
+
+#: Phases whose values arrive through a collective in the common parallel
+#: strategies: DDP all-reduces ``.grad``; FSDP all-gathers parameters, so a bad
+#: shard shows up in every rank's ``forward`` of the next step.
+COLLECTIVE_PHASES: frozenset[str] = frozenset({"grad", "forward"})
+
+#: Why the value was non-finite, as far as this rank can tell.
+#:
+#: - ``data``: the input batch already held it
+#: - ``produced``: non-finite output out of finite inputs (this is the origin)
+#: - ``propagated``: a non-finite input made a non-finite output
+#: - ``received``: it arrived through a collective (all-reduce, all-gather)
+CAUSES: tuple[str, ...] = ("data", "produced", "propagated", "received")
+
+
+@dataclass
+class Event:
+    """One non-finite observation on one rank.
+
+    ``module`` is the qualified module name as the user wrote it (``""`` for
+    the root module) or, for ``grad``/``param``/``optimizer_state``, the
+    qualified parameter name (``optimizer_state`` appends ``:<state key>``,
+    e.g. ``"fc1.weight:exp_avg_sq"``).
+
+    The value statistics (``nan``, ``posinf``, ``neginf``, ``min``, ``max``,
+    ``max_abs``) are filled by the slow path that runs only once something was
+    found; any of them may be ``None`` when it was not computed.
+    """
+
+    run: str = ""
+    rank: int = 0
+    world_size: int = 1
+    host: str = ""
+    pid: int = 0
+    step: int = 0
+    micro_step: int = 0
+    phase: str = "forward"
+    module: str = ""
+    module_type: str = ""
+    order: int = 0
+    cause: str = "produced"
+    nan: int | None = None
+    posinf: int | None = None
+    neginf: int | None = None
+    min: float | None = None
+    max: float | None = None
+    max_abs: float | None = None
+    shape: list[int] = field(default_factory=list)
+    dtype: str = ""
+    time: float = field(default_factory=time.time)
+    seq: int = 0
+    #: How many times this module had already run in this micro-step
+    #: (0 for the first call); reused modules are called several times.
+    call: int = 0
+    #: A one-line human summary; filled by the agent, shown by log and web.
+    message: str = ""
+
+    def sort_key(self) -> tuple[int, int, int, int]:
+        """The logical order: (step, micro_step, phase, order)."""
+        return (self.step, self.micro_step, PHASE_RANK.get(self.phase, len(PHASES)), self.order)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Event:
+        """Build an event from a mapping, ignoring keys this version does not know.
+
+        Unknown keys are dropped so that a newer agent can talk to an older
+        server; type checking of the values is the wire decoder's job.
+        """
+        known = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in data.items() if k in known}
+        if "shape" in kwargs and kwargs["shape"] is not None:
+            kwargs["shape"] = list(kwargs["shape"])
+        return cls(**kwargs)
+
+    def describe(self) -> str:
+        """A sentence a person can act on, e.g. for the log."""
+        where = self.module or "<root>"
+        if self.module_type:
+            where = f"{where} ({self.module_type})"
+        kinds = _value_kinds(self)
+        how = {
+            "data": "arrived in the input data",
+            "produced": "was produced here from finite inputs",
+            "propagated": "came from a non-finite input",
+            "received": "was received through a collective",
+        }.get(self.cause, self.cause)
+        step = f"step {self.step}" + (f".{self.micro_step}" if self.micro_step else "")
+        shape = "x".join(str(d) for d in self.shape) or "scalar"
+        return (
+            f"rank {self.rank}: {kinds} in {self.phase} of {where} at {step} "
+            f"[{shape} {self.dtype}]; it {how}"
+        )
+
+
+def _value_kinds(event: Event) -> str:
+    """'NaN', '+inf', 'NaN and -inf'... from the counts, or 'non-finite'."""
+    parts = []
+    if event.nan:
+        parts.append(f"NaN x{event.nan}" if event.nan > 1 else "NaN")
+    if event.posinf:
+        parts.append(f"+inf x{event.posinf}" if event.posinf > 1 else "+inf")
+    if event.neginf:
+        parts.append(f"-inf x{event.neginf}" if event.neginf > 1 else "-inf")
+    return " and ".join(parts) if parts else "non-finite value"
+
+
+@dataclass
+class StepSummary:
+    """What a heartbeat says about the training progress of one rank.
+
+    Every figure is optional: the agent never forces a host sync to get one.
+    ``loss`` is known only when the user called ``watch.loss(loss)``.
+    """
+
+    step: int = 0
+    steps_per_s: float | None = None
+    loss: float | None = None
+    grad_norm: float | None = None
+    max_activation: float | None = None
+    amp_skipped: int = 0
+    amp_scale: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StepSummary:
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+@dataclass
+class FlightWindow:
+    """The telemetry of the last N steps before an incident ("flight recorder").
+
+    Step-major matrices: ``act_max_abs[i][j]`` is the max |x| of the output of
+    ``modules[j]`` during ``steps[i]`` (``None`` when the module did not run);
+    ``grad_max_abs`` is the same for the gradient flowing out of the module.
+    ``grad_norm[i]`` is the total 2-norm of the parameter gradients of step i,
+    ``loss[i]`` the loss when known. ``dtype_max`` is the largest finite value
+    of the activations' dtype (65504 for float16), so a viewer can show how
+    close the values came to overflowing.
+    """
+
+    steps: list[int] = field(default_factory=list)
+    modules: list[str] = field(default_factory=list)
+    act_max_abs: list[list[float | None]] = field(default_factory=list)
+    grad_max_abs: list[list[float | None]] = field(default_factory=list)
+    grad_norm: list[float | None] = field(default_factory=list)
+    loss: list[float | None] = field(default_factory=list)
+    dtype: str = ""
+    dtype_max: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> FlightWindow:
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def first_event(events: list[Event]) -> Event | None:
+    """The logically first event of a list (one rank or many), or None."""
+    return min(events, key=Event.sort_key, default=None)
+
+
+def finite_or_none(value: float | None) -> float | None:
+    """JSON has no NaN/inf: map them to None for JSON outputs."""
+    if value is None or not math.isfinite(value):
+        return None
+    return value

@@ -1,0 +1,1 @@
+"""The central server: ingest (ZeroMQ) → store (SQLAlchemy) → correlate → REST API → web."""

@@ -1,0 +1,191 @@
+"""The REST API's response and request bodies: the contract the dashboard and
+schedulers rely on. Separate from the database tables (``models.py``).
+
+Floats that were NaN/inf on the wire are ``null`` here (JSON has no NaN);
+counts (``nan``, ``posinf``, ``neginf``) say what the values were.
+Times are Unix seconds (float, UTC).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+RunState = Literal["healthy", "diverged", "stalled", "finished", "lost"]
+RankState = Literal["running", "diverged", "finished", "lost", "stalled"]
+#: How a rank's first non-finite value relates to the run's origin:
+#: ``origin`` (this rank is where it started), ``simultaneous`` (went
+#: non-finite at the same logical point as the origin: a numerical problem of
+#: the model, not one rank), ``received`` (arrived through a collective),
+#: ``produced`` (made it itself, later than the origin), or null (finite).
+Relation = Literal["origin", "simultaneous", "received", "produced"]
+
+
+class EventOut(BaseModel):
+    id: int
+    run: str
+    rank: int
+    world_size: int
+    host: str
+    pid: int
+    step: int
+    micro_step: int
+    phase: str
+    module: str
+    module_type: str
+    order: int
+    cause: str
+    call: int = 0
+    nan: int | None = None
+    posinf: int | None = None
+    neginf: int | None = None
+    min: float | None = None
+    max: float | None = None
+    max_abs: float | None = None
+    shape: list[int] = Field(default_factory=list)
+    dtype: str = ""
+    time: float
+    seq: int
+    message: str = ""
+
+
+class EventPage(BaseModel):
+    items: list[EventOut]
+    total: int
+    offset: int
+    limit: int
+
+
+class Origin(BaseModel):
+    """Where the run first went non-finite."""
+
+    rank: int
+    step: int
+    micro_step: int
+    phase: str
+    module: str
+    module_type: str
+    cause: str
+    dtype: str = ""
+    shape: list[int] = Field(default_factory=list)
+    nan: int | None = None
+    posinf: int | None = None
+    neginf: int | None = None
+    max_abs: float | None = None
+    time: float
+    event_id: int
+
+
+class StopInfo(BaseModel):
+    step: int
+    requested_at: float
+    reason: str = ""
+
+
+class Verdict(BaseModel):
+    """The one call a scheduler polls: is this run healthy, and if not, where from."""
+
+    run: str
+    state: RunState
+    origin: Origin | None = None
+    #: Ranks that went non-finite, in rank order.
+    ranks_affected: list[int] = Field(default_factory=list)
+    #: Ranks whose first non-finite value arrived through a collective.
+    ranks_received: list[int] = Field(default_factory=list)
+    #: True when several ranks went non-finite at the origin's logical point.
+    simultaneous: bool = False
+    #: Cause hint: ``input_data``, ``loss``, ``overflow``, ``gradient_explosion``,
+    #: ``optimizer_update``, ``produced_in_layer`` or ``""``.
+    hint: str = ""
+    #: One paragraph a person can read at a glance.
+    summary: str = ""
+    #: When the run went non-finite (origin's wall clock), else null.
+    since: float | None = None
+    stop: StopInfo | None = None
+
+
+class RunSummary(BaseModel):
+    run: str
+    state: RunState
+    world_size: int
+    ranks_seen: int
+    latest_step: int
+    started_at: float
+    last_seen: float
+    event_count: int
+    origin: Origin | None = None
+
+
+class RunDetail(RunSummary):
+    verdict: Verdict
+    modules: list[ModuleInfo] = Field(default_factory=list)
+    optimizer: str = ""
+    versions: dict[str, str] = Field(default_factory=dict)
+
+
+class ModuleInfo(BaseModel):
+    name: str
+    type: str = ""
+    params: int = 0
+    order: int | None = None
+
+
+class RankStatus(BaseModel):
+    rank: int
+    host: str
+    pid: int
+    state: RankState
+    step: int
+    last_seen: float
+    steps_per_s: float | None = None
+    loss: float | None = None
+    grad_norm: float | None = None
+    max_activation: float | None = None
+    amp_skipped: int = 0
+    first_event: EventOut | None = None
+    relation: Relation | None = None
+
+
+class SeriesPoint(BaseModel):
+    time: float
+    step: int
+    loss: float | None = None
+    grad_norm: float | None = None
+    steps_per_s: float | None = None
+    max_activation: float | None = None
+
+
+class RankSeries(BaseModel):
+    rank: int
+    points: list[SeriesPoint]
+
+
+class FlightOut(BaseModel):
+    """The flight-recorder window of one rank (default: the origin rank)."""
+
+    run: str
+    rank: int
+    steps: list[int]
+    modules: list[str]
+    act_max_abs: list[list[float | None]]
+    grad_max_abs: list[list[float | None]]
+    grad_norm: list[float | None]
+    loss: list[float | None]
+    dtype: str = ""
+    dtype_max: float | None = None
+
+
+class StopRequest(BaseModel):
+    reason: str = Field(default="", max_length=500)
+    #: Stop at this step boundary; default: the next one every rank can reach.
+    step: int | None = Field(default=None, ge=0)
+
+
+class StopResponse(BaseModel):
+    run: str
+    step: int
+    ranks: list[int]
+
+
+RunDetail.model_rebuild()

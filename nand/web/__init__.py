@@ -1,0 +1,1 @@
+"""The dashboard: static HTML/JS/CSS served by the server at ``/``."""

@@ -1,0 +1,261 @@
+"""Encoding and validation of the messages between agents and the server.
+
+Every message is one msgpack map (one ZeroMQ frame)::
+
+    message   = {"v": PROTOCOL_VERSION, "kind": kind, ...kind fields}
+
+    agent → server (all carry "agent", "seq", "run", "rank", "time", "body"):
+      hello      body = {identity..., "versions", "device", "modules", "optimizer", "token"?}
+      event      body = {"event": Event.to_dict(), "flight": FlightWindow.to_dict() | None}
+      heartbeat  body = StepSummary.to_dict()
+      flight     body = {"flight": FlightWindow.to_dict(), "reason": str}
+      bye        body = {"step": int, "reason": str}
+
+    server → agent:
+      ack        {"seqs": [int, ...]}            committed; the agent may forget them
+      command    {"command": "stop", "step": int, "reason": str}
+                 {"command": "send_flight"}
+      reject     {"reason": str}                 e.g. a bad token; the agent stops sending
+
+``agent`` is a random id per agent process; ``(agent, seq)`` identifies a
+message for deduplication (delivery is at-least-once). ``seq`` starts at 1.
+
+:func:`decode` validates the structure and the types of everything the server
+relies on and raises :class:`~nand.errors.WireError` with a stable ``reason``
+otherwise. Unknown extra keys are kept and ignored, so a newer agent can talk
+to an older server within one protocol version.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import msgpack
+
+from nand.errors import WireError
+from nand.events import PHASES
+
+PROTOCOL_VERSION = 1
+
+#: Frames above this size are rejected unread (a flight window of 1,000 layers
+#: by 64 steps is about 1.2 MB).
+DEFAULT_MAX_BYTES = 4 * 1024 * 1024
+
+AGENT_KINDS = frozenset({"hello", "event", "heartbeat", "flight", "bye"})
+SERVER_KINDS = frozenset({"ack", "command", "reject"})
+COMMANDS = frozenset({"stop", "send_flight"})
+
+# Stable rejection reasons, counted by the server.
+REASONS = (
+    "too_large",
+    "not_msgpack",
+    "not_a_map",
+    "bad_version",
+    "unknown_kind",
+    "missing_field",
+    "bad_field",
+    "unauthenticated",
+)
+
+
+def encode(message: Mapping[str, Any]) -> bytes:
+    """Pack one message, adding the protocol version."""
+    payload = dict(message)
+    payload.setdefault("v", PROTOCOL_VERSION)
+    return msgpack.packb(payload, use_bin_type=True)
+
+
+def agent_message(
+    kind: str, *, agent: str, seq: int, run: str, rank: int, body: Mapping[str, Any]
+) -> dict[str, Any]:
+    """Build an agent → server message (not yet encoded)."""
+    if kind not in AGENT_KINDS:
+        raise ValueError(f"unknown agent message kind {kind!r}")
+    return {
+        "v": PROTOCOL_VERSION,
+        "kind": kind,
+        "agent": agent,
+        "seq": seq,
+        "run": run,
+        "rank": rank,
+        "time": time.time(),
+        "body": dict(body),
+    }
+
+
+def decode(frame: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES) -> dict[str, Any]:
+    """Unpack and validate one frame; raise WireError with a reason if it is bad."""
+    if len(frame) > max_bytes:
+        raise WireError("too_large", f"{len(frame)} bytes > limit {max_bytes}")
+    try:
+        message = msgpack.unpackb(frame, raw=False, strict_map_key=True, use_list=True)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise WireError("not_msgpack", f"{type(exc).__name__}: {exc}") from None
+    if not isinstance(message, dict):
+        raise WireError("not_a_map", f"top level is {type(message).__name__}")
+    version = message.get("v")
+    if version != PROTOCOL_VERSION:
+        raise WireError("bad_version", f"protocol {version!r}, expected {PROTOCOL_VERSION}")
+    kind = message.get("kind")
+    validator = _VALIDATORS.get(kind) if isinstance(kind, str) else None
+    if validator is None:
+        raise WireError("unknown_kind", f"kind {kind!r}")
+    validator(message)
+    return message
+
+
+# --- validation -------------------------------------------------------------
+
+_INT = (int,)
+_NUM = (int, float)
+_STR = (str,)
+
+
+def _require(
+    obj: Mapping[str, Any], key: str, types: tuple[type, ...], where: str, optional: bool = False
+) -> Any:
+    if key not in obj or obj[key] is None:
+        if optional:
+            return None
+        raise WireError("missing_field", f"{where}.{key}")
+    value = obj[key]
+    # bool is an int subclass; a bool where a number is expected is a bug upstream.
+    if isinstance(value, bool) and bool not in types:
+        raise WireError("bad_field", f"{where}.{key} is a bool")
+    if not isinstance(value, types):
+        names = "/".join(t.__name__ for t in types)
+        raise WireError("bad_field", f"{where}.{key} is {type(value).__name__}, expected {names}")
+    return value
+
+
+def _non_negative(value: int, where: str) -> None:
+    if value < 0:
+        raise WireError("bad_field", f"{where} is negative")
+
+
+def _agent_envelope(message: Mapping[str, Any]) -> Mapping[str, Any]:
+    agent = _require(message, "agent", _STR, "message")
+    if not agent or len(agent) > 128:
+        raise WireError("bad_field", "message.agent must be 1..128 characters")
+    _non_negative(_require(message, "seq", _INT, "message"), "message.seq")
+    run = _require(message, "run", _STR, "message")
+    if not run or len(run) > 256:
+        raise WireError("bad_field", "message.run must be 1..256 characters")
+    _non_negative(_require(message, "rank", _INT, "message"), "message.rank")
+    _require(message, "time", _NUM, "message")
+    return _require(message, "body", (dict,), "message")
+
+
+def _validate_hello(message: Mapping[str, Any]) -> None:
+    body = _agent_envelope(message)
+    _non_negative(_require(body, "world_size", _INT, "hello"), "hello.world_size")
+    _require(body, "host", _STR, "hello")
+    _require(body, "pid", _INT, "hello")
+    modules = _require(body, "modules", (list,), "hello", optional=True) or []
+    for i, entry in enumerate(modules):
+        if not isinstance(entry, dict):
+            raise WireError("bad_field", f"hello.modules[{i}] is not a map")
+        _require(entry, "name", _STR, f"hello.modules[{i}]")
+
+
+def validate_event_dict(event: Mapping[str, Any], where: str = "event") -> None:
+    """Check the fields of an Event mapping that the server relies on."""
+    phase = _require(event, "phase", _STR, where)
+    if phase not in PHASES:
+        raise WireError("bad_field", f"{where}.phase {phase!r} not in {PHASES}")
+    for key in ("step", "micro_step", "order"):
+        _non_negative(_require(event, key, _INT, where), f"{where}.{key}")
+    _require(event, "module", _STR, where)
+    _require(event, "cause", _STR, where)
+    for key in ("nan", "posinf", "neginf"):
+        _require(event, key, _INT, where, optional=True)
+    for key in ("min", "max", "max_abs"):
+        _require(event, key, _NUM, where, optional=True)
+    shape = _require(event, "shape", (list,), where, optional=True) or []
+    if not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
+        raise WireError("bad_field", f"{where}.shape must be a list of ints")
+
+
+def _validate_flight(flight: Any, where: str) -> None:
+    if flight is None:
+        return
+    if not isinstance(flight, dict):
+        raise WireError("bad_field", f"{where} is not a map")
+    steps = _require(flight, "steps", (list,), where)
+    modules = _require(flight, "modules", (list,), where)
+    for key in ("act_max_abs", "grad_max_abs"):
+        rows = _require(flight, key, (list,), where)
+        if rows and len(rows) != len(steps):
+            raise WireError(
+                "bad_field", f"{where}.{key} has {len(rows)} rows for {len(steps)} steps"
+            )
+        for row in rows:
+            if not isinstance(row, list) or len(row) != len(modules):
+                raise WireError("bad_field", f"{where}.{key} rows must have one value per module")
+
+
+def _validate_event(message: Mapping[str, Any]) -> None:
+    body = _agent_envelope(message)
+    validate_event_dict(_require(body, "event", (dict,), "body"))
+    _validate_flight(body.get("flight"), "body.flight")
+
+
+def _validate_heartbeat(message: Mapping[str, Any]) -> None:
+    body = _agent_envelope(message)
+    _non_negative(_require(body, "step", _INT, "heartbeat"), "heartbeat.step")
+    for key in ("steps_per_s", "loss", "grad_norm", "max_activation", "amp_scale"):
+        _require(body, key, _NUM, "heartbeat", optional=True)
+
+
+def _validate_flight_message(message: Mapping[str, Any]) -> None:
+    body = _agent_envelope(message)
+    _validate_flight(_require(body, "flight", (dict,), "body"), "body.flight")
+
+
+def _validate_bye(message: Mapping[str, Any]) -> None:
+    body = _agent_envelope(message)
+    _require(body, "step", _INT, "bye")
+
+
+def _validate_ack(message: Mapping[str, Any]) -> None:
+    seqs = _require(message, "seqs", (list,), "ack")
+    if not all(isinstance(s, int) and not isinstance(s, bool) for s in seqs):
+        raise WireError("bad_field", "ack.seqs must be a list of ints")
+
+
+def _validate_command(message: Mapping[str, Any]) -> None:
+    command = _require(message, "command", _STR, "command")
+    if command not in COMMANDS:
+        raise WireError("bad_field", f"command {command!r} not in {sorted(COMMANDS)}")
+    if command == "stop":
+        _non_negative(_require(message, "step", _INT, "command"), "command.step")
+
+
+def _validate_reject(message: Mapping[str, Any]) -> None:
+    _require(message, "reason", _STR, "reject")
+
+
+_VALIDATORS: dict[str, Callable[[Mapping[str, Any]], None]] = {
+    "hello": _validate_hello,
+    "event": _validate_event,
+    "heartbeat": _validate_heartbeat,
+    "flight": _validate_flight_message,
+    "bye": _validate_bye,
+    "ack": _validate_ack,
+    "command": _validate_command,
+    "reject": _validate_reject,
+}
+
+
+def json_safe(value: Any) -> Any:
+    """Replace NaN/inf floats (not valid JSON) with None, recursively."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    return value
