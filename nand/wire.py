@@ -12,7 +12,11 @@ Every message is one msgpack map (one ZeroMQ frame)::
       bye        body = {"step": int, "reason": str}
 
     server → agent:
-      ack        {"seqs": [int, ...]}            committed; the agent may forget them
+      ack        {"agent": str?, "seqs": [int, ...]}  committed; the agent may forget them.
+                 "agent" names whose seqs these are; the server should always
+                 send it, because an agent also replays frames that earlier
+                 agents of its rank spooled (their own agent ids). Without it
+                 the ack is for the agent that owns the connection.
       command    {"command": "stop", "step": int, "reason": str}
                  {"command": "send_flight"}
       reject     {"reason": str}                 e.g. a bad token; the agent stops sending
@@ -28,6 +32,7 @@ to an older server within one protocol version.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -65,7 +70,18 @@ def encode(message: Mapping[str, Any]) -> bytes:
     """Pack one message, adding the protocol version."""
     payload = dict(message)
     payload.setdefault("v", PROTOCOL_VERSION)
-    return msgpack.packb(payload, use_bin_type=True)
+    return msgpack.packb(payload, use_bin_type=True, default=_plain)
+
+
+def _plain(value: Any) -> Any:
+    """What msgpack cannot carry natively (sets, dataclasses, dtypes, paths)."""
+    if isinstance(value, set | frozenset):
+        return sorted(value, key=repr)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    # The agent must never fail on an odd value in a hello (a torch.dtype, a
+    # Path): its text is what a person wants to see anyway.
+    return str(value)
 
 
 def agent_message(
@@ -221,6 +237,7 @@ def _validate_bye(message: Mapping[str, Any]) -> None:
 
 
 def _validate_ack(message: Mapping[str, Any]) -> None:
+    _require(message, "agent", _STR, "ack", optional=True)
     seqs = _require(message, "seqs", (list,), "ack")
     if not all(isinstance(s, int) and not isinstance(s, bool) for s in seqs):
         raise WireError("bad_field", "ack.seqs must be a list of ints")

@@ -1,0 +1,461 @@
+"""The sender thread: owns the ZeroMQ DEALER socket, the in-flight window and the spool.
+
+Two modes, one order. Every message of this agent is either in flight, in the
+memory queue or in the spool, and they are sent oldest first:
+
+- **direct**: new frames queue in memory and go out through the socket, at
+  most ``window`` unacknowledged at a time.
+- **spool**: entered when the connection drops, a send would block, the
+  oldest frame waits longer than its ack deadline, or memory is over
+  ``queue_max``. Everything not yet acknowledged is appended to the spool, and
+  so is every new frame while the spool holds anything. When the socket is
+  connected, the spool is replayed from its first record (the server drops
+  what it already has); once all of it is acknowledged the file is emptied and
+  the mode is direct again. Going back to the first record after a reconnect
+  is what keeps each agent's messages in order at the server.
+
+The ack deadline of a frame is ``ack_timeout_s * 2**failures`` (at most 60 s)
+with ±20 % jitter, ``failures`` counting the consecutive timeouts; an ack
+resets it. Connection state comes from the socket's monitor (handshake
+succeeded / disconnected); ``ZMQ_IMMEDIATE`` keeps frames from being queued to
+a connection that is not up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+import threading
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from nand import wire
+from nand.agent import spool as spool_mod
+from nand.agent.mailbox import Mailbox, Outgoing
+from nand.agent.transport_settings import TransportSettings
+from nand.errors import WireError
+
+log = logging.getLogger("nand.agent.transport")
+_MAX_BACKOFF_S = 60.0
+_UP_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED
+_DOWN_EVENTS = zmq.EVENT_DISCONNECTED
+_FAIL_EVENTS = (
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
+
+
+@dataclass
+class Frame:
+    agent: str
+    seq: int
+    kind: str
+    keep: bool
+    data: bytes
+    from_spool: bool = False
+    deadline: float = 0.0
+
+
+@dataclass
+class Envelope:
+    """What the sender needs to wrap bodies into wire messages."""
+
+    agent: str
+    run: str
+    rank: int
+
+
+class Sender(threading.Thread):
+    def __init__(
+        self,
+        endpoint: str,
+        envelope: Envelope,
+        mailbox: Mailbox,
+        settings: TransportSettings,
+        spool_path: Path,
+    ) -> None:
+        super().__init__(name=f"nand-sender-{envelope.rank}", daemon=True)
+        self.endpoint = endpoint
+        self.envelope = envelope
+        self.mailbox = mailbox
+        self.settings = settings
+        self.spool_path = spool_path
+        self.stats = {"routed": 0, "sent": 0, "acked": 0, "spooled": 0, "replayed": 0, "resends": 0}
+        self.connected = False
+        self.mode = "direct"
+        self.rejected: str | None = None
+        self._stop_at: float | None = None
+        self._queue: deque[Frame] = deque()
+        self._inflight: OrderedDict[tuple[str, int], Frame] = OrderedDict()
+        self._spool: spool_mod.Spool | None = None
+        self._spool_failed = False
+        self._cursor: int | None = None
+        self._failures = 0
+        self._retry_at = 0.0
+        self._grace_until = time.monotonic() + settings.connect_grace_s
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._warned: set[str] = set()
+        self.ctx: zmq.Context[Any] | None = None
+
+    # --- called from other threads ------------------------------------------
+
+    def wake(self) -> None:
+        with contextlib.suppress(OSError):  # full pipe: already awake; closed: gone
+            os.write(self._wake_w, b"!")
+
+    def request_stop(self, deadline: float) -> None:
+        self._stop_at = deadline
+        self.wake()
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: close inherited descriptors, touch nothing else."""
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        if self._spool is not None:
+            self._spool.forget_after_fork()
+
+    @property
+    def memory_frames(self) -> int:
+        return len(self._queue) + sum(1 for f in self._inflight.values() if not f.from_spool)
+
+    # --- the thread ---------------------------------------------------------
+
+    def run(self) -> None:
+        try:
+            self._setup()
+        except Exception as exc:
+            self._warn("setup", f"nand: the sender could not start ({exc}); messages are dropped")
+            self._close_pipe()
+            return
+        while True:
+            try:
+                if self._step():
+                    break
+            except Exception as exc:  # never die silently; never spin either
+                self._warn(type(exc).__name__, f"nand: sender error (continuing): {exc!r}")
+                time.sleep(0.05)
+        self._teardown()
+
+    def _setup(self) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        for option, value in (
+            (zmq.LINGER, 0),
+            (zmq.IMMEDIATE, 1),
+            (zmq.SNDHWM, self.settings.window * 2),
+            (zmq.RCVHWM, 10_000),
+            (zmq.RECONNECT_IVL, 100),
+            (zmq.RECONNECT_IVL_MAX, 2000),
+            (zmq.HEARTBEAT_IVL, 2000),
+            (zmq.HEARTBEAT_TIMEOUT, 6000),
+        ):
+            self.sock.setsockopt(option, value)
+        if self.settings.curve_server_key:
+            public, secret = zmq.curve_keypair()
+            self.sock.curve_publickey = public
+            self.sock.curve_secretkey = secret
+            self.sock.curve_serverkey = self.settings.curve_server_key.encode()
+        self.monitor = self.sock.get_monitor_socket(_UP_EVENTS | _DOWN_EVENTS | _FAIL_EVENTS)
+        self.sock.connect(self.endpoint)
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
+        self.poller.register(self.monitor, zmq.POLLIN)
+        self.poller.register(self._wake_r, zmq.POLLIN)
+        self._adopt_orphans()
+
+    def _step(self) -> bool:
+        """One turn of the loop; True when the thread should end."""
+        self._poll(self._poll_timeout())
+        self._read_monitor()
+        self._read_incoming()
+        self._route(self.mailbox.take_all())
+        self._check_deadlines()
+        self._pump()
+        return self._stop_at is not None
+
+    def _poll_timeout(self) -> float:
+        timeout = self.settings.poll_interval_s
+        if self._inflight:
+            first = next(iter(self._inflight.values()))
+            timeout = min(timeout, max(0.0, first.deadline - time.monotonic()))
+        return timeout
+
+    def _poll(self, timeout: float) -> None:
+        for fd, _ in self.poller.poll(int(timeout * 1000)):
+            if fd == self._wake_r:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(self._wake_r, 4096)
+
+    # --- connection state and incoming messages -----------------------------
+
+    def _read_monitor(self) -> None:
+        while self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor)["event"]
+            if event & _UP_EVENTS:
+                self.connected = True
+                if self.mode == "spool":
+                    self._cursor = None  # replay from the first record
+            elif event & _DOWN_EVENTS and self.connected:
+                self.connected = False
+                self._to_spool()
+            elif event & _FAIL_EVENTS:
+                self._warn("handshake", f"nand: handshake with {self.endpoint} failed")
+
+    def _read_incoming(self) -> None:
+        while True:
+            try:
+                frame = self.sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                message = wire.decode(frame)
+            except WireError as exc:
+                self._warn("bad_reply", f"nand: ignoring a bad message from the server: {exc}")
+                continue
+            self._handle(message)
+
+    def _handle(self, message: dict[str, Any]) -> None:
+        kind = message["kind"]
+        if kind == "ack":
+            agent = message.get("agent") or self.envelope.agent
+            for seq in message["seqs"]:
+                if self._inflight.pop((agent, seq), None) is not None:
+                    self.stats["acked"] += 1
+                    self._failures = 0
+        elif kind == "command":
+            self.mailbox.add_command({k: v for k, v in message.items() if k != "v"})
+        elif kind == "reject":
+            self.rejected = message["reason"]
+            self._warn("reject", f"nand: the server rejected this agent: {self.rejected}")
+
+    # --- where new frames go ------------------------------------------------
+
+    def _route(self, batch: list[Outgoing]) -> None:
+        for out in batch:
+            try:
+                frame = self._encode(out)
+            except Exception as exc:  # e.g. a body msgpack cannot carry
+                self._warn("encode", f"nand: cannot encode a {out.kind}: {exc!r}")
+                self.mailbox.drop("encode_error")
+                continue
+            if frame is None:
+                continue
+            if self.rejected is not None:
+                self.mailbox.drop("rejected")
+            elif self.mode == "spool":
+                self._append_to_spool(frame)
+            else:
+                self._queue.append(frame)
+        self.stats["routed"] += len(batch)
+        if self.mode == "direct" and self.memory_frames > self.settings.queue_max:
+            self._to_spool()
+
+    def _encode(self, out: Outgoing) -> Frame | None:
+        env = self.envelope
+        message = wire.agent_message(
+            out.kind, agent=env.agent, seq=out.seq, run=env.run, rank=env.rank, body={}
+        )
+        message["time"] = out.time
+        message["body"] = out.build_body()
+        data = wire.encode(message)
+        if len(data) > self.settings.max_frame_bytes:
+            self._warn("too_large", f"nand: dropping a {out.kind} of {len(data)} bytes")
+            self.mailbox.drop("too_large")
+            return None
+        return Frame(env.agent, out.seq, out.kind, out.keep, data)
+
+    def _to_spool(self) -> None:
+        """Move everything unacknowledged that is only in memory to the spool."""
+        pending = [f for f in self._inflight.values() if not f.from_spool]
+        pending.extend(self._queue)
+        self._queue.clear()
+        self._inflight.clear()
+        self.mode = "spool"
+        self._cursor = None
+        for frame in pending:
+            self._append_to_spool(frame)
+
+    def _append_to_spool(self, frame: Frame) -> None:
+        spool = self._open_spool()
+        if spool is None:
+            self.mailbox.drop("spool_error")
+            return
+        if not spool.append(frame.data, kind=frame.kind, keep=frame.keep):
+            lost = spool.compact(spool.max_bytes // 2)
+            self.mailbox.drop("spool_full", sum(lost.values()))
+            self._cursor = None  # offsets moved: replay from the start
+            self._inflight.clear()
+            if not spool.append(frame.data, kind=frame.kind, keep=frame.keep):
+                self.mailbox.drop("spool_full")
+                return
+        self.stats["spooled"] += 1
+
+    def _open_spool(self) -> spool_mod.Spool | None:
+        if self._spool is None and not self._spool_failed:
+            try:
+                self._spool = self._claim_spool()
+            except Exception as exc:
+                self._spool_failed = True
+                self._warn("spool", f"nand: cannot write the spool in {self.spool_path}: {exc}")
+        return self._spool
+
+    def _claim_spool(self) -> spool_mod.Spool:
+        limit = self.settings.spool_max_bytes
+        try:
+            return spool_mod.Spool(self.spool_path, max_bytes=limit)
+        except BlockingIOError:  # another live agent of this rank (e.g. a forked child)
+            alt = self.spool_path.with_name(
+                self.spool_path.name.replace(".spool", f".{self.envelope.agent[:12]}.spool")
+            )
+            return spool_mod.Spool(alt, max_bytes=limit)
+
+    def _adopt_orphans(self) -> None:
+        """Take over the spools that dead agents of this run and rank left behind."""
+        found = spool_mod.orphans(self.spool_path.parent, self.envelope.rank)
+        if not found:
+            return
+        spool = self._open_spool()
+        if spool is None:
+            return
+        for path in found:
+            if path == spool.path:
+                continue  # our own file now: its records stay in place
+            try:
+                spool.absorb(path)
+            except Exception as exc:
+                self._warn("orphan", f"nand: cannot replay the spool {path}: {exc}")
+                with contextlib.suppress(OSError):
+                    path.rename(path.with_name(path.name + ".corrupt"))
+        if len(spool):
+            self.mode = "spool"
+            log.info("nand: replaying %d bytes spooled by an earlier agent", len(spool))
+
+    # --- sending --------------------------------------------------------------
+
+    def _check_deadlines(self) -> None:
+        now = time.monotonic()
+        if self.mode == "direct" and not self.connected and now > self._grace_until:
+            self._to_spool()  # never connected yet: keep messages on disk, not in memory
+        if self._inflight and next(iter(self._inflight.values())).deadline < now:
+            self._failures += 1
+            self.stats["resends"] += 1
+            self._to_spool()
+
+    def _deadline(self) -> float:
+        base = min(_MAX_BACKOFF_S, self.settings.ack_timeout_s * 2 ** min(self._failures, 10))
+        return time.monotonic() + base * random.uniform(0.8, 1.2)
+
+    def _pump(self) -> None:
+        if not self.connected or self.rejected is not None:
+            return
+        if self.mode == "direct":
+            while self._queue and len(self._inflight) < self.settings.window:
+                if not self._send(self._queue[0]):
+                    return
+                self._queue.popleft()
+        elif time.monotonic() >= self._retry_at:
+            self._replay()
+
+    def _send(self, frame: Frame) -> bool:
+        try:
+            self.sock.send(frame.data, zmq.NOBLOCK)
+        except zmq.Again:  # not connected after all, or the peer is not reading
+            self._to_spool()
+            self._retry_at = time.monotonic() + min(_MAX_BACKOFF_S, 0.5 * 2**self._failures)
+            return False
+        frame.deadline = self._deadline()
+        self._inflight[(frame.agent, frame.seq)] = frame
+        self.stats["sent"] += 1
+        return True
+
+    def _replay(self) -> None:
+        spool = self._spool
+        if spool is None:
+            self.mode = "direct"
+            return
+        if self._cursor is None:
+            self._cursor = spool_mod.HEADER_SIZE
+            self._inflight.clear()
+        room = self.settings.window - len(self._inflight)
+        if room > 0 and self._cursor < spool.size:
+            for end, tag, payload in spool.read_from(self._cursor, max_records=room):
+                if not self._send(_spooled_frame(payload, tag)):
+                    return
+                self._cursor = end
+                self.stats["replayed"] += 1
+        if self._cursor >= spool.size and not self._inflight:
+            spool.clear()
+            self.mode = "direct"
+            self._cursor = None
+
+    # --- shutdown ---------------------------------------------------------------
+
+    def _teardown(self) -> None:
+        """Flush with the time left before the deadline; spool what is left."""
+        deadline = self._stop_at or time.monotonic()
+        reserve = min(0.5, 0.25 * max(0.0, deadline - time.monotonic()))
+        while self.has_unacked() and time.monotonic() < deadline - reserve:
+            with contextlib.suppress(Exception):
+                self._poll(min(0.02, max(0.0, deadline - reserve - time.monotonic())))
+                self._read_monitor()
+                self._read_incoming()
+                self._route(self.mailbox.take_all())
+                self._pump()
+            if not self.connected or self.rejected is not None:
+                break
+        with contextlib.suppress(Exception):
+            self._route(self.mailbox.take_all())
+            if self.mode == "direct" and self.has_unacked():
+                self._to_spool()
+        self._release()
+
+    def has_unacked(self) -> bool:
+        spooled = self.mode == "spool" and self._spool is not None and len(self._spool) > 0
+        return bool(self._queue or self._inflight or spooled)
+
+    def _release(self) -> None:
+        if self._spool is not None:
+            with contextlib.suppress(Exception):
+                self._spool.close()
+        with contextlib.suppress(Exception):
+            self.sock.disable_monitor()
+            self.monitor.close(0)
+            self.sock.close(0)
+            if self.ctx is not None:
+                self.ctx.term()
+        self._close_pipe()
+
+    def _close_pipe(self) -> None:
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._wake_r = self._wake_w = -1
+
+    def _warn(self, key: str, message: str) -> None:
+        if key not in self._warned:  # log each kind of trouble once, not per message
+            self._warned.add(key)
+            log.warning(message)
+
+
+def _spooled_frame(payload: bytes, tag: int) -> Frame:
+    """A frame read back from the spool; its (agent, seq) come from the bytes."""
+    try:
+        message = msgpack.unpackb(payload, raw=False)
+        agent, seq = str(message["agent"]), int(message["seq"])
+    except Exception:
+        agent, seq = "?", -1  # sent anyway: the server counts what it rejects
+    kind = spool_mod.KIND_NAMES.get(tag & 0x0F, "event")
+    return Frame(agent, seq, kind, bool(tag & spool_mod.KEEP), payload, from_spool=True)

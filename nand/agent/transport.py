@@ -1,0 +1,249 @@
+"""The agent on the wire: a :class:`~nand.agent.sink.Sink` that reports to a nand server.
+
+The training thread only appends to a bounded mailbox under a lock
+(:mod:`nand.agent.mailbox`); a named daemon thread (:mod:`nand.agent.sender`)
+owns the ZeroMQ DEALER socket, encodes, sends, resends, spools to disk
+(:mod:`nand.agent.spool`) and reads acks and commands. Semantics the server
+relies on (see :mod:`nand.wire` for the messages):
+
+- each ``ServerSink`` is one agent: a random ``agent`` id, ``seq`` 1, 2, 3...
+  assigned when a message is submitted; a resent or replayed frame is the same
+  bytes, so ``(agent, seq)`` identifies it for deduplication;
+- the server answers ``{"kind": "ack", "agent": id, "seqs": [...]}`` once it
+  has committed them (``agent`` may be left out for the connection's own agent);
+- a ``command`` (``stop`` at a step, ``send_flight``) is handed to the agent
+  core through :meth:`ServerSink.commands`; a ``reject`` makes the agent stop
+  sending (counted as dropped ``rejected``);
+- the token (``token=`` or ``NAND_TOKEN``) rides in ``hello``; with
+  ``NAND_CURVE_SERVER_KEY`` the connection is CURVE-encrypted with a key pair
+  the agent makes up.
+
+Losses are counted by reason and sent as ``dropped`` in every heartbeat.
+A forked child gets a fresh agent id, no thread and no socket; they are
+re-created on first use. ``close()`` and interpreter exit flush within
+``NAND_CLOSE_TIMEOUT_S`` (default 2 s) and never hang.
+
+>>> from nand.agent.identity import Identity
+>>> me = Identity(run="r1", rank=0, local_rank=0, world_size=1, host="h", pid=1)
+>>> sink = ServerSink("tcp://127.0.0.1:1", me, connect_grace_s=0.1)
+>>> sink.heartbeat(StepSummary(step=1))
+>>> sink.close(timeout=1.0)
+>>> sink.dropped()
+{}
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import time
+import uuid
+import weakref
+from typing import Any
+
+from nand import config
+from nand.agent.identity import Identity
+from nand.agent.mailbox import Mailbox, Outgoing
+from nand.agent.sender import Envelope, Sender
+from nand.agent.spool import spool_path
+from nand.agent.transport_settings import TransportSettings
+from nand.events import Event, FlightWindow, StepSummary
+
+log = logging.getLogger("nand.agent.transport")
+_LIVE: weakref.WeakSet[ServerSink] = weakref.WeakSet()
+
+
+class ServerSink:
+    """Sends this rank's hello, events, heartbeats, flights and bye to a server."""
+
+    def __init__(
+        self, endpoint: str, identity: Identity, *, token: str | None = None, **overrides: Any
+    ) -> None:
+        self.endpoint = endpoint
+        self.identity = identity
+        self.token = token if token is not None else config.get_str(config.NAND_TOKEN)
+        self.settings = TransportSettings.resolve(**overrides)
+        self._closed = False
+        self._hello: dict[str, Any] | None = None
+        self._reset()
+        _LIVE.add(self)
+
+    def _reset(self) -> None:
+        """Fresh per-process state (at start and in a forked child)."""
+        self.agent = uuid.uuid4().hex
+        self._seq = 0
+        self._first_event_sent = False
+        self._mailbox = Mailbox(self.settings.queue_max)
+        self._sender: Sender | None = None
+        self._warned = False
+
+    # --- the Sink protocol (training thread; returns at once) ----------------
+
+    def hello(self, info: dict[str, Any]) -> None:
+        self._hello = dict(info)
+        self._submit("hello", self._hello_body, keep=True)
+
+    def event(self, event: Event, flight: FlightWindow | None) -> None:
+        first = not self._first_event_sent
+        self._first_event_sent = True
+        body = {"event": event.to_dict(), "flight": None}
+        self._submit("event", _with_flight(body, flight), keep=first)
+
+    def heartbeat(self, summary: StepSummary) -> None:
+        body = summary.to_dict()
+        lost = self.dropped()
+        if lost:
+            body["dropped"] = lost
+        self._submit("heartbeat", body)
+
+    def flight(self, flight: FlightWindow, reason: str) -> None:
+        self._submit("flight", _with_flight({"reason": reason}, flight))
+
+    def commands(self) -> list[dict[str, Any]]:
+        try:
+            return self._mailbox.take_commands()
+        except Exception as exc:
+            self._log_once(exc)
+            return []
+
+    def bye(self, step: int, reason: str) -> None:
+        self._submit("bye", {"step": int(step), "reason": reason}, keep=True)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Flush for at most ``timeout`` seconds (default ``NAND_CLOSE_TIMEOUT_S``)."""
+        try:
+            self._close(self.settings.close_timeout_s if timeout is None else timeout)
+        except Exception as exc:
+            self._log_once(exc)
+
+    # --- beyond the protocol --------------------------------------------------
+
+    def dropped(self) -> dict[str, int]:
+        """Messages lost so far, by reason (cumulative)."""
+        with self._mailbox.lock:
+            return dict(self._mailbox.dropped)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for tests and diagnostics (read without locking)."""
+        sender = self._sender
+        out: dict[str, Any] = {"agent": self.agent, "submitted": self._seq}
+        out["dropped"] = self.dropped()
+        out["queued"] = len(self._mailbox.intake)
+        if sender is not None:
+            out.update(sender.stats)
+            out.update(connected=sender.connected, mode=sender.mode, rejected=sender.rejected)
+            out["memory_frames"] = sender.memory_frames
+        return out
+
+    def flush(self, timeout: float) -> bool:
+        """Wait until everything submitted is acknowledged (tests, benchmarks)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            sender = self._sender
+            if sender is None:
+                return self._seq == 0
+            if sender.stats["routed"] >= self._seq and not sender.has_unacked():
+                return True
+            sender.wake()
+            time.sleep(0.01)
+        return False
+
+    # --- internals --------------------------------------------------------------
+
+    def _hello_body(self) -> dict[str, Any]:
+        body: dict[str, Any] = self.identity.to_dict()
+        body.update(self._hello or {})
+        body["pid"] = os.getpid()
+        if self.token:
+            body["token"] = self.token
+        return body
+
+    def _submit(self, kind: str, body: Any, keep: bool = False) -> None:
+        try:
+            wake = keep or kind == "event"
+            with self._mailbox.lock:
+                if self._closed:
+                    self._mailbox.count_drop("closed")
+                    return
+                self._seq += 1
+                message = Outgoing(kind, self._seq, time.time(), body, keep)
+                self._mailbox.put(message)
+                sender = self._ensure_sender()
+                wake = wake or len(self._mailbox.intake) >= self._mailbox.capacity // 2
+            if wake:
+                sender.wake()
+        except Exception as exc:
+            self._log_once(exc)
+
+    def _ensure_sender(self) -> Sender:
+        """Start the sender thread on first use (again in a forked child)."""
+        sender = self._sender
+        if sender is not None:
+            return sender
+        envelope = Envelope(self.agent, self.identity.run, self.identity.rank)
+        path = spool_path(self.settings.spool_dir, self.identity.run, self.identity.rank)
+        sender = Sender(self.endpoint, envelope, self._mailbox, self.settings, path)
+        self._sender = sender
+        sender.start()
+        return sender
+
+    def _close(self, timeout: float) -> None:
+        with self._mailbox.lock:
+            if self._closed:
+                return
+            self._closed = True
+            sender = self._sender
+        _LIVE.discard(self)
+        if sender is None or not sender.is_alive():
+            return
+        deadline = time.monotonic() + max(0.0, timeout)
+        sender.request_stop(deadline)
+        # Join a little past the deadline: the thread closes its socket after it.
+        sender.join(max(0.0, deadline - time.monotonic()) + 0.2)
+        if sender.is_alive():
+            log.warning("nand: the sender did not finish within %.1f s; leaving it", timeout)
+
+    def _after_fork_in_child(self) -> None:
+        old = self._sender
+        self._reset()
+        if old is not None:
+            old.forget_after_fork()
+        if self._hello is not None and not self._closed:
+            self._submit("hello", self._hello_body, keep=True)  # say who the child is
+
+    def _log_once(self, exc: BaseException) -> None:
+        if not self._warned:
+            self._warned = True
+            log.warning("nand: transport error (ignored, training goes on): %r", exc)
+
+
+def _with_flight(body: dict[str, Any], flight: FlightWindow | None) -> Any:
+    """Convert a (possibly large) flight window on the sender thread, not here."""
+    if flight is None:
+        return body
+
+    def build() -> dict[str, Any]:
+        return {**body, "flight": flight.to_dict()}
+
+    return build
+
+
+def _close_all_at_exit() -> None:
+    timeout = config.get_float(config.NAND_CLOSE_TIMEOUT_S, 2.0)
+    deadline = time.monotonic() + timeout
+    for sink in list(_LIVE):
+        sink.close(max(0.0, deadline - time.monotonic()))
+
+
+def _after_fork_in_child() -> None:
+    for sink in list(_LIVE):
+        try:
+            sink._after_fork_in_child()
+        except Exception as exc:
+            log.warning("nand: could not reset the transport after fork: %r", exc)
+
+
+atexit.register(_close_all_at_exit)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
