@@ -1,0 +1,213 @@
+// Small SVG line charts: one line per rank, axes, a legend and hover values.
+// Many ranks (a 256-GPU job) are drawn as a faint band with the origin rank
+// on top, because 256 distinct colours are unreadable.
+
+import { el, svg } from "./dom.js";
+import { num } from "./format.js";
+import { linear, logTicks, nearest, niceTicks } from "./scale.js";
+import { hideTip, showTip } from "./tooltip.js";
+
+const W = 560;
+const H = 210;
+const PAD = { left: 58, right: 14, top: 12, bottom: 32 };
+const DISTINCT = 10; // up to this many ranks get a colour each
+
+/** Keep the shape of a long line: per pixel column, the first, min and max points. */
+function thin(points, x, y) {
+  if (points.length <= 2 * (W - PAD.left)) return points;
+  const out = [];
+  let col = null;
+  let lo = null;
+  let hi = null;
+  const flush = () => {
+    if (lo) out.push(...(lo.step <= hi.step ? [lo, hi] : [hi, lo]));
+  };
+  for (const p of points) {
+    const c = Math.round(x(p.step));
+    if (c !== col || p.value === null) {
+      flush();
+      col = c;
+      lo = hi = null;
+      if (p.value === null) {
+        out.push(p);
+        continue;
+      }
+    }
+    if (!lo || y(p.value) > y(lo.value)) lo = p;
+    if (!hi || y(p.value) < y(hi.value)) hi = p;
+  }
+  flush();
+  return out;
+}
+
+/** SVG path data; a null value breaks the line (the value was non-finite or unknown). */
+function pathData(points, x, y) {
+  let d = "";
+  let pen = false;
+  for (const p of points) {
+    if (p.value === null) {
+      pen = false;
+      continue;
+    }
+    d += `${pen ? "L" : "M"}${x(p.step).toFixed(1)},${y(p.value).toFixed(1)}`;
+    pen = true;
+  }
+  return d;
+}
+
+function extent(lines, log) {
+  let lo = Infinity;
+  let hi = -Infinity;
+  let s0 = Infinity;
+  let s1 = -Infinity;
+  for (const line of lines) {
+    for (const p of line.points) {
+      s0 = Math.min(s0, p.step);
+      s1 = Math.max(s1, p.step);
+      if (p.value === null || (log && p.value <= 0)) continue;
+      lo = Math.min(lo, p.value);
+      hi = Math.max(hi, p.value);
+    }
+  }
+  return { lo, hi, s0, s1 };
+}
+
+function axes(x, y, ext, log) {
+  const g = svg("g", { class: "axis" });
+  const yTicks = log ? logTicks(Math.log10(ext.lo), Math.log10(ext.hi), 5).map((e) => 10 ** e) : niceTicks(ext.lo, ext.hi, 4);
+  for (const t of yTicks) {
+    const py = y(t);
+    if (py < PAD.top - 1 || py > H - PAD.bottom + 1) continue;
+    g.append(
+      svg("line", { class: "grid", x1: PAD.left, x2: W - PAD.right, y1: py, y2: py }),
+      svg("text", { x: PAD.left - 6, y: py + 4, "text-anchor": "end" }, num(t)),
+    );
+  }
+  for (const t of niceTicks(ext.s0, ext.s1, 6)) {
+    if (!Number.isInteger(t)) continue;
+    const px = x(t);
+    g.append(
+      svg("line", { class: "tick", x1: px, x2: px, y1: H - PAD.bottom, y2: H - PAD.bottom + 4 }),
+      svg("text", { x: px, y: H - PAD.bottom + 16, "text-anchor": "middle" }, num(t)),
+    );
+  }
+  g.append(
+    svg("line", { class: "frame", x1: PAD.left, x2: W - PAD.right, y1: H - PAD.bottom, y2: H - PAD.bottom }),
+    svg("text", { class: "axis-label", x: W - PAD.right, y: H - 2, "text-anchor": "end" }, "step"),
+  );
+  return g;
+}
+
+function legend(lines, origin) {
+  if (lines.length <= DISTINCT) {
+    return el(
+      "ul",
+      { class: "legend" },
+      lines.map((line) =>
+        el(
+          "li",
+          {},
+          el("span", { class: `swatch c${line.rank % DISTINCT}` }),
+          `rank ${line.rank}`,
+          line.rank === origin ? el("span", { class: "muted" }, " (origin)") : null,
+        ),
+      ),
+    );
+  }
+  return el(
+    "ul",
+    { class: "legend" },
+    origin !== null && origin !== undefined
+      ? el("li", {}, el("span", { class: "swatch origin" }), `rank ${origin} (origin)`)
+      : null,
+    el("li", {}, el("span", { class: "swatch band" }), `${lines.length - (origin == null ? 0 : 1)} other ranks`),
+  );
+}
+
+/** The values under the cursor: per rank, the point nearest to `step`, if close. */
+function hoverLines(lines, step, tolerance, origin) {
+  const rows = [];
+  let at = null;
+  for (const line of lines) {
+    const i = nearest(line.points, step, (p) => p.step);
+    if (i < 0 || Math.abs(line.points[i].step - step) > tolerance) continue;
+    const p = line.points[i];
+    rows.push([line.rank, p.value]);
+    if (at === null || line.rank === origin) at = p.step;
+  }
+  rows.sort((a, b) => (a[0] === origin ? -1 : b[0] === origin ? 1 : a[0] - b[0]));
+  const shown = rows
+    .slice(0, 8)
+    .map(([rank, v]) => [`rank ${rank}${rank === origin ? " (origin)" : ""}`, v === null ? "not finite" : num(v)]);
+  if (rows.length > 8) shown.push(`… and ${rows.length - 8} more ranks`);
+  return { at, rows: shown };
+}
+
+/**
+ * lineChart({title, lines: [{rank, points: [{step, value}]}], origin, mark, log})
+ * `mark` is the step of the first non-finite value (a dashed line).
+ */
+export function lineChart({ title, lines, origin = null, mark = null, log = false }) {
+  const figure = el("figure", { class: "chart" }, el("figcaption", {}, title));
+  let ext = extent(lines, log);
+  if (!Number.isFinite(ext.lo)) {
+    figure.append(el("p", { class: "chart-empty" }, "No values reported yet."));
+    return figure;
+  }
+  if (log && ext.hi / ext.lo < 10) log = false;
+  if (!log) ext = extent(lines, false);
+  if (ext.hi === ext.lo) {
+    ext.hi += Math.abs(ext.hi) * 0.1 || 1;
+    ext.lo -= Math.abs(ext.lo) * 0.1 || 1;
+  }
+  if (ext.s1 === ext.s0) ext.s1 += 1;
+  const x = linear(ext.s0, ext.s1, PAD.left, W - PAD.right);
+  const ly = linear(log ? Math.log10(ext.lo) : ext.lo, log ? Math.log10(ext.hi) : ext.hi, H - PAD.bottom, PAD.top);
+  const y = log ? (v) => ly(Math.log10(v)) : ly;
+  const safe = log ? (p) => (p.value !== null && p.value <= 0 ? { ...p, value: null } : p) : (p) => p;
+
+  const plot = svg("g", { class: "lines" });
+  const many = lines.length > DISTINCT;
+  // The origin rank is drawn last so it stays on top.
+  const ordered = [...lines].sort((a, b) => (a.rank === origin) - (b.rank === origin));
+  for (const line of ordered) {
+    const d = pathData(thin(line.points.map(safe), x, y), x, y);
+    if (!d) continue;
+    const cls = line.rank === origin && many ? "line origin" : many ? "line band" : `line c${line.rank % DISTINCT}${line.rank === origin ? " thick" : ""}`;
+    plot.append(svg("path", { class: cls, d, dataset: { rank: line.rank } }));
+  }
+  const chart = svg(
+    "svg",
+    { viewBox: `0 0 ${W} ${H}`, role: "img", "aria-label": `${title} per rank over steps` },
+    axes(x, y, ext, log),
+    plot,
+  );
+  if (mark !== null && mark >= ext.s0 && mark <= ext.s1) {
+    chart.append(
+      svg("line", { class: "mark", x1: x(mark), x2: x(mark), y1: PAD.top, y2: H - PAD.bottom }),
+      svg("text", { class: "mark-label", x: x(mark) - 4, y: PAD.top + 10, "text-anchor": "end" }, "first non-finite"),
+    );
+  }
+  const cursor = svg("line", { class: "cursor", y1: PAD.top, y2: H - PAD.bottom, visibility: "hidden" });
+  chart.append(cursor);
+  chart.addEventListener("mousemove", (ev) => {
+    const box = chart.getBoundingClientRect();
+    const px = ((ev.clientX - box.left) / box.width) * W;
+    if (px < PAD.left || px > W - PAD.right) return hideTip();
+    // Within 8 SVG units of the cursor counts as "under" it.
+    const tolerance = Math.abs(x.invert(px + 8) - x.invert(px));
+    const { at, rows } = hoverLines(lines, x.invert(px), tolerance, origin);
+    if (!rows.length) return hideTip();
+    cursor.setAttribute("x1", x(at));
+    cursor.setAttribute("x2", x(at));
+    cursor.setAttribute("visibility", "visible");
+    showTip([`${title} · step ${at}`, ...rows], ev.clientX, ev.clientY);
+  });
+  chart.addEventListener("mouseleave", () => {
+    cursor.setAttribute("visibility", "hidden");
+    hideTip();
+  });
+  figure.append(chart, legend(lines, origin));
+  if (log) figure.querySelector("figcaption").append(el("span", { class: "muted" }, " · log scale"));
+  return figure;
+}

@@ -1,0 +1,168 @@
+// The flight-recorder heatmap: layer × step of max |x| on a log colour scale,
+// leading into the incident. The top of the scale is the dtype's largest
+// finite value, so a layer creeping towards overflow turns yellow before it
+// goes non-finite.
+
+import { fitLabel, hiDpiCanvas, pointer } from "./canvas.js";
+import { cssVar, el, svg } from "./dom.js";
+import { num } from "./format.js";
+import { colormap, COLORMAP_CSS, linear, logTicks } from "./scale.js";
+import { hideTip, showTip } from "./tooltip.js";
+
+const AXIS = 22;
+
+function magnitudeRange(matrix, dtypeMax) {
+  let lo = Infinity;
+  let hi = 0;
+  for (const row of matrix) {
+    for (const v of row) {
+      if (v === null || v <= 0) continue;
+      lo = Math.min(lo, v);
+      hi = Math.max(hi, v);
+    }
+  }
+  if (!Number.isFinite(lo)) return null;
+  const top = dtypeMax ? Math.log10(dtypeMax) : Math.log10(hi);
+  const bottom = Math.min(Math.floor(Math.log10(lo)), top - 1);
+  return { lo: bottom, hi: Math.max(top, Math.log10(hi)) };
+}
+
+/** The colour bar with power-of-ten ticks and the dtype limit marked. */
+function colourBar(range, flight) {
+  const width = 320;
+  const x = linear(range.lo, range.hi, 0, width);
+  const ticks = svg("svg", { class: "bar-ticks", viewBox: `0 0 ${width} 30`, width, height: 30, "aria-hidden": "true" });
+  for (const e of logTicks(range.lo, range.hi, 7)) {
+    ticks.append(
+      svg("line", { x1: x(e), x2: x(e), y1: 0, y2: 5 }),
+      svg("text", { x: x(e), y: 17, "text-anchor": e === range.lo ? "start" : "middle" }, `1e${e}`),
+    );
+  }
+  const parts = [
+    el("span", { class: "bar-label" }, "max |x|"),
+    el("div", { class: "bar-wrap" }, el("div", { class: "bar", style: `background:${COLORMAP_CSS}` }), ticks),
+  ];
+  if (flight.dtype_max) {
+    const px = x(Math.log10(flight.dtype_max));
+    ticks.append(svg("line", { class: "limit", x1: px - 1, x2: px - 1, y1: 0, y2: 30 }));
+    parts.push(
+      el(
+        "span",
+        { class: "limit-label" },
+        el("span", { class: "limit-swatch" }),
+        `${flight.dtype || "dtype"} limit ${num(flight.dtype_max)}`,
+      ),
+    );
+  }
+  parts.push(el("span", { class: "none-label" }, el("span", { class: "none-swatch" }), "no finite value"));
+  return el("div", { class: "colour-legend" }, parts);
+}
+
+/** The layer that came closest to the dtype limit, in words. */
+function closest(flight, matrix) {
+  if (!flight.dtype_max) return null;
+  let best = null;
+  matrix.forEach((row, i) =>
+    row.forEach((v, j) => {
+      if (v !== null && (!best || v > best.v)) best = { v, step: flight.steps[i], module: flight.modules[j] };
+    }),
+  );
+  if (!best) return null;
+  const share = (100 * best.v) / flight.dtype_max;
+  return el(
+    "p",
+    { class: "muted closest" },
+    "Closest to the limit: ",
+    el("code", {}, best.module || "(root)"),
+    ` reached ${num(best.v)} at step ${best.step}, ${share >= 10 ? Math.round(share) : share.toPrecision(2)}% of the ${flight.dtype || "dtype"} maximum.`,
+  );
+}
+
+function draw(flight, matrix, range, origin, width) {
+  const rows = flight.modules.length;
+  const cols = flight.steps.length;
+  const rowH = Math.max(3, Math.min(18, Math.floor(520 / rows)));
+  const probe = hiDpiCanvas(1, 1, "").ctx;
+  probe.font = "12px ui-monospace, SFMono-Regular, Menlo, monospace";
+  const labels = rowH >= 9;
+  const labelW = labels ? Math.min(240, Math.ceil(Math.max(...flight.modules.map((m) => probe.measureText(m || "(root)").width))) + 12) : 12;
+  const cellW = Math.max(2, Math.min(28, Math.floor((width - labelW) / cols)));
+  const plotW = cellW * cols;
+  const height = rowH * rows + AXIS;
+  const { canvas, ctx } = hiDpiCanvas(labelW + plotW, height, `Heatmap of max |x| for ${rows} layers over ${cols} steps`);
+  const fg = cssVar("--fg");
+  const muted = cssVar("--muted");
+  const none = cssVar("--none");
+  const scale = linear(range.lo, range.hi, 0, 1);
+
+  for (let i = 0; i < cols; i++) {
+    for (let j = 0; j < rows; j++) {
+      const v = matrix[i][j];
+      ctx.fillStyle = v === null ? none : `rgb(${colormap(scale(Math.log10(Math.max(v, 10 ** range.lo)))).join(",")})`;
+      ctx.fillRect(labelW + i * cellW, j * rowH, cellW - (cellW > 4 ? 1 : 0), rowH - (rowH > 4 ? 1 : 0));
+    }
+  }
+  ctx.font = "12px ui-monospace, SFMono-Regular, Menlo, monospace";
+  ctx.textBaseline = "middle";
+  ctx.textAlign = "right";
+  if (labels) {
+    flight.modules.forEach((m, j) => {
+      ctx.fillStyle = origin && m === origin.module ? fg : muted;
+      ctx.fillText(fitLabel(ctx, m || "(root)", labelW - 12), labelW - 6, j * rowH + rowH / 2);
+    });
+  }
+  // Step axis: a label every ~60 px.
+  ctx.textAlign = "center";
+  ctx.fillStyle = muted;
+  ctx.font = "11px system-ui, sans-serif";
+  const every = Math.max(1, Math.ceil(60 / cellW));
+  for (let i = 0; i < cols; i += every) ctx.fillText(String(flight.steps[i]), labelW + i * cellW + cellW / 2, rows * rowH + 12);
+
+  // Ring the origin cell: where the build-up ended.
+  const oi = origin ? flight.steps.indexOf(origin.step) : -1;
+  const oj = origin ? flight.modules.indexOf(origin.module) : -1;
+  if (oi >= 0 && oj >= 0) {
+    ctx.strokeStyle = cssVar("--bad");
+    ctx.lineWidth = 2;
+    ctx.strokeRect(labelW + oi * cellW - 1, oj * rowH - 1, cellW + 1, rowH + 1);
+  }
+
+  canvas.addEventListener("mousemove", (ev) => {
+    const p = pointer(canvas, ev);
+    const i = Math.floor((p.x - labelW) / cellW);
+    const j = Math.floor(p.y / rowH);
+    if (i < 0 || i >= cols || j < 0 || j >= rows) return hideTip();
+    const v = matrix[i][j];
+    const lines = [flight.modules[j] || "(root module)", ["step", String(flight.steps[i])], ["max |x|", v === null ? "no finite value" : num(v)]];
+    if (v !== null && flight.dtype_max) lines.push([`of ${flight.dtype || "dtype"} max`, `${((100 * v) / flight.dtype_max).toPrecision(2)}%`]);
+    if (i === oi && j === oj) lines.push("first non-finite value here");
+    showTip(lines, ev.clientX, ev.clientY);
+  });
+  canvas.addEventListener("mouseleave", hideTip);
+  return canvas;
+}
+
+/**
+ * heatmap(flight, origin, width) -> element. `which` picks the matrix:
+ * "act" (layer outputs) or "grad" (gradients flowing out of each layer).
+ */
+export function heatmap(flight, origin, width, which = "act") {
+  const matrix = which === "grad" ? flight.grad_max_abs : flight.act_max_abs;
+  const wrap = el("div", { class: "heatmap" });
+  if (!flight.steps.length || !flight.modules.length || !matrix.length) {
+    wrap.append(el("p", { class: "chart-empty" }, "This window holds no per-layer values."));
+    return wrap;
+  }
+  const range = magnitudeRange(matrix, flight.dtype_max);
+  if (!range) {
+    wrap.append(el("p", { class: "chart-empty" }, "No finite value in this window."));
+    return wrap;
+  }
+  wrap.append(
+    el("div", { class: "heatmap-scroll" }, draw(flight, matrix, range, origin && origin.rank === flight.rank ? origin : null, width)),
+    colourBar(range, flight),
+  );
+  const note = closest(flight, matrix);
+  if (note) wrap.append(note);
+  return wrap;
+}

@@ -1,0 +1,243 @@
+// The run page: the verdict first, then the evidence: the rank × step strip,
+// the flight-recorder heatmap, the training curves and the event table.
+
+import { api, onRunChange } from "./api.js";
+import { badge } from "./badges.js";
+import { lineChart } from "./charts.js";
+import { clear, el, stateMessage } from "./dom.js";
+import { eventTable } from "./events.js";
+import { age, count, datetime } from "./format.js";
+import { heatmap } from "./heatmap.js";
+import { stopButton } from "./stop.js";
+import { healthStrip } from "./strip.js";
+import { verdictCard } from "./verdict.js";
+
+const CURVES = [
+  { key: "loss", title: "Loss", log: false },
+  { key: "grad_norm", title: "Gradient norm", log: true },
+  { key: "steps_per_s", title: "Steps per second", log: false },
+  { key: "max_activation", title: "Largest activation |x|", log: true },
+];
+
+function section(id, title, note, ...content) {
+  return el(
+    "section",
+    { class: "panel", id, "aria-labelledby": `${id}-title` },
+    el("div", { class: "panel-head" }, el("h2", { id: `${id}-title` }, title), note ? el("p", { class: "muted" }, note) : null),
+    content,
+  );
+}
+
+function header(run, onStopped) {
+  const bits = [
+    `${count(run.world_size)} ${run.world_size === 1 ? "rank" : "ranks"}`,
+    `step ${count(run.latest_step)}`,
+    `${count(run.event_count)} ${run.event_count === 1 ? "event" : "events"}`,
+    `started ${datetime(run.started_at)}`,
+    `last seen ${age(run.last_seen)}`,
+  ];
+  if (run.ranks_seen !== run.world_size) bits.splice(1, 0, `${run.ranks_seen} reported`);
+  if (run.optimizer) bits.push(run.optimizer);
+  const versions = Object.entries(run.versions || {}).map(([k, v]) => `${k} ${v}`).join(" · ");
+  return el(
+    "div",
+    { class: "page-head run-head" },
+    el(
+      "div",
+      {},
+      el("nav", { class: "crumbs", "aria-label": "Breadcrumb" }, el("a", { href: "#/" }, "Runs"), " / "),
+      el("h1", {}, el("span", { class: "run-id" }, run.run), " ", badge(run.state)),
+      el("p", { class: "meta", title: versions }, bits.join(" · ")),
+    ),
+    stopButton(run, onStopped),
+  );
+}
+
+function curves(series, origin) {
+  const grid = el("div", { class: "charts" });
+  for (const c of CURVES) {
+    const lines = series.map((s) => ({ rank: s.rank, points: s.points.map((p) => ({ step: p.step, value: p[c.key] ?? null })) }));
+    grid.append(lineChart({ title: c.title, lines, origin: origin ? origin.rank : null, mark: origin ? origin.step : null, log: c.log }));
+  }
+  return grid;
+}
+
+function flightPanel(run, ranks, origin, width) {
+  const body = el("div", { class: "flight-body" });
+  const rankSelect = el(
+    "select",
+    { "aria-label": "Flight recorder of rank" },
+    ranks.map((r) => el("option", { value: r.rank }, `rank ${r.rank}${origin && r.rank === origin.rank ? " (origin)" : ""}`)),
+  );
+  const which = el(
+    "select",
+    { "aria-label": "Values shown" },
+    el("option", { value: "act" }, "layer outputs (forward)"),
+    el("option", { value: "grad" }, "gradients (backward)"),
+  );
+  let flight = null;
+  const show = () => {
+    clear(body).append(heatmap(flight, origin, width(), which.value));
+  };
+  async function load() {
+    clear(body).append(stateMessage("loading", "Loading the flight recorder…"));
+    try {
+      flight = await api.flight(run, rankSelect.value);
+      show();
+    } catch (err) {
+      flight = null;
+      clear(body).append(
+        err.status === 404
+          ? stateMessage(
+              "empty",
+              `No flight-recorder window from rank ${rankSelect.value}.`,
+              el("p", {}, "A rank sends the last steps of per-layer values when it goes non-finite, or when the server asks for them."),
+            )
+          : stateMessage("error", "Could not load the flight recorder.", el("p", {}, `The server said: ${err.message}.`)),
+      );
+    }
+  }
+  if (origin) rankSelect.value = String(origin.rank);
+  rankSelect.addEventListener("change", load);
+  which.addEventListener("change", () => flight && show());
+  load();
+  return {
+    node: section(
+      "flight",
+      "Flight recorder",
+      "max |x| per layer over the last steps before the incident, log colour scale; the top of the scale is the dtype's limit.",
+      el("div", { class: "toolbar" }, rankSelect, which),
+      body,
+    ),
+    redraw: () => flight && show(),
+  };
+}
+
+export function runPage(main, runId, params) {
+  document.title = `${runId} · nand`;
+  main.append(stateMessage("loading", `Loading run ${runId}…`));
+  let alive = true;
+  let parts = null;
+
+  const width = (node) => () => Math.max(320, (node || main).clientWidth - 32);
+
+  async function fetchAll() {
+    const [detail, ranks, series] = await Promise.all([api.run(runId), api.ranks(runId), api.series(runId)]);
+    return { detail, ranks, series };
+  }
+
+  function mount({ detail, ranks, series }) {
+    const started = performance.now();
+    clear(main);
+    const origin = detail.verdict.origin;
+    const slots = {
+      head: el("div", {}, header(detail, refresh)),
+      verdict: el("div", {}, verdictCard(detail.verdict, detail)),
+      strip: el("div", {}),
+      curves: el("div", {}),
+    };
+    const events = el("div", { class: "events-root" });
+    main.append(
+      slots.head,
+      slots.verdict,
+      section("ranks", "Ranks over time", "Each row is a rank; the bar marks its first non-finite step. Click a row to list its events.", slots.strip),
+    );
+    const flight = flightPanel(runId, ranks, origin, width(main));
+    main.append(
+      flight.node,
+      section("training", "Training", "Per rank, from the heartbeats; the dashed line is the first non-finite step.", slots.curves),
+      section("events", "Events", "Every non-finite value seen, in logical order.", events),
+    );
+    const table = eventTable(events, { run: runId, ranks, modules: detail.modules, originId: origin ? origin.event_id : null, params });
+    parts = { slots, flight, table, detail, ranks, series };
+    drawVisuals();
+    main.dataset.renderMs = (performance.now() - started).toFixed(1);
+  }
+
+  function drawVisuals() {
+    const { slots, ranks, series, detail } = parts;
+    const origin = detail.verdict.origin;
+    const strip = healthStrip({
+      ranks,
+      series,
+      width: width(main)(),
+      onRank: (rank) => {
+        parts.table.setRank(rank);
+        document.getElementById("events").scrollIntoView({ behavior: "smooth" });
+      },
+    });
+    clear(slots.strip).append(strip);
+    clear(slots.curves).append(curves(series, origin));
+  }
+
+  // At most one refresh per 2 s; a change during the pause is fetched after it.
+  let pending = null;
+  let again = false;
+  async function refresh() {
+    if (pending) {
+      again = true;
+      return;
+    }
+    pending = setTimeout(() => {
+      pending = null;
+      if (again && alive) {
+        again = false;
+        refresh();
+      }
+    }, 2000);
+    try {
+      const next = await fetchAll();
+      if (!alive || !parts) return;
+      const before = parts.detail;
+      parts.detail = next.detail;
+      parts.ranks = next.ranks;
+      parts.series = next.series;
+      clear(parts.slots.head).append(header(next.detail, refresh));
+      clear(parts.slots.verdict).append(verdictCard(next.detail.verdict, next.detail));
+      drawVisuals();
+      if (next.detail.event_count !== before.event_count) parts.table.changed();
+      if (!before.verdict.origin && next.detail.verdict.origin) {
+        // It just went non-finite: the flight window is new evidence.
+        const flight = flightPanel(runId, next.ranks, next.detail.verdict.origin, width(main));
+        parts.flight.node.replaceWith(flight.node);
+        parts.flight = flight;
+      }
+    } catch {
+      /* the live view keeps what it has; the stream status shows the outage */
+    }
+  }
+
+  async function load() {
+    try {
+      const data = await fetchAll();
+      if (alive) mount(data);
+    } catch (err) {
+      if (!alive) return;
+      clear(main).append(
+        err.status === 404
+          ? stateMessage("empty", `There is no run called “${runId}”.`, el("p", {}, "It may have been pruned, or the link has a typo. "), el("p", {}, el("a", { href: "#/" }, "See all runs")))
+          : stateMessage("error", `Could not load run ${runId}.`, el("p", {}, `The server said: ${err.message}.`), el("button", { type: "button", onclick: () => { clear(main).append(stateMessage("loading", "Loading…")); load(); } }, "Try again")),
+      );
+    }
+  }
+
+  const unsubscribe = onRunChange((run) => {
+    if (run.run === runId && parts) refresh();
+  });
+  let resizing = null;
+  const onResize = () => {
+    clearTimeout(resizing);
+    resizing = setTimeout(() => {
+      if (!parts) return;
+      drawVisuals();
+      parts.flight.redraw();
+    }, 200);
+  };
+  window.addEventListener("resize", onResize);
+  load();
+  return () => {
+    alive = false;
+    unsubscribe();
+    window.removeEventListener("resize", onResize);
+  };
+}

@@ -1,0 +1,153 @@
+// The rank × step health strip: one row per rank, one column per step (or
+// per bin of steps when there are more steps than pixels). A rank is healthy
+// until its first non-finite step, non-finite after it, and its row ends where
+// it stopped reporting. The first non-finite point of each rank is marked.
+
+import { hiDpiCanvas, pointer } from "./canvas.js";
+import { cssVar, el } from "./dom.js";
+import { count } from "./format.js";
+import { linear, niceTicks } from "./scale.js";
+import { hideTip, showTip } from "./tooltip.js";
+
+const LABEL_W = 64;
+const AXIS_H = 22;
+
+const RELATION_WORDS = {
+  origin: "origin: went non-finite first",
+  simultaneous: "went non-finite at the same point as the origin",
+  received: "received it through a collective",
+  produced: "produced its own, after the origin",
+};
+
+/** Per rank: first reported step, last step, first non-finite step (or null). */
+function spans(ranks, series) {
+  const firstStep = new Map(series.map((s) => [s.rank, s.points.length ? s.points[0].step : null]));
+  return ranks.map((r) => ({
+    rank: r.rank,
+    state: r.state,
+    relation: r.relation,
+    from: firstStep.get(r.rank) ?? 0,
+    to: r.step,
+    bad: r.first_event ? r.first_event.step : null,
+  }));
+}
+
+function colours() {
+  return {
+    ok: cssVar("--ok-soft"),
+    bad: cssVar("--bad"),
+    received: cssVar("--warn"),
+    lost: cssVar("--lost"),
+    stalled: cssVar("--stall"),
+    mark: cssVar("--fg"),
+    muted: cssVar("--muted"),
+    fg: cssVar("--fg"),
+  };
+}
+
+/** The colour of one bin [s0, s1] of a rank's row, or null for no data. */
+function binColour(span, s0, s1, c, end) {
+  if (s1 < span.from) return null;
+  if (s0 > span.to) {
+    // After its last report: show why it went quiet until the run's end.
+    if (span.state === "lost") return c.lost;
+    if (span.state === "stalled") return c.stalled;
+    return null;
+  }
+  if (span.bad !== null && s1 >= span.bad) {
+    return span.relation === "received" ? c.received : c.bad;
+  }
+  return s0 > end ? null : c.ok;
+}
+
+export function healthStrip({ ranks, series, width, onRank }) {
+  const wrap = el("div", { class: "strip" });
+  if (!ranks.length) {
+    wrap.append(el("p", { class: "chart-empty" }, "No rank has reported yet."));
+    return wrap;
+  }
+  const rows = spans(ranks, series);
+  const s0 = Math.min(...rows.map((r) => r.from));
+  const end = Math.max(s0 + 1, ...rows.map((r) => r.to));
+  const plotW = Math.max(120, width - LABEL_W - 8);
+  const steps = end - s0 + 1;
+  const bins = Math.min(steps, Math.floor(plotW / 2));
+  const binW = plotW / bins;
+  const per = steps / bins;
+  const rowH = Math.max(2, Math.min(16, Math.floor(420 / rows.length)));
+  const gap = rowH >= 8 ? 2 : 0;
+  const { canvas, ctx } = hiDpiCanvas(LABEL_W + plotW, rows.length * rowH + AXIS_H, `Health of ${rows.length} ranks over steps ${s0} to ${end}`);
+  const c = colours();
+  const x = linear(s0, end + 1, LABEL_W, LABEL_W + plotW);
+
+  rows.forEach((span, j) => {
+    const y = j * rowH;
+    for (let b = 0; b < bins; b++) {
+      const lo = s0 + Math.floor(b * per);
+      const hi = s0 + Math.floor((b + 1) * per) - 1;
+      const colour = binColour(span, lo, Math.max(lo, hi), c, end);
+      if (!colour) continue;
+      ctx.fillStyle = colour;
+      ctx.fillRect(LABEL_W + b * binW, y, Math.ceil(binW), rowH - gap);
+    }
+    if (span.bad !== null) {
+      // The first non-finite point: a bar across the row, taller for the origin.
+      ctx.fillStyle = c.mark;
+      const px = x(span.bad);
+      ctx.fillRect(px - 1, y - (span.relation === "origin" && gap ? 1 : 0), 3, rowH - gap + (span.relation === "origin" && gap ? 2 : 0));
+    }
+  });
+
+  // Rank labels where they fit; otherwise every tenth.
+  ctx.font = "11px system-ui, sans-serif";
+  ctx.textAlign = "right";
+  ctx.textBaseline = "middle";
+  const labelEvery = rowH >= 11 ? 1 : Math.ceil(12 / rowH / 10) * 10;
+  rows.forEach((span, j) => {
+    if (j % labelEvery && span.relation !== "origin") return;
+    ctx.fillStyle = span.relation === "origin" ? c.fg : c.muted;
+    ctx.font = span.relation === "origin" ? "bold 11px system-ui, sans-serif" : "11px system-ui, sans-serif";
+    ctx.fillText(`rank ${span.rank}`, LABEL_W - 8, j * rowH + (rowH - gap) / 2);
+  });
+  ctx.font = "11px system-ui, sans-serif";
+  ctx.textAlign = "center";
+  ctx.fillStyle = c.muted;
+  for (const t of niceTicks(s0, end, 8)) {
+    if (Number.isInteger(t)) ctx.fillText(count(t), x(t), rows.length * rowH + 12);
+  }
+
+  canvas.addEventListener("mousemove", (ev) => {
+    const p = pointer(canvas, ev);
+    const j = Math.floor(p.y / rowH);
+    if (p.x < LABEL_W || j < 0 || j >= rows.length) return hideTip();
+    const span = rows[j];
+    const step = Math.floor(x.invert(p.x));
+    let state = "finite";
+    if (step < span.from || step > span.to) state = span.state === "lost" || span.state === "stalled" ? span.state : "no report";
+    else if (span.bad !== null && step >= span.bad) state = "non-finite";
+    const lines = [`rank ${span.rank} · step ${count(step)}`, ["state here", state], ["rank now", span.state]];
+    if (span.bad !== null) lines.push(["first non-finite", `step ${count(span.bad)}`]);
+    if (span.relation) lines.push(RELATION_WORDS[span.relation]);
+    showTip(lines, ev.clientX, ev.clientY);
+  });
+  canvas.addEventListener("mouseleave", hideTip);
+  canvas.addEventListener("click", (ev) => {
+    const j = Math.floor(pointer(canvas, ev).y / rowH);
+    if (onRank && j >= 0 && j < rows.length) onRank(rows[j].rank);
+  });
+
+  wrap.append(
+    el("div", { class: "strip-scroll" }, canvas),
+    el(
+      "ul",
+      { class: "legend" },
+      el("li", {}, el("span", { class: "swatch ok" }), "finite"),
+      el("li", {}, el("span", { class: "swatch bad" }), "non-finite (origin or produced)"),
+      el("li", {}, el("span", { class: "swatch received" }), "non-finite, received"),
+      el("li", {}, el("span", { class: "swatch mark" }), "first non-finite step"),
+      rows.some((r) => r.state === "lost") ? el("li", {}, el("span", { class: "swatch lost" }), "lost") : null,
+      rows.some((r) => r.state === "stalled") ? el("li", {}, el("span", { class: "swatch stalled" }), "stalled") : null,
+    ),
+  );
+  return wrap;
+}
