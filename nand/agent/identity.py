@@ -7,8 +7,13 @@ else this is a single process (rank 0 of 1).
 
 The run id must be the same on every rank without configuration:
 ``NAND_RUN``, else ``TORCHELASTIC_RUN_ID`` (unless torchrun's placeholder
-``none``), else ``SLURM_JOB_ID``, else rank 0 makes one up and shares it through
-the process group's key-value store, else (single process) a fresh one.
+``none``), else ``SLURM_JOB_ID``, else an id made up by the first rank to ask and shared
+through the process group's key-value store (or torchrun's agent store before
+the process group exists), else (single process) a fresh one.
+
+>>> ident = resolve_identity(run="demo")
+>>> (ident.run, ident.rank, ident.world_size) if "RANK" not in os.environ else ("demo", 0, 1)
+('demo', 0, 1)
 """
 
 from __future__ import annotations
@@ -39,9 +44,10 @@ class Identity:
 
 
 def resolve_identity(run: str | None = None) -> Identity:
+    """Who this process is; ``run`` (e.g. ``nand.watch(run=...)``) wins over the rest."""
     rank, local_rank, world_size = _rank_and_world()
     return Identity(
-        run=run or _run_id_from_env() or _agreed_run_id(rank),
+        run=run or _run_id_from_env() or _agreed_run_id(),
         rank=rank,
         local_rank=local_rank,
         world_size=world_size,
@@ -93,21 +99,58 @@ def _new_run_id() -> str:
     return time.strftime("run-%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
 
 
-def _agreed_run_id(rank: int) -> str:
-    """Rank 0 makes an id up and shares it through the process group's store.
+_agreed: dict[str, str] = {}
 
-    This runs once, inside ``nand.watch()``, never in the training loop; the
-    store's ``get`` waits (bounded by the store's timeout) for rank 0's ``set``.
+
+def _agreed_run_id() -> str:
+    """An id made up once and shared by all ranks through a key-value store.
+
+    Every rank offers a fresh id with ``compare_set`` on one key: the first
+    offer wins and every rank reads the winner, so nobody waits for rank 0.
+    The store is the default process group's when ``torch.distributed`` is
+    initialised, else torchrun's agent store (``TORCHELASTIC_USE_AGENT_STORE``,
+    at ``MASTER_ADDR:MASTER_PORT``). This runs once per process, in
+    ``nand.watch()``, never in the training loop. Without a store (a single
+    process) the id is simply new.
     """
+    store = _default_store() or _agent_store()
+    if store is None:
+        return _agreed.setdefault("local", _new_run_id())
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    key = f"{_STORE_KEY}/{restart}"
+    if key not in _agreed:
+        try:
+            _agreed[key] = store.compare_set(key, "", _new_run_id()).decode()
+        except Exception:  # an exotic store without compare_set: still run, unagreed
+            _agreed[key] = _new_run_id()
+    return _agreed[key]
+
+
+def _default_store() -> Any:
     dist = _initialised_dist()
     if dist is None or dist.get_world_size() == 1:
-        return _new_run_id()
+        return None
     try:
         from torch.distributed.distributed_c10d import _get_default_store
 
-        store = _get_default_store()
-        if rank == 0:
-            store.set(_STORE_KEY, _new_run_id())
-        return store.get(_STORE_KEY).decode()
-    except Exception:  # an exotic backend without a store: still run, unagreed
-        return _new_run_id()
+        return _get_default_store()
+    except Exception:
+        return None
+
+
+def _agent_store() -> Any:
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        return None
+    if (_env_int("WORLD_SIZE") or 1) <= 1 or not env.get("MASTER_ADDR"):
+        return None
+    try:
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        port = int(env["MASTER_PORT"])
+        timeout = timedelta(seconds=30)
+        return dist.TCPStore(env["MASTER_ADDR"], port, is_master=False, timeout=timeout)
+    except Exception:
+        return None

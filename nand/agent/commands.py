@@ -1,0 +1,77 @@
+"""``nand spool replay PATH`` and ``nand spool show PATH``.
+
+Imports neither torch nor the transport at module import time: the CLI loads
+this module to build its help on any host.
+
+    nand spool show ~/.cache/nand/spool/my-run/rank-3.spool
+    nand spool replay ~/.cache/nand/spool/my-run --server tcp://head-node:5557
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from nand import config
+
+
+def register(subparsers: Any) -> None:
+    spool = subparsers.add_parser("spool", help="inspect or replay an agent's spool files")
+    sub = spool.add_subparsers(dest="spool_command", metavar="ACTION", required=True)
+    replay = sub.add_parser("replay", help="send spooled messages to a server, then delete them")
+    replay.add_argument("path", type=Path, help="a .spool file or a directory of them")
+    replay.add_argument("--server", help="ZeroMQ endpoint (default: $NAND_SERVER)")
+    replay.add_argument("--timeout", type=float, default=30.0, help="seconds per file")
+    replay.add_argument("--keep", action="store_true", help="keep the files after replay")
+    replay.set_defaults(func=_replay)
+    show = sub.add_parser("show", help="list the records of spool files")
+    show.add_argument("path", type=Path, help="a .spool file or a directory of them")
+    show.set_defaults(func=_show)
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from nand.agent.replay import replay_file, spool_files
+
+    server = args.server or config.get_str(config.NAND_SERVER)
+    if not server:
+        print("nand spool replay: no server; pass --server tcp://HOST:PORT or set NAND_SERVER")
+        return 2
+    files = spool_files(args.path)
+    if not files:
+        print(f"nand spool replay: no spool files at {args.path}")
+        return 1
+    failed = 0
+    for path in files:
+        result = replay_file(
+            path,
+            server,
+            timeout=args.timeout,
+            keep=args.keep,
+            curve_server_key=config.get_str(config.NAND_CURVE_SERVER_KEY),
+        )
+        status = "skipped: " + result.skipped if result.skipped else "rejected: " + result.rejected
+        if not result.skipped and not result.rejected:
+            status = "done" if result.complete else "incomplete (server did not acknowledge)"
+        print(f"{path}: {result.acked}/{result.records} acknowledged, {status}")
+        failed += not result.complete
+    return 1 if failed else 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    import msgpack
+
+    from nand.agent.replay import spool_files
+    from nand.agent.spool import KIND_NAMES, read_records
+
+    for path in spool_files(args.path):
+        records = read_records(path)
+        print(f"{path}: {len(records)} records")
+        for tag, payload in records:
+            message = msgpack.unpackb(payload, raw=False)
+            kind = KIND_NAMES.get(tag & 0x0F, "?")
+            print(
+                f"  {kind:9} agent={str(message.get('agent'))[:12]} seq={message.get('seq')} "
+                f"run={message.get('run')} rank={message.get('rank')} bytes={len(payload)}"
+            )
+    return 0
