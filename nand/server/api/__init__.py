@@ -1,0 +1,18 @@
+"""REST routers, one per resource; :data:`ROUTERS` is what the app includes."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from nand.server.api import events, health, runs, stop, stream, verdict
+
+ROUTERS: tuple[APIRouter, ...] = (
+    runs.router,
+    events.router,
+    verdict.router,
+    stop.router,
+    stream.router,
+    health.router,
+)
+
+__all__ = ["ROUTERS"]

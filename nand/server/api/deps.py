@@ -1,0 +1,64 @@
+"""Dependencies shared by the routers: the server state, a session, the run."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, HTTPException, Path, Request
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session
+
+from nand.server import store
+from nand.server.ingest import Ingest
+from nand.server.metrics import Metrics
+from nand.server.models import Run
+from nand.server.settings import Settings
+
+
+@dataclass
+class ServerState:
+    settings: Settings
+    engine: Engine
+    metrics: Metrics
+    ingest: Ingest | None = None
+
+
+def get_state(request: Request) -> ServerState:
+    state: ServerState = request.app.state.nand
+    return state
+
+
+StateDep = Annotated[ServerState, Depends(get_state)]
+
+
+def get_settings(state: StateDep) -> Settings:
+    return state.settings
+
+
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+
+
+def get_session(state: StateDep) -> Iterator[Session]:
+    with Session(state.engine) as session:
+        yield session
+
+
+SessionDep = Annotated[Session, Depends(get_session)]
+
+RunName = Annotated[str, Path(description="The run id (NAND_RUN / TORCHELASTIC_RUN_ID / ...).")]
+
+
+def get_run(run: RunName, session: SessionDep) -> Run:
+    found = None
+    if 0 < len(run) <= 256 and "\x00" not in run:
+        found = store.run_by_name(session, run)
+    if found is None:
+        raise HTTPException(
+            status_code=404, detail=f"unknown run {run!r}: no agent has reported it"
+        )
+    return found
+
+
+RunDep = Annotated[Run, Depends(get_run)]

@@ -1,0 +1,42 @@
+"""Events of a run: filtered, in logical order, paginated."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Query
+
+from nand.server import store, views
+from nand.server.api.deps import RunDep, SessionDep
+from nand.server.sanitize import INT32
+from nand.server.schemas import EventPage
+
+router = APIRouter(prefix="/api/runs", tags=["events"])
+
+Phase = Literal["input", "forward", "loss", "backward", "grad", "param", "optimizer_state"]
+
+
+@router.get(
+    "/{run}/events",
+    response_model=EventPage,
+    summary="A run's events in logical order (step, micro_step, phase, order, rank)",
+)
+def list_events(
+    run: RunDep,
+    session: SessionDep,
+    rank: Annotated[int | None, Query(ge=0, le=INT32)] = None,
+    phase: Annotated[Phase | None, Query()] = None,
+    module: Annotated[str | None, Query(max_length=512, pattern=r"^[^\x00]*$")] = None,
+    step_min: Annotated[int | None, Query(ge=0, le=INT32)] = None,
+    step_max: Annotated[int | None, Query(ge=0, le=INT32)] = None,
+    offset: Annotated[int, Query(ge=0, le=INT32)] = 0,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> EventPage:
+    where = store.EventFilter(rank, phase, module, step_min, step_max)
+    rows, total = store.events_page(session, run.id, where, offset, limit)
+    return EventPage(
+        items=[views.event_out(row, run.name) for row in rows],
+        total=total,
+        offset=offset,
+        limit=limit,
+    )

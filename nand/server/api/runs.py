@@ -1,0 +1,122 @@
+"""Runs: the list, one run's detail, its ranks, its heartbeat series, its flight window."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any
+
+from fastapi import APIRouter, HTTPException, Query
+
+from nand.server import store, views
+from nand.server.api.deps import RunDep, SessionDep, SettingsDep
+from nand.server.sanitize import INT32, finite
+from nand.server.schemas import (
+    FlightOut,
+    RankSeries,
+    RankStatus,
+    RunDetail,
+    RunSummary,
+    SeriesPoint,
+)
+
+router = APIRouter(prefix="/api/runs", tags=["runs"])
+
+
+@router.get("", response_model=list[RunSummary], summary="Runs, most recently seen first")
+def list_runs(
+    session: SessionDep,
+    settings: SettingsDep,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    offset: Annotated[int, Query(ge=0, le=INT32)] = 0,
+) -> list[RunSummary]:
+    runs = store.recent_runs(session, limit, offset)
+    ranks = store.ranks_of(session, [r.id for r in runs])
+    now = time.time()
+    return [views.run_summary(run, ranks[run.id], settings, now) for run in runs]
+
+
+@router.get("/{run}", response_model=RunDetail, summary="One run, with its verdict")
+def get_run(run: RunDep, session: SessionDep, settings: SettingsDep) -> RunDetail:
+    ranks = store.ranks_of(session, [run.id])[run.id]
+    return views.run_detail(session, run, ranks, settings, time.time())
+
+
+@router.get("/{run}/ranks", response_model=list[RankStatus], summary="Every rank's health")
+def get_ranks(run: RunDep, session: SessionDep, settings: SettingsDep) -> list[RankStatus]:
+    ranks = store.ranks_of(session, [run.id])[run.id]
+    return views.rank_statuses(run, ranks, settings, time.time())
+
+
+@router.get(
+    "/{run}/series",
+    response_model=list[RankSeries],
+    summary="Heartbeat telemetry per rank, downsampled to at most `points` per rank",
+)
+def get_series(
+    run: RunDep, session: SessionDep, points: Annotated[int, Query(ge=2, le=5000)] = 500
+) -> list[RankSeries]:
+    return [
+        RankSeries(rank=rank, points=[_point(row) for row in rows])
+        for rank, rows in store.series(session, run.id, points).items()
+    ]
+
+
+def _point(row: tuple) -> SeriesPoint:
+    time_, step, loss, grad_norm, steps_per_s, max_activation = row
+    return SeriesPoint(
+        time=float(time_),
+        step=int(step),
+        loss=finite(loss),
+        grad_norm=finite(grad_norm),
+        steps_per_s=finite(steps_per_s),
+        max_activation=finite(max_activation),
+    )
+
+
+@router.get(
+    "/{run}/flight",
+    response_model=FlightOut,
+    summary="The latest flight-recorder window of a rank (default: the origin rank)",
+    responses={404: {"description": "Unknown run, or no window from that rank"}},
+)
+def get_flight(
+    run: RunDep,
+    session: SessionDep,
+    settings: SettingsDep,
+    rank: Annotated[int | None, Query(ge=0, le=INT32)] = None,
+) -> FlightOut:
+    if rank is None:
+        summary = views.run_summary(run, store.ranks_of(session, [run.id])[run.id], settings, 0.0)
+        if summary.origin is None:
+            raise HTTPException(404, f"run {run.name!r} has no origin yet: pass ?rank=")
+        rank = summary.origin.rank
+    flight = store.latest_flight(session, run.id, rank)
+    if flight is None:
+        raise HTTPException(404, f"no flight-recorder window from rank {rank} of {run.name!r}")
+    return _flight_out(run.name, rank, flight.data)
+
+
+def _flight_out(run: str, rank: int, data: dict[str, Any]) -> FlightOut:
+    dtype_max = finite(data.get("dtype_max"))
+    return FlightOut(
+        run=run,
+        rank=rank,
+        steps=[
+            s if isinstance(s, int) and not isinstance(s, bool) else 0 for s in _list(data, "steps")
+        ],
+        modules=[str(m) for m in _list(data, "modules")],
+        act_max_abs=[[finite(v) for v in _as_list(row)] for row in _list(data, "act_max_abs")],
+        grad_max_abs=[[finite(v) for v in _as_list(row)] for row in _list(data, "grad_max_abs")],
+        grad_norm=[finite(v) for v in _list(data, "grad_norm")],
+        loss=[finite(v) for v in _list(data, "loss")],
+        dtype=str(data.get("dtype") or ""),
+        dtype_max=dtype_max,
+    )
+
+
+def _list(data: dict[str, Any], key: str) -> list[Any]:
+    return _as_list(data.get(key))
+
+
+def _as_list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []

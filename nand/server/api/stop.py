@@ -1,0 +1,90 @@
+"""Stop a run: every rank stops at the same step boundary.
+
+``POST /api/runs/{run}/stop`` with ``Authorization: Bearer <NAND_TOKEN>``.
+The step is the body's ``step`` or, by default, the rule of
+:mod:`nand.server.stoprule`. It is stored in the database; every server's
+ingest loop then sends ``{"kind": "command", "command": "stop", "step": S}``
+to the run's agents. The first request wins: asking again returns the
+recorded step.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from typing import Annotated
+
+from fastapi import APIRouter, Body, Depends, HTTPException
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from nand.server import stoprule, store, views
+from nand.server.api.deps import RunDep, SessionDep, SettingsDep
+from nand.server.models import Rank, Run
+from nand.server.schemas import StopRequest, StopResponse
+
+router = APIRouter(prefix="/api/runs", tags=["stop"])
+bearer = HTTPBearer(auto_error=False, description="The server's NAND_TOKEN")
+
+
+def require_token(
+    settings: SettingsDep,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
+) -> None:
+    if not settings.token:
+        raise HTTPException(
+            403,
+            "stopping runs is disabled: start the server with NAND_TOKEN set, "
+            "then send 'Authorization: Bearer <token>'",
+        )
+    given = credentials.credentials if credentials is not None else ""
+    if not hmac.compare_digest(given.encode(), settings.token.encode()):
+        raise HTTPException(
+            401,
+            "a valid token is required: 'Authorization: Bearer <NAND_TOKEN>'",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+
+@router.post(
+    "/{run}/stop",
+    response_model=StopResponse,
+    dependencies=[Depends(require_token)],
+    summary="Stop every rank of a run at one step boundary",
+    responses={
+        401: {"description": "Missing or wrong token"},
+        403: {"description": "The server has no NAND_TOKEN: stopping is disabled"},
+        404: {"description": "Unknown run"},
+        409: {"description": "The run has finished, or the step has passed"},
+    },
+)
+def stop_run(
+    run: RunDep,
+    session: SessionDep,
+    settings: SettingsDep,
+    request: Annotated[StopRequest | None, Body()] = None,
+) -> StopResponse:
+    request = request or StopRequest()
+    ranks = store.ranks_of(session, [run.id])[run.id]
+    if run.stop_step is None:
+        _check_stoppable(run, ranks, settings)
+        step = _choose_step(run, [r for r, _ in ranks], request, settings)
+        store.request_stop(session, run.id, step, request.reason, time.time())
+        session.commit()
+        session.refresh(run)
+    running = sorted(r.rank for r, _ in ranks if r.finished_at is None)
+    return StopResponse(run=run.name, step=int(run.stop_step or 0), ranks=running)
+
+
+def _check_stoppable(run: Run, ranks: views.RankRows, settings: SettingsDep) -> None:
+    summary = views.run_summary(run, ranks, settings, time.time())
+    if summary.state == "finished":
+        raise HTTPException(409, f"run {run.name!r} has already finished")
+
+
+def _choose_step(run: Run, ranks: list[Rank], request: StopRequest, settings: SettingsDep) -> int:
+    latest = max([run.latest_step, *(r.step for r in ranks)])
+    if request.step is None:
+        return stoprule.stop_step([latest], [r.steps_per_s for r in ranks], settings.heartbeat_s)
+    if request.step <= latest:
+        raise HTTPException(409, f"step {request.step} has passed: the latest step is {latest}")
+    return request.step

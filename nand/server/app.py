@@ -1,0 +1,89 @@
+"""The FastAPI application: :func:`create_app` builds it from :class:`Settings`.
+
+The lifespan opens the database (upgrading its schema), starts the ZeroMQ
+ingest thread, and stops both on shutdown. API routes come first; the
+dashboard's static files (``nand/web/``) are served at ``/``, with
+``index.html`` also answering the dashboard's own routes (``/runs/<id>``).
+
+>>> from fastapi.testclient import TestClient
+>>> app = create_app(Settings(db_url="sqlite:///:memory:", zmq_bind="tcp://127.0.0.1:*"))
+>>> with TestClient(app) as client:
+...     client.get("/healthz").json()["database"]
+'ok'
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import FileResponse, JSONResponse
+from fastapi.staticfiles import StaticFiles
+from sqlalchemy.exc import OperationalError
+
+from nand import __version__
+from nand.server.api import ROUTERS
+from nand.server.api.deps import ServerState
+from nand.server.db import make_engine
+from nand.server.ingest import Ingest
+from nand.server.metrics import Metrics
+from nand.server.migrate import upgrade
+from nand.server.settings import Settings
+
+log = logging.getLogger("nand.server")
+
+WEB_DIR = Path(__file__).resolve().parent.parent / "web"
+
+
+def create_app(settings: Settings | None = None, *, ingest: bool = True) -> FastAPI:
+    """The app; ``ingest=False`` serves the REST API without the ZeroMQ socket."""
+    settings = settings or Settings.from_env()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine = make_engine(settings.db_url)
+        upgrade(engine)
+        metrics = Metrics()
+        loop = Ingest(engine, settings, metrics) if ingest else None
+        if loop is not None:
+            loop.start()
+        app.state.nand = ServerState(settings, engine, metrics, loop)
+        try:
+            yield
+        finally:
+            if loop is not None:
+                loop.stop()
+            engine.dispose()
+
+    app = FastAPI(
+        title="nand",
+        version=__version__,
+        summary="Where a PyTorch training run first went non-finite: rank, layer, step, phase.",
+        lifespan=lifespan,
+    )
+    for router in ROUTERS:
+        app.include_router(router)
+    app.add_exception_handler(OperationalError, _database_unavailable)
+    _mount_web(app)
+    return app
+
+
+async def _database_unavailable(_request: Request, exc: Exception) -> JSONResponse:
+    log.warning("database unavailable: %s", exc)
+    return JSONResponse({"detail": "the database is unavailable; retry"}, status_code=503)
+
+
+def _mount_web(app: FastAPI) -> None:
+    index = WEB_DIR / "index.html"
+
+    @app.get("/runs/{path:path}", include_in_schema=False)
+    def dashboard_route(path: str) -> FileResponse:
+        """Client-side routes of the dashboard all load its index.html."""
+        if not index.is_file():
+            raise HTTPException(404, "the dashboard is not installed")
+        return FileResponse(index)
+
+    app.mount("/", StaticFiles(directory=WEB_DIR, html=True, check_dir=False), name="web")

@@ -1,0 +1,87 @@
+"""A whole nand server (REST + ingest) in a background thread, on free ports.
+
+Used by ``nand server``, by the demo and by the tests::
+
+    server = embedded.start("sqlite:///nand.db")       # http_port=0, zmq port "*"
+    print(server.http_url, server.zmq_endpoint)
+    ...
+    server.stop()
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass, replace
+
+import uvicorn
+from fastapi import FastAPI
+
+from nand.server.app import create_app
+from nand.server.settings import Settings
+
+
+@dataclass
+class EmbeddedServer:
+    http_url: str
+    zmq_endpoint: str
+    app: FastAPI
+    _server: uvicorn.Server
+    _thread: threading.Thread
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout)
+
+    def __enter__(self) -> EmbeddedServer:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.stop()
+
+
+def start(
+    db_url: str | None = None,
+    *,
+    http_host: str = "127.0.0.1",
+    http_port: int = 0,
+    zmq_endpoint: str = "tcp://127.0.0.1:*",
+    settings: Settings | None = None,
+    timeout: float = 30.0,
+    log_level: str = "warning",
+) -> EmbeddedServer:
+    """Start a server; ``settings`` (default: from the environment) gives the rest."""
+    base = settings or Settings.from_env()
+    settings = replace(
+        base,
+        db_url=db_url or base.db_url,
+        http_host=http_host,
+        http_port=http_port,
+        zmq_bind=zmq_endpoint,
+    )
+    app = create_app(settings)
+    sock = socket.socket(socket.AF_INET6 if ":" in http_host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((http_host, http_port))
+    config = uvicorn.Config(app, log_level=log_level, lifespan="on", access_log=False)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(
+        target=server.run, kwargs={"sockets": [sock]}, name="nand-http", daemon=True
+    )
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            server.should_exit = True
+            raise RuntimeError("the nand server did not start; see the log above")
+        time.sleep(0.02)
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    return EmbeddedServer(
+        http_url=f"http://{shown}:{port}",
+        zmq_endpoint=app.state.nand.ingest.endpoint,
+        app=app,
+        _server=server,
+        _thread=thread,
+    )

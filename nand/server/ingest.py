@@ -1,0 +1,349 @@
+"""The ZeroMQ ingest loop: receive → validate → write a batch → commit → ack.
+
+One ROUTER socket on one daemon thread (ZeroMQ sockets are not thread-safe).
+Each turn drains up to ``Settings.max_batch`` frames, validates every one with
+:func:`nand.wire.decode` (bad ones are counted by reason in ``/metrics``,
+logged, and otherwise ignored: never a crash), writes the good ones in one
+transaction (:func:`nand.server.writer.write_batch`) and only then sends each
+agent ``{"kind": "ack", "seqs": [...]}``, duplicates included.
+
+Authentication: with a token configured, an agent's ``hello`` must carry it;
+an agent id that said a valid hello is remembered in the database (table
+``agents``), so it stays authenticated across reconnects and on every server
+sharing the database. Other messages from unknown agents get
+``{"kind": "reject", "reason": "unauthenticated"}``. With a CURVE secret key,
+the socket is a CURVE server and only encrypted peers connect.
+
+Stop: when a run has a stop step recorded (``POST /api/runs/{run}/stop`` on
+any server), every message from an agent of that run whose rank has not said
+``bye`` is answered with ``{"kind": "command", "command": "stop", "step": S}``
+(at most once per second per connection); agents known to be connected here
+are also told within ``poll_s`` of the request.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+from sqlalchemy import Engine, select, text
+from sqlalchemy.orm import Session
+
+from nand import wire
+from nand.errors import WireError
+from nand.server import store
+from nand.server.metrics import Metrics
+from nand.server.models import Agent, Rank, Run
+from nand.server.sanitize import out_of_range
+from nand.server.settings import Settings
+from nand.server.writer import write_batch
+
+log = logging.getLogger("nand.server.ingest")
+
+#: Seconds between two stop commands to one connection.
+COMMAND_EVERY_S = 1.0
+
+
+@dataclass
+class Peer:
+    """A connection seen recently (a cache: the database is the truth)."""
+
+    run: str
+    rank: int
+    seen: float
+    commanded: float = 0.0
+
+
+class Ingest:
+    """The ingest thread. ``start()`` binds and returns the bound endpoint.
+
+    >>> from nand.server.db import make_engine
+    >>> from nand.server.migrate import upgrade
+    >>> engine = make_engine("sqlite:///:memory:"); upgrade(engine)
+    >>> ingest = Ingest(engine, Settings(zmq_bind="tcp://127.0.0.1:*"), Metrics())
+    >>> ingest.start().startswith("tcp://127.0.0.1:")
+    True
+    >>> ingest.stop()
+    """
+
+    def __init__(self, engine: Engine, settings: Settings, metrics: Metrics) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.metrics = metrics
+        self.endpoint = ""
+        self._stopping = threading.Event()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._peers: dict[bytes, Peer] = {}
+        self._authed: set[str] = set()
+        self._last_stop_poll = time.time()
+
+    def start(self, timeout: float = 10.0) -> str:
+        self._thread = threading.Thread(target=self._run, name="nand-ingest", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError("the ingest socket did not bind in time")
+        if self._error is not None:
+            raise self._error
+        return self.endpoint
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # --- the thread ---------------------------------------------------------
+
+    def _run(self) -> None:
+        context = zmq.Context()
+        try:
+            sock = self._bind(context)
+        except BaseException as exc:  # reported to start()
+            self._error = exc
+            self._ready.set()
+            context.term()
+            return
+        self._ready.set()
+        try:
+            self._loop(sock)
+        finally:
+            sock.close(linger=1000)
+            context.term()
+
+    def _bind(self, context: zmq.Context) -> zmq.Socket:
+        sock = context.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.RCVHWM, 100_000)
+        sock.setsockopt(zmq.SNDHWM, 100_000)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.settings.max_frame_bytes + 1024)
+        if self.settings.curve_secret_key:
+            sock.curve_secretkey = self.settings.curve_secret_key.encode()
+            sock.curve_server = True
+        sock.bind(self.settings.zmq_bind)
+        self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        log.info("ingest listening on %s", self.endpoint)
+        return sock
+
+    def _loop(self, sock: zmq.Socket) -> None:
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        while not self._stopping.is_set():
+            if poller.poll(100):
+                frames = self._drain(sock)
+                try:
+                    self._handle(sock, frames)
+                except Exception:  # never let one batch kill the loop
+                    log.exception("ingest batch failed; its messages will be resent")
+            if time.time() - self._last_stop_poll >= self.settings.poll_s:
+                self._push_new_stops(sock)
+
+    def _drain(self, sock: zmq.Socket) -> list[tuple[bytes, bytes]]:
+        frames: list[tuple[bytes, bytes]] = []
+        while len(frames) < self.settings.max_batch:
+            try:
+                parts = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                break
+            if len(parts) >= 2:
+                frames.append((parts[0], parts[-1]))
+        self.metrics.received(len(frames))
+        return frames
+
+    # --- one batch ----------------------------------------------------------
+
+    def _handle(self, sock: zmq.Socket, frames: list[tuple[bytes, bytes]]) -> None:
+        decoded = [(ident, m) for ident, m in (self._decode(f) for f in frames) if m is not None]
+        accepted = self._authorised(sock, decoded)
+        if not accepted:
+            return
+        now = time.time()
+        for ident, message in accepted:
+            peer = self._peers.get(ident)
+            if peer is None:
+                self._peers[ident] = Peer(message["run"], message["rank"], now)
+            else:
+                peer.seen = now
+        acked = self._write(accepted)
+        self._ack(sock, accepted, acked)
+        self._command(sock, accepted)
+
+    def _decode(self, frame: tuple[bytes, bytes]) -> tuple[bytes, dict[str, Any] | None]:
+        ident, payload = frame
+        try:
+            message = wire.decode(payload, max_bytes=self.settings.max_frame_bytes)
+            if message["kind"] not in wire.AGENT_KINDS:
+                raise WireError("unknown_kind", f"{message['kind']!r} is not an agent message")
+            field = out_of_range(message)
+            if field is not None:
+                raise WireError("bad_field", f"{field} does not fit in the database")
+        except WireError as exc:
+            self.metrics.rejected(exc.reason)
+            log.debug("rejected a frame: %s", exc)
+            return ident, None
+        return ident, message
+
+    def _authorised(
+        self, sock: zmq.Socket, decoded: list[tuple[bytes, dict[str, Any]]]
+    ) -> list[tuple[bytes, dict[str, Any]]]:
+        token = self.settings.token
+        if not token:
+            return decoded
+        for _ident, message in decoded:
+            given = message["body"].get("token") if message["kind"] == "hello" else None
+            if isinstance(given, str) and hmac.compare_digest(given.encode(), token.encode()):
+                self._authed.add(message["agent"])
+        self._authed.update(self._known_agents({m["agent"] for _, m in decoded} - self._authed))
+        accepted, refused = [], set()
+        for ident, message in decoded:
+            if message["agent"] in self._authed:
+                accepted.append((ident, message))
+            else:
+                self.metrics.rejected("unauthenticated")
+                refused.add(ident)
+        for ident in refused:
+            reply = {"kind": "reject", "reason": "unauthenticated: a valid token is required"}
+            self._send(sock, ident, reply)
+        return accepted
+
+    def _known_agents(self, agents: set[str]) -> set[str]:
+        if not agents:
+            return set()
+        with Session(self.engine) as session:
+            found = session.scalars(select(Agent.agent).where(Agent.agent.in_(agents)))
+            return set(found)
+
+    def _write(self, accepted: list[tuple[bytes, dict[str, Any]]]) -> set[tuple[str, int]]:
+        messages = [m for _, m in accepted]
+        started = time.time()
+        try:
+            result = write_batch(self.engine, messages, started)
+        except Exception:
+            self.metrics.write_error()
+            if not self._database_answers():
+                log.warning("database unavailable; %d messages not acked", len(messages))
+                self._stopping.wait(0.5)
+                return set()
+            log.exception("a batch of %d messages failed; storing one by one", len(messages))
+            return self._write_one_by_one(messages)
+        done = time.time()
+        lag = max((done - m["time"] for m in messages), default=0.0)
+        self.metrics.batch(
+            kinds=result.kinds,
+            duplicates=result.duplicates,
+            acked=len(result.acked),
+            seconds=done - started,
+            lag=max(lag, 0.0),
+        )
+        return set(result.acked)
+
+    def _database_answers(self) -> bool:
+        try:
+            with self.engine.connect() as connection:
+                connection.execute(text("SELECT 1"))
+        except Exception:
+            return False
+        return True
+
+    def _write_one_by_one(self, messages: list[dict[str, Any]]) -> set[tuple[str, int]]:
+        """Isolate a message the database refuses: it is acked (dropped) and counted.
+
+        Only while the database answers; if it stops answering, nothing more is
+        acked and the agents resend.
+        """
+        acked: set[tuple[str, int]] = set()
+        for message in messages:
+            key = (message["agent"], message["seq"])
+            try:
+                acked.update(write_batch(self.engine, [message], time.time()).acked)
+            except Exception as exc:
+                if not self._database_answers():
+                    return acked
+                self.metrics.rejected("store_error")
+                log.error("dropped message %s: the database refused it: %s", key, exc)
+                acked.add(key)
+        return acked
+
+    def _ack(
+        self,
+        sock: zmq.Socket,
+        accepted: list[tuple[bytes, dict[str, Any]]],
+        acked: set[tuple[str, int]],
+    ) -> None:
+        per_peer: dict[bytes, list[int]] = defaultdict(list)
+        for ident, message in accepted:
+            key = (message["agent"], message["seq"])
+            if key in acked:
+                per_peer[ident].append(message["seq"])
+                acked.discard(key)
+        for ident, seqs in per_peer.items():
+            self._send(sock, ident, {"kind": "ack", "seqs": seqs})
+
+    def _send(self, sock: zmq.Socket, ident: bytes, message: dict[str, Any]) -> None:
+        try:
+            sock.send_multipart([ident, wire.encode(message)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # peer gone or its queue full: it will resend
+            log.debug("could not reply to a peer: %s", exc)
+
+    # --- stop commands ------------------------------------------------------
+
+    def _command(self, sock: zmq.Socket, accepted: list[tuple[bytes, dict[str, Any]]]) -> None:
+        runs = {m["run"] for _, m in accepted}
+        stops = self._pending_stops(runs)
+        if not stops:
+            return
+        now = time.time()
+        for ident in {ident for ident, m in accepted if (m["run"], m["rank"]) in stops}:
+            peer = self._peers.get(ident)
+            if peer is None or now - peer.commanded < COMMAND_EVERY_S:
+                continue
+            step, reason = stops[(peer.run, peer.rank)]
+            self._send_stop(sock, ident, peer, step, reason, now)
+
+    def _send_stop(
+        self, sock: zmq.Socket, ident: bytes, peer: Peer, step: int, reason: str, now: float
+    ) -> None:
+        command = {"kind": "command", "command": "stop", "step": step, "reason": reason}
+        self._send(sock, ident, command)
+        peer.commanded = now
+        self.metrics.command_sent()
+
+    def _pending_stops(self, runs: set[str]) -> dict[tuple[str, int], tuple[int, str]]:
+        """(run, rank) → (stop step, reason) for ranks of these runs that have not said bye."""
+        if not runs:
+            return {}
+        statement = (
+            select(Run.name, Rank.rank, Run.stop_step, Run.stop_reason)
+            .join(Rank, Rank.run_id == Run.id)
+            .where(Run.name.in_(runs), Run.stop_step.is_not(None), Rank.finished_at.is_(None))
+        )
+        with Session(self.engine) as session:
+            rows = session.execute(statement).all()
+        return {(name, rank): (int(step or 0), reason) for name, rank, step, reason in rows}
+
+    def _push_new_stops(self, sock: zmq.Socket) -> None:
+        """Tell the agents connected here about stops recorded since the last look."""
+        now = time.time()
+        since, self._last_stop_poll = self._last_stop_poll - 1.0, now
+        self._forget_old_peers(now)
+        try:
+            with Session(self.engine) as session:
+                new = store.stops_requested_since(session, since)
+            stops = self._pending_stops({name for name, _, _ in new}) if new else {}
+        except Exception:
+            log.warning("could not look for stop requests", exc_info=True)
+            return
+        for ident, peer in list(self._peers.items()):
+            target = stops.get((peer.run, peer.rank))
+            if target is not None and now - peer.commanded >= COMMAND_EVERY_S:
+                self._send_stop(sock, ident, peer, target[0], target[1], now)
+
+    def _forget_old_peers(self, now: float) -> None:
+        horizon = now - self.settings.lost_after_s
+        for ident in [i for i, p in self._peers.items() if p.seen < horizon]:
+            del self._peers[ident]

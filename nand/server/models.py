@@ -1,0 +1,159 @@
+"""The database tables (SQLAlchemy 2.0). The REST bodies are in ``schemas.py``.
+
+Times are Unix seconds (float). Hot paths keep small cached rows so the
+verdict never scans events: per rank, ``ranks.first_event_id`` with its
+logical sort key, maintained at ingest by a conditional update (safe with
+several servers on one database); a run's origin is the least of its ranks'.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import JSON, BigInteger, Float, ForeignKey, Index, Integer, String, Text
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+#: 64-bit ids that are still SQLite rowid aliases (autoincrementing).
+BigId = BigInteger().with_variant(Integer(), "sqlite")
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Run(Base):
+    __tablename__ = "runs"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(256), unique=True)
+    world_size: Mapped[int] = mapped_column(Integer, default=0)
+    started_at: Mapped[float] = mapped_column(Float)
+    last_seen: Mapped[float] = mapped_column(Float, index=True)
+    #: Bumped when something a viewer shows changes (new rank, event, stop, bye).
+    updated_at: Mapped[float] = mapped_column(Float, index=True)
+    latest_step: Mapped[int] = mapped_column(Integer, default=0)
+    event_count: Mapped[int] = mapped_column(BigInteger, default=0)
+    optimizer: Mapped[str] = mapped_column(String(256), default="")
+    modules: Mapped[list[Any] | None] = mapped_column(JSON, nullable=True)
+    versions: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    stop_step: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    stop_requested_at: Mapped[float | None] = mapped_column(Float, nullable=True, index=True)
+    stop_reason: Mapped[str] = mapped_column(String(500), default="")
+
+
+class Rank(Base):
+    __tablename__ = "ranks"
+    __table_args__ = (Index("ix_ranks_run_rank", "run_id", "rank", unique=True),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    rank: Mapped[int] = mapped_column(Integer)
+    world_size: Mapped[int] = mapped_column(Integer, default=0)
+    host: Mapped[str] = mapped_column(String(256), default="")
+    pid: Mapped[int] = mapped_column(Integer, default=0)
+    first_seen: Mapped[float] = mapped_column(Float)
+    last_seen: Mapped[float] = mapped_column(Float)
+    step: Mapped[int] = mapped_column(Integer, default=0)
+    #: When ``step`` last grew (stalled detection).
+    step_changed_at: Mapped[float] = mapped_column(Float)
+    steps_per_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    loss: Mapped[float | None] = mapped_column(Float, nullable=True)
+    grad_norm: Mapped[float | None] = mapped_column(Float, nullable=True)
+    max_activation: Mapped[float | None] = mapped_column(Float, nullable=True)
+    amp_skipped: Mapped[int] = mapped_column(Integer, default=0)
+    finished_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    bye_reason: Mapped[str] = mapped_column(String(500), default="")
+    first_event_id: Mapped[int | None] = mapped_column(BigId, nullable=True)
+    first_step: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    first_micro_step: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    first_phase_rank: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    first_order: Mapped[int | None] = mapped_column(Integer, nullable=True)
+
+
+class EventRow(Base):
+    __tablename__ = "events"
+    __table_args__ = (
+        Index("ix_events_logical", "run_id", "step", "micro_step", "phase_rank", "ord"),
+        Index("ix_events_rank", "run_id", "rank", "step"),
+    )
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    rank: Mapped[int] = mapped_column(Integer)
+    world_size: Mapped[int] = mapped_column(Integer, default=0)
+    host: Mapped[str] = mapped_column(String(256), default="")
+    pid: Mapped[int] = mapped_column(Integer, default=0)
+    step: Mapped[int] = mapped_column(Integer)
+    micro_step: Mapped[int] = mapped_column(Integer)
+    phase: Mapped[str] = mapped_column(String(32))
+    phase_rank: Mapped[int] = mapped_column(Integer)
+    module: Mapped[str] = mapped_column(String(512))
+    module_type: Mapped[str] = mapped_column(String(256), default="")
+    ord: Mapped[int] = mapped_column(Integer)
+    cause: Mapped[str] = mapped_column(String(32))
+    call: Mapped[int] = mapped_column(Integer, default=0)
+    nan: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    posinf: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    neginf: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    min: Mapped[float | None] = mapped_column(Float, nullable=True)
+    max: Mapped[float | None] = mapped_column(Float, nullable=True)
+    max_abs: Mapped[float | None] = mapped_column(Float, nullable=True)
+    shape: Mapped[list[int] | None] = mapped_column(JSON, nullable=True)
+    dtype: Mapped[str] = mapped_column(String(64), default="")
+    time: Mapped[float] = mapped_column(Float)
+    seq: Mapped[int] = mapped_column(BigInteger, default=0)
+    message: Mapped[str] = mapped_column(Text, default="")
+
+
+class Heartbeat(Base):
+    __tablename__ = "heartbeats"
+    __table_args__ = (Index("ix_heartbeats_run_rank", "run_id", "rank", "id"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    rank: Mapped[int] = mapped_column(Integer)
+    time: Mapped[float] = mapped_column(Float)
+    step: Mapped[int] = mapped_column(Integer)
+    loss: Mapped[float | None] = mapped_column(Float, nullable=True)
+    grad_norm: Mapped[float | None] = mapped_column(Float, nullable=True)
+    steps_per_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    max_activation: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class Flight(Base):
+    """A flight-recorder window, with the evidence the hint needs precomputed."""
+
+    __tablename__ = "flights"
+    __table_args__ = (Index("ix_flights_run_rank", "run_id", "rank", "id"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    rank: Mapped[int] = mapped_column(Integer)
+    time: Mapped[float] = mapped_column(Float)
+    reason: Mapped[str] = mapped_column(String(500), default="")
+    data: Mapped[dict[str, Any]] = mapped_column(JSON)
+    overflow: Mapped[bool] = mapped_column(default=False)
+    grad_rising: Mapped[bool] = mapped_column(default=False)
+    #: One phrase of evidence for the summary (e.g. "max |x| reached 6.1e4 of 65504").
+    evidence: Mapped[str] = mapped_column(String(500), default="")
+
+
+class Message(Base):
+    """One row per accepted agent message: the (agent, seq) dedup key."""
+
+    __tablename__ = "messages"
+
+    agent: Mapped[str] = mapped_column(String(128), primary_key=True)
+    seq: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+
+
+class Agent(Base):
+    """Agents that said hello (with a valid token when one is required)."""
+
+    __tablename__ = "agents"
+
+    agent: Mapped[str] = mapped_column(String(128), primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    rank: Mapped[int] = mapped_column(Integer)
+    hello_at: Mapped[float] = mapped_column(Float)

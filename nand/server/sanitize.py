@@ -1,0 +1,68 @@
+"""Make validated wire values fit the database, so one odd message cannot
+poison a batch: integers within the columns' range, strings without NUL
+(PostgreSQL refuses it) and within the column length, floats finite or None.
+
+>>> clean_str("a\\x00b", 10), finite(float("nan")), out_of_range({"seq": 2**70})
+('ab', None, 'seq')
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+INT32 = 2**31 - 1
+INT64 = 2**63 - 1
+
+#: Integer fields (envelope, body or event) and the largest value stored.
+_ENVELOPE_LIMITS = {"seq": INT64, "rank": INT32}
+_BODY_LIMITS = {"step": INT32, "world_size": INT32, "pid": INT32, "amp_skipped": INT32}
+_EVENT_LIMITS = {
+    "step": INT32,
+    "micro_step": INT32,
+    "order": INT32,
+    "world_size": INT32,
+    "pid": INT32,
+    "call": INT32,
+    "seq": INT64,
+    "nan": INT64,
+    "posinf": INT64,
+    "neginf": INT64,
+}
+
+
+def clean_str(value: Any, limit: int) -> str:
+    if not isinstance(value, str):
+        return ""
+    return value.replace("\x00", "")[:limit]
+
+
+def finite(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    number = float(value)
+    return number if math.isfinite(number) else None
+
+
+def out_of_range(message: dict[str, Any]) -> str | None:
+    """The name of the first integer field that does not fit its column, or None."""
+    bad = _check(message, _ENVELOPE_LIMITS)
+    body = message.get("body")
+    if bad or not isinstance(body, dict):
+        return bad
+    bad = _check(body, _BODY_LIMITS)
+    event = body.get("event")
+    if bad or not isinstance(event, dict):
+        return bad
+    if any(not -INT32 <= d <= INT32 for d in event.get("shape") or []):
+        return "event.shape"
+    bad = _check(event, _EVENT_LIMITS)
+    return f"event.{bad}" if bad else None
+
+
+def _check(obj: dict[str, Any], limits: dict[str, int]) -> str | None:
+    for key, limit in limits.items():
+        value = obj.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and not -limit <= value <= limit:
+            return key
+    return None

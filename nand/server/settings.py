@@ -1,0 +1,51 @@
+"""The server's settings, read once from the ``NAND_*`` environment (see :mod:`nand.config`).
+
+>>> s = Settings(db_url="sqlite:///:memory:", token="secret")
+>>> s.lost_after_s
+60.0
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nand import config
+
+
+@dataclass(frozen=True)
+class Settings:
+    db_url: str = "sqlite:///nand.db"
+    http_host: str = "127.0.0.1"
+    http_port: int = 8080
+    zmq_bind: str = "tcp://127.0.0.1:5557"
+    #: Shared secret; required from agents (hello) and for stop when set.
+    token: str | None = None
+    #: Z85 CURVE secret key: when set, agents must encrypt (CURVE server).
+    curve_secret_key: str | None = None
+    lost_after_s: float = 60.0
+    stalled_after_s: float = 300.0
+    #: The agents' heartbeat period, used by the stop-step rule.
+    heartbeat_s: float = 5.0
+    #: Most messages written in one transaction.
+    max_batch: int = 2000
+    #: How often the stream endpoint and the stop push look at the database.
+    poll_s: float = 0.5
+    #: Largest accepted frame, in bytes.
+    max_frame_bytes: int = 4 * 1024 * 1024
+
+    @classmethod
+    def from_env(cls, **overrides: object) -> Settings:
+        """Settings from the environment; keyword arguments that are not None win."""
+        values: dict[str, object] = {
+            "db_url": config.get_str(config.NAND_DB, cls.db_url),
+            "http_host": config.get_str(config.NAND_HTTP_HOST, cls.http_host),
+            "http_port": config.get_int(config.NAND_HTTP_PORT, cls.http_port),
+            "zmq_bind": config.get_str(config.NAND_ZMQ_BIND, cls.zmq_bind),
+            "token": config.get_str(config.NAND_TOKEN),
+            "curve_secret_key": config.get_str(config.NAND_CURVE_SECRET_KEY),
+            "lost_after_s": config.get_float(config.NAND_LOST_AFTER_S, cls.lost_after_s),
+            "stalled_after_s": config.get_float(config.NAND_STALLED_AFTER_S, cls.stalled_after_s),
+            "heartbeat_s": config.get_float(config.NAND_HEARTBEAT_S, cls.heartbeat_s),
+        }
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)  # type: ignore[arg-type]

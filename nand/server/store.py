@@ -1,0 +1,199 @@
+"""Read queries and the few writes the REST API makes (stop, prune).
+
+Everything takes a SQLAlchemy ``Session``; callers own the transaction. The
+verdict path reads only the run row, its rank rows joined to their cached
+first events, and one flight-evidence row: no scan of the events table.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sqlalchemy import Select, delete, func, select, update
+from sqlalchemy.orm import Session
+
+from nand.events import PHASE_RANK
+from nand.server.models import Agent, EventRow, Flight, Heartbeat, Message, Rank, Run
+
+
+@dataclass(frozen=True)
+class EventFilter:
+    rank: int | None = None
+    phase: str | None = None
+    module: str | None = None
+    step_min: int | None = None
+    step_max: int | None = None
+
+
+def run_by_name(session: Session, name: str) -> Run | None:
+    return session.scalars(select(Run).where(Run.name == name)).one_or_none()
+
+
+def recent_runs(session: Session, limit: int, offset: int = 0) -> Sequence[Run]:
+    statement = select(Run).order_by(Run.last_seen.desc(), Run.id.desc())
+    return session.scalars(statement.offset(offset).limit(limit)).all()
+
+
+def runs_updated_since(session: Session, since: float, active_since: float) -> Sequence[Run]:
+    """Runs changed after ``since`` or seen after ``active_since`` (their state may age)."""
+    statement = select(Run).where((Run.updated_at >= since) | (Run.last_seen >= active_since))
+    return session.scalars(statement.order_by(Run.id).limit(1000)).all()
+
+
+def ranks_of(
+    session: Session, run_ids: Sequence[int]
+) -> dict[int, list[tuple[Rank, EventRow | None]]]:
+    """Rank rows of the given runs, each with its cached first event, in rank order."""
+    result: dict[int, list[tuple[Rank, EventRow | None]]] = {run_id: [] for run_id in run_ids}
+    if not run_ids:
+        return result
+    statement = (
+        select(Rank, EventRow)
+        .outerjoin(EventRow, EventRow.id == Rank.first_event_id)
+        .where(Rank.run_id.in_(run_ids))
+        .order_by(Rank.run_id, Rank.rank)
+    )
+    for rank, event in session.execute(statement).tuples():
+        result[rank.run_id].append((rank, event))
+    return result
+
+
+def latest_flight(session: Session, run_id: int, rank: int) -> Flight | None:
+    statement = (
+        select(Flight)
+        .where(Flight.run_id == run_id, Flight.rank == rank)
+        .order_by(Flight.id.desc())
+        .limit(1)
+    )
+    return session.scalars(statement).first()
+
+
+def flight_evidence_row(session: Session, run_id: int, rank: int) -> tuple[bool, bool, str] | None:
+    """The precomputed evidence of a rank's latest flight window (not its data)."""
+    statement = (
+        select(Flight.overflow, Flight.grad_rising, Flight.evidence)
+        .where(Flight.run_id == run_id, Flight.rank == rank)
+        .order_by(Flight.id.desc())
+        .limit(1)
+    )
+    row = session.execute(statement).first()
+    return (bool(row[0]), bool(row[1]), row[2]) if row else None
+
+
+def _filtered(statement: Select, run_id: int, where: EventFilter) -> Select:
+    statement = statement.where(EventRow.run_id == run_id)
+    if where.rank is not None:
+        statement = statement.where(EventRow.rank == where.rank)
+    if where.phase is not None:
+        statement = statement.where(EventRow.phase == where.phase)
+    if where.module is not None:
+        statement = statement.where(EventRow.module == where.module)
+    if where.step_min is not None:
+        statement = statement.where(EventRow.step >= where.step_min)
+    if where.step_max is not None:
+        statement = statement.where(EventRow.step <= where.step_max)
+    return statement
+
+
+def events_page(
+    session: Session, run_id: int, where: EventFilter, offset: int, limit: int
+) -> tuple[Sequence[EventRow], int]:
+    """One page of a run's events in logical order, and how many match in all."""
+    total = session.scalar(_filtered(select(func.count(EventRow.id)), run_id, where)) or 0
+    order = (
+        EventRow.step,
+        EventRow.micro_step,
+        EventRow.phase_rank,
+        EventRow.ord,
+        EventRow.rank,
+        EventRow.id,
+    )
+    statement = _filtered(select(EventRow), run_id, where).order_by(*order)
+    return session.scalars(statement.offset(offset).limit(limit)).all(), int(total)
+
+
+def series(session: Session, run_id: int, points: int) -> dict[int, list[tuple]]:
+    """Heartbeats per rank, averaged into at most ``points`` buckets of equal count.
+
+    Buckets use the row number within the rank, so every bucket holds the same
+    number of heartbeats; ``grad_norm`` and ``max_activation`` keep the
+    bucket's maximum (a spike must stay visible), the others its mean.
+    """
+    statement = (
+        select(Heartbeat.rank, func.count())
+        .where(Heartbeat.run_id == run_id)
+        .group_by(Heartbeat.rank)
+    )
+    counts = {rank: count for rank, count in session.execute(statement)}
+    result: dict[int, list[tuple]] = {}
+    for rank, count in sorted(counts.items()):
+        stride = max(1, math.ceil(count / points))
+        result[rank] = _bucketed(session, run_id, rank, stride)
+    return result
+
+
+def _bucketed(session: Session, run_id: int, rank: int, stride: int) -> list[tuple]:
+    number = func.row_number().over(order_by=Heartbeat.id).label("n")
+    inner = (
+        select(Heartbeat, number)
+        .where(Heartbeat.run_id == run_id, Heartbeat.rank == rank)
+        .subquery()
+    )
+    bucket = ((inner.c.n - 1) // stride).label("bucket")
+    statement = (
+        select(
+            func.max(inner.c.time),
+            func.max(inner.c.step),
+            func.avg(inner.c.loss),
+            func.max(inner.c.grad_norm),
+            func.avg(inner.c.steps_per_s),
+            func.max(inner.c.max_activation),
+        )
+        .group_by(bucket)
+        .order_by(bucket)
+    )
+    if stride == 1:
+        statement = select(
+            inner.c.time,
+            inner.c.step,
+            inner.c.loss,
+            inner.c.grad_norm,
+            inner.c.steps_per_s,
+            inner.c.max_activation,
+        ).order_by(inner.c.n)
+    return [tuple(row) for row in session.execute(statement)]
+
+
+def request_stop(session: Session, run_id: int, step: int, reason: str, now: float) -> None:
+    """Record a stop unless one is already recorded (the first request wins)."""
+    session.execute(
+        update(Run)
+        .where(Run.id == run_id, Run.stop_step.is_(None))
+        .values(stop_step=step, stop_requested_at=now, stop_reason=reason, updated_at=now)
+    )
+
+
+def stops_requested_since(session: Session, since: float) -> Sequence[tuple[str, int, int]]:
+    """(run name, run id, stop step) of stops recorded after ``since``."""
+    statement = select(Run.name, Run.id, Run.stop_step).where(
+        Run.stop_requested_at >= since, Run.stop_step.is_not(None)
+    )
+    return [(name, run_id, int(step or 0)) for name, run_id, step in session.execute(statement)]
+
+
+def prune(session: Session, older_than: float) -> list[str]:
+    """Delete every run last seen before ``older_than`` with all its rows; their names."""
+    doomed = session.execute(select(Run.id, Run.name).where(Run.last_seen < older_than)).all()
+    ids = [run_id for run_id, _ in doomed]
+    for start in range(0, len(ids), 500):
+        chunk = ids[start : start + 500]
+        for table in (EventRow, Heartbeat, Flight, Message, Agent, Rank):
+            session.execute(delete(table).where(table.run_id.in_(chunk)))
+        session.execute(delete(Run).where(Run.id.in_(chunk)))
+    return [name for _, name in doomed]
+
+
+def valid_phase(phase: str) -> bool:
+    return phase in PHASE_RANK

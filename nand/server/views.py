@@ -1,0 +1,234 @@
+"""Turn stored rows into the REST bodies of ``schemas.py``, with correlation.
+
+Rank and run states depend on the clock (``lost``, ``stalled``), so they are
+computed at read time from the rank rows and ``now``; nothing here writes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from sqlalchemy.orm import Session
+
+from nand.events import Event
+from nand.server import correlate, store
+from nand.server.models import EventRow, Rank, Run
+from nand.server.schemas import (
+    EventOut,
+    ModuleInfo,
+    Origin,
+    RankStatus,
+    RunDetail,
+    RunSummary,
+    StopInfo,
+    Verdict,
+)
+from nand.server.settings import Settings
+
+RankRows = Sequence[tuple[Rank, EventRow | None]]
+
+
+def to_event(row: EventRow, run: str = "") -> Event:
+    return Event(
+        run=run,
+        rank=row.rank,
+        world_size=row.world_size,
+        host=row.host,
+        pid=row.pid,
+        step=row.step,
+        micro_step=row.micro_step,
+        phase=row.phase,
+        module=row.module,
+        module_type=row.module_type,
+        order=row.ord,
+        cause=row.cause,
+        nan=row.nan,
+        posinf=row.posinf,
+        neginf=row.neginf,
+        max_abs=row.max_abs,
+        shape=list(row.shape or []),
+        dtype=row.dtype,
+        time=row.time,
+        seq=row.seq,
+    )
+
+
+def event_out(row: EventRow, run: str) -> EventOut:
+    return EventOut(
+        id=row.id,
+        run=run,
+        rank=row.rank,
+        world_size=row.world_size,
+        host=row.host,
+        pid=row.pid,
+        step=row.step,
+        micro_step=row.micro_step,
+        phase=row.phase,
+        module=row.module,
+        module_type=row.module_type,
+        order=row.ord,
+        cause=row.cause,
+        call=row.call,
+        nan=row.nan,
+        posinf=row.posinf,
+        neginf=row.neginf,
+        min=row.min,
+        max=row.max,
+        max_abs=row.max_abs,
+        shape=list(row.shape or []),
+        dtype=row.dtype,
+        time=row.time,
+        seq=row.seq,
+        message=row.message,
+    )
+
+
+def _origin_row(ranks: RankRows) -> EventRow | None:
+    firsts = [e for _, e in ranks if e is not None]
+    head = correlate.origin([to_event(e) for e in firsts])
+    return next((e for e in firsts if head is not None and e.rank == head.rank), None)
+
+
+def origin_out(row: EventRow) -> Origin:
+    return Origin(
+        rank=row.rank,
+        step=row.step,
+        micro_step=row.micro_step,
+        phase=row.phase,
+        module=row.module,
+        module_type=row.module_type,
+        cause=row.cause,
+        dtype=row.dtype,
+        shape=list(row.shape or []),
+        nan=row.nan,
+        posinf=row.posinf,
+        neginf=row.neginf,
+        max_abs=row.max_abs,
+        time=row.time,
+        event_id=row.id,
+    )
+
+
+def rank_states(ranks: RankRows, settings: Settings, now: float) -> dict[int, str]:
+    return {
+        rank.rank: correlate.rank_state(
+            diverged=event is not None,
+            finished=rank.finished_at is not None,
+            last_seen=rank.last_seen,
+            step_changed_at=rank.step_changed_at,
+            now=now,
+            lost_after_s=settings.lost_after_s,
+            stalled_after_s=settings.stalled_after_s,
+        )
+        for rank, event in ranks
+    }
+
+
+def run_summary(run: Run, ranks: RankRows, settings: Settings, now: float) -> RunSummary:
+    states = rank_states(ranks, settings, now)
+    head = _origin_row(ranks)
+    return RunSummary(
+        run=run.name,
+        state=correlate.run_state(list(states.values())),  # type: ignore[arg-type]
+        world_size=max(run.world_size, len(ranks)),
+        ranks_seen=len(ranks),
+        latest_step=run.latest_step,
+        started_at=run.started_at,
+        last_seen=run.last_seen,
+        event_count=run.event_count,
+        origin=origin_out(head) if head is not None else None,
+    )
+
+
+def verdict(session: Session, run: Run, ranks: RankRows, settings: Settings, now: float) -> Verdict:
+    states = rank_states(ranks, settings, now)
+    state = correlate.run_state(list(states.values()))
+    stop = _stop(run)
+    firsts = [to_event(e) for _, e in ranks if e is not None]
+    head_row = _origin_row(ranks)
+    if head_row is None:
+        steps = [(r.rank, states[r.rank], r.step) for r, _ in ranks]
+        summary = correlate.calm_summary(
+            state, steps, settings.lost_after_s, settings.stalled_after_s
+        )
+        return Verdict(run=run.name, state=state, summary=summary, stop=stop)  # type: ignore[arg-type]
+    head = to_event(head_row)
+    found = store.flight_evidence_row(session, run.id, head.rank)
+    evidence = correlate.FlightEvidence(*found) if found else None
+    hint = correlate.hint(head, evidence)
+    relations = correlate.relations(firsts)
+    world = max(run.world_size, len(ranks))
+    return Verdict(
+        run=run.name,
+        state=state,  # type: ignore[arg-type]
+        origin=origin_out(head_row),
+        ranks_affected=sorted(relations),
+        ranks_received=sorted(r for r, k in relations.items() if k == "received"),
+        simultaneous=any(k == "simultaneous" for k in relations.values()),
+        hint=hint,
+        summary=correlate.diverged_summary(firsts, world, hint, evidence),
+        since=head.time,
+        stop=stop,
+    )
+
+
+def _stop(run: Run) -> StopInfo | None:
+    if run.stop_step is None:
+        return None
+    return StopInfo(
+        step=run.stop_step, requested_at=run.stop_requested_at or 0.0, reason=run.stop_reason
+    )
+
+
+def rank_statuses(run: Run, ranks: RankRows, settings: Settings, now: float) -> list[RankStatus]:
+    states = rank_states(ranks, settings, now)
+    firsts = [to_event(e) for _, e in ranks if e is not None]
+    relations = correlate.relations(firsts)
+    return [
+        RankStatus(
+            rank=rank.rank,
+            host=rank.host,
+            pid=rank.pid,
+            state=states[rank.rank],  # type: ignore[arg-type]
+            step=rank.step,
+            last_seen=rank.last_seen,
+            steps_per_s=rank.steps_per_s,
+            loss=rank.loss,
+            grad_norm=rank.grad_norm,
+            max_activation=rank.max_activation,
+            amp_skipped=rank.amp_skipped,
+            first_event=event_out(event, run.name) if event is not None else None,
+            relation=relations.get(rank.rank),  # type: ignore[arg-type]
+        )
+        for rank, event in ranks
+    ]
+
+
+def run_detail(
+    session: Session, run: Run, ranks: RankRows, settings: Settings, now: float
+) -> RunDetail:
+    summary = run_summary(run, ranks, settings, now)
+    return RunDetail(
+        **summary.model_dump(),
+        verdict=verdict(session, run, ranks, settings, now),
+        modules=_modules(run.modules),
+        optimizer=run.optimizer,
+        versions={str(k): str(v) for k, v in (run.versions or {}).items()},
+    )
+
+
+def _modules(raw: object) -> list[ModuleInfo]:
+    modules = []
+    for entry in raw if isinstance(raw, list) else []:
+        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
+            continue
+        params, order = entry.get("params"), entry.get("order")
+        modules.append(
+            ModuleInfo(
+                name=entry["name"],
+                type=str(entry.get("type") or ""),
+                params=params if isinstance(params, int) and not isinstance(params, bool) else 0,
+                order=order if isinstance(order, int) and not isinstance(order, bool) else None,
+            )
+        )
+    return modules

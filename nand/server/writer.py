@@ -1,0 +1,437 @@
+"""Write one batch of validated agent messages in one transaction.
+
+:func:`write_batch` is the whole store-side of ingest: it drops duplicates by
+``(agent, seq)`` (a primary key, so two servers cannot both store a message),
+creates runs and ranks on first sight, stores events, heartbeats and flight
+windows, and keeps each rank's cached first event with a conditional update.
+It returns the ``(agent, seq)`` pairs that are now committed, duplicates
+included, which is exactly what the ingest loop may acknowledge.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import (
+    Connection,
+    Engine,
+    Insert,
+    and_,
+    bindparam,
+    case,
+    insert,
+    or_,
+    select,
+    tuple_,
+)
+from sqlalchemy import update as sql_update
+from sqlalchemy.dialects import postgresql, sqlite
+
+from nand.events import PHASE_RANK
+from nand.server import correlate
+from nand.server.models import Agent, EventRow, Flight, Heartbeat, Message, Rank, Run
+from nand.server.sanitize import clean_str, finite
+from nand.wire import json_safe
+
+Key = tuple[str, int]
+
+
+@dataclass
+class BatchResult:
+    """What a committed batch did: pairs to acknowledge and what was new."""
+
+    acked: list[Key] = field(default_factory=list)
+    stored: int = 0
+    duplicates: int = 0
+    events: int = 0
+    runs: set[str] = field(default_factory=set)
+    #: Stored messages by kind.
+    kinds: Counter[str] = field(default_factory=Counter)
+
+
+def write_batch(engine: Engine, messages: list[dict[str, Any]], now: float) -> BatchResult:
+    """Store ``messages`` (decoded and validated) and commit; see the module doc."""
+    unique: dict[Key, dict[str, Any]] = {}
+    for message in messages:
+        unique.setdefault((message["agent"], message["seq"]), message)
+    result = BatchResult(acked=list(unique))
+    with engine.begin() as conn:
+        run_ids = _ensure_runs(conn, {m["run"] for m in unique.values()}, now)
+        fresh = _claim(conn, unique, run_ids)
+        result.duplicates = len(unique) - len(fresh)
+        result.stored = len(fresh)
+        if fresh:
+            result.events = _store(conn, fresh, run_ids, now)
+            result.runs = {m["run"] for m in fresh}
+            result.kinds = Counter(m["kind"] for m in fresh)
+    return result
+
+
+def _insert(conn: Connection, table: Any) -> Insert:
+    """INSERT ... ON CONFLICT DO NOTHING for the connection's dialect."""
+    if conn.dialect.name == "postgresql":
+        return postgresql.insert(table).on_conflict_do_nothing()
+    return sqlite.insert(table).on_conflict_do_nothing()
+
+
+def _ensure_runs(conn: Connection, names: set[str], now: float) -> dict[str, int]:
+    rows = [{"name": n, "started_at": now, "last_seen": now, "updated_at": now} for n in names]
+    conn.execute(_insert(conn, Run), rows)
+    found = conn.execute(select(Run.name, Run.id).where(Run.name.in_(names)))
+    return {name: run_id for name, run_id in found}
+
+
+def _claim(
+    conn: Connection, unique: dict[Key, dict[str, Any]], run_ids: dict[str, int]
+) -> list[dict[str, Any]]:
+    """Insert the dedup keys; only the messages whose key was new are returned."""
+    rows = [{"agent": a, "seq": s, "run_id": run_ids[m["run"]]} for (a, s), m in unique.items()]
+    statement = _insert(conn, Message).returning(Message.agent, Message.seq)
+    new = {(a, s) for a, s in conn.execute(statement, rows)}
+    return [m for key, m in unique.items() if key in new]
+
+
+def _store(
+    conn: Connection, fresh: list[dict[str, Any]], run_ids: dict[str, int], now: float
+) -> int:
+    by_kind: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for message in fresh:
+        by_kind[message["kind"]].append(message)
+    rank_ids = _ensure_ranks(conn, fresh, run_ids, now)
+    _store_hellos(conn, by_kind["hello"], run_ids, rank_ids)
+    _store_heartbeats(conn, by_kind["heartbeat"], run_ids, rank_ids, now)
+    _store_events(conn, by_kind["event"], run_ids, rank_ids, now)
+    _store_flights(conn, by_kind["flight"], run_ids, None)
+    _store_byes(conn, by_kind["bye"], run_ids, rank_ids, now)
+    _touch_runs(conn, fresh, run_ids, now)
+    return len(by_kind["event"])
+
+
+def _rank_key(message: dict[str, Any], run_ids: dict[str, int]) -> tuple[int, int]:
+    return run_ids[message["run"]], message["rank"]
+
+
+def _ensure_ranks(
+    conn: Connection, fresh: list[dict[str, Any]], run_ids: dict[str, int], now: float
+) -> dict[tuple[int, int], int]:
+    keys = {_rank_key(m, run_ids) for m in fresh}
+    rows = [
+        {"run_id": r, "rank": k, "first_seen": now, "last_seen": now, "step_changed_at": now}
+        for r, k in keys
+    ]
+    conn.execute(_insert(conn, Rank), rows)
+    found = conn.execute(
+        select(Rank.run_id, Rank.rank, Rank.id).where(
+            tuple_(Rank.run_id, Rank.rank).in_(list(keys))
+        )
+    )
+    ids = {(run_id, rank): rank_id for run_id, rank, rank_id in found}
+    conn.execute(
+        sql_update(Rank)
+        .where(Rank.id == bindparam("rid"))
+        .values(last_seen=_greatest(Rank.last_seen, "now")),
+        [{"rid": rank_id, "now": now} for rank_id in ids.values()],
+    )
+    return ids
+
+
+def _greatest(column: Any, param: str) -> Any:
+    """Portable GREATEST(column, :param)."""
+    value: Any = bindparam(param)
+    return case((column < value, value), else_=column)
+
+
+def _store_hellos(
+    conn: Connection,
+    hellos: list[dict[str, Any]],
+    run_ids: dict[str, int],
+    rank_ids: dict[tuple[int, int], int],
+) -> None:
+    for message in hellos:
+        body = message["body"]
+        run_id, rank_id = run_ids[message["run"]], rank_ids[_rank_key(message, run_ids)]
+        conn.execute(
+            sql_update(Rank)
+            .where(Rank.id == rank_id)
+            .values(
+                host=clean_str(body["host"], 256),
+                pid=body["pid"],
+                world_size=body["world_size"],
+            )
+        )
+        conn.execute(_insert(conn, Agent), [_agent_row(message, run_id)])
+        info = _run_info(body)
+        if info:
+            conn.execute(sql_update(Run).where(Run.id == run_id).values(**info))
+
+
+def _agent_row(message: dict[str, Any], run_id: int) -> dict[str, Any]:
+    return {
+        "agent": message["agent"],
+        "run_id": run_id,
+        "rank": message["rank"],
+        "hello_at": message["time"],
+    }
+
+
+def _run_info(body: dict[str, Any]) -> dict[str, Any]:
+    """Run-level facts a hello carries (the last hello wins; ranks agree on them)."""
+    info: dict[str, Any] = {}
+    modules = body.get("modules")
+    if isinstance(modules, list) and modules:
+        info["modules"] = json_safe(modules)
+    optimizer = body.get("optimizer")
+    if isinstance(optimizer, str):
+        info["optimizer"] = clean_str(optimizer, 256)
+    elif isinstance(optimizer, dict) and isinstance(optimizer.get("type"), str):
+        info["optimizer"] = clean_str(optimizer["type"], 256)
+    versions = body.get("versions")
+    if isinstance(versions, dict):
+        info["versions"] = {str(k): str(v) for k, v in versions.items()}
+    return info
+
+
+def _store_heartbeats(
+    conn: Connection,
+    beats: list[dict[str, Any]],
+    run_ids: dict[str, int],
+    rank_ids: dict[tuple[int, int], int],
+    now: float,
+) -> None:
+    if not beats:
+        return
+    rows = [_heartbeat_row(m, run_ids) for m in beats]
+    conn.execute(insert(Heartbeat), rows)
+    latest: dict[int, dict[str, Any]] = {}
+    for message, row in zip(beats, rows, strict=True):
+        rank_id = rank_ids[_rank_key(message, run_ids)]
+        if rank_id not in latest or latest[rank_id]["step"] <= row["step"]:
+            latest[rank_id] = {**row, "amp_skipped": message["body"].get("amp_skipped")}
+    conn.execute(_RANK_PROGRESS, [_progress_params(r, row, now) for r, row in latest.items()])
+
+
+def _heartbeat_row(message: dict[str, Any], run_ids: dict[str, int]) -> dict[str, Any]:
+    body = message["body"]
+    return {
+        "run_id": run_ids[message["run"]],
+        "rank": message["rank"],
+        "time": message["time"],
+        "step": body["step"],
+        "loss": finite(body.get("loss")),
+        "grad_norm": finite(body.get("grad_norm")),
+        "steps_per_s": finite(body.get("steps_per_s")),
+        "max_activation": finite(body.get("max_activation")),
+    }
+
+
+def _progress_params(rank_id: int, row: dict[str, Any], now: float) -> dict[str, Any]:
+    skipped = row["amp_skipped"]
+    return {
+        "rid": rank_id,
+        "now": now,
+        "hb_step": row["step"],
+        "hb_sps": row["steps_per_s"],
+        "hb_loss": row["loss"],
+        "hb_gn": row["grad_norm"],
+        "hb_act": row["max_activation"],
+        "hb_amp": skipped if isinstance(skipped, int) and not isinstance(skipped, bool) else 0,
+    }
+
+
+_RANK_PROGRESS = (
+    sql_update(Rank)
+    .where(Rank.id == bindparam("rid"))
+    .values(
+        step_changed_at=case(
+            (Rank.step < bindparam("hb_step"), bindparam("now")), else_=Rank.step_changed_at
+        ),
+        step=_greatest(Rank.step, "hb_step"),
+        steps_per_s=bindparam("hb_sps"),
+        loss=bindparam("hb_loss"),
+        grad_norm=bindparam("hb_gn"),
+        max_activation=bindparam("hb_act"),
+        amp_skipped=bindparam("hb_amp"),
+    )
+)
+
+
+def _store_events(
+    conn: Connection,
+    messages: list[dict[str, Any]],
+    run_ids: dict[str, int],
+    rank_ids: dict[tuple[int, int], int],
+    now: float,
+) -> None:
+    if not messages:
+        return
+    rows = [_event_row(m, run_ids) for m in messages]
+    statement = insert(EventRow).returning(EventRow.id, sort_by_parameter_order=True)
+    ids = [row_id for (row_id,) in conn.execute(statement, rows)]
+    firsts: dict[int, tuple[tuple[int, int, int, int], int]] = {}
+    for message, row, event_id in zip(messages, rows, ids, strict=True):
+        key = (row["step"], row["micro_step"], row["phase_rank"], row["ord"])
+        rank_id = rank_ids[_rank_key(message, run_ids)]
+        if rank_id not in firsts or key < firsts[rank_id][0]:
+            firsts[rank_id] = (key, event_id)
+    _update_firsts(conn, firsts)
+    with_flight = [(m, i) for m, i in zip(messages, ids, strict=True) if m["body"].get("flight")]
+    _store_flights(conn, [m for m, _ in with_flight], run_ids, [i for _, i in with_flight])
+
+
+def _event_row(message: dict[str, Any], run_ids: dict[str, int]) -> dict[str, Any]:
+    event = message["body"]["event"]
+    return {
+        "run_id": run_ids[message["run"]],
+        "rank": message["rank"],
+        "world_size": _int(event.get("world_size")),
+        "host": clean_str(event.get("host"), 256),
+        "pid": _int(event.get("pid")),
+        "step": event["step"],
+        "micro_step": event["micro_step"],
+        "phase": event["phase"],
+        "phase_rank": PHASE_RANK[event["phase"]],
+        "module": clean_str(event["module"], 512),
+        "module_type": clean_str(event.get("module_type"), 256),
+        "ord": event["order"],
+        "cause": clean_str(event["cause"], 32),
+        "call": _int(event.get("call")),
+        "nan": event.get("nan"),
+        "posinf": event.get("posinf"),
+        "neginf": event.get("neginf"),
+        "min": finite(event.get("min")),
+        "max": finite(event.get("max")),
+        "max_abs": finite(event.get("max_abs")),
+        "shape": event.get("shape") or [],
+        "dtype": clean_str(event.get("dtype"), 64),
+        "time": _float(event.get("time"), message["time"]),
+        "seq": _int(event.get("seq")),
+        "message": clean_str(event.get("message"), 2000),
+    }
+
+
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _float(value: Any, default: float) -> float:
+    number = finite(value)
+    return default if number is None else number
+
+
+def _update_firsts(
+    conn: Connection, firsts: dict[int, tuple[tuple[int, int, int, int], int]]
+) -> None:
+    """Keep each rank's logically first event: replace only by a smaller key."""
+    if not firsts:
+        return
+    new_key = tuple_(
+        bindparam("k_step"), bindparam("k_micro"), bindparam("k_phase"), bindparam("k_ord")
+    )
+    old_key = tuple_(
+        Rank.first_step, Rank.first_micro_step, Rank.first_phase_rank, Rank.first_order
+    )
+    statement = (
+        sql_update(Rank)
+        .where(
+            and_(Rank.id == bindparam("rid"), or_(Rank.first_event_id.is_(None), old_key > new_key))
+        )
+        .values(
+            first_event_id=bindparam("eid"),
+            first_step=bindparam("k_step"),
+            first_micro_step=bindparam("k_micro"),
+            first_phase_rank=bindparam("k_phase"),
+            first_order=bindparam("k_ord"),
+        )
+    )
+    params = [
+        {"rid": rid, "eid": eid, "k_step": k[0], "k_micro": k[1], "k_phase": k[2], "k_ord": k[3]}
+        for rid, (k, eid) in firsts.items()
+    ]
+    conn.execute(statement, params)
+
+
+def _store_flights(
+    conn: Connection,
+    messages: list[dict[str, Any]],
+    run_ids: dict[str, int],
+    event_ids: list[int] | None,
+) -> None:
+    if not messages:
+        return
+    rows = []
+    for message in messages:
+        body = message["body"]
+        data = json_safe(body["flight"])
+        evidence = correlate.flight_evidence(data)
+        rows.append(
+            {
+                "run_id": run_ids[message["run"]],
+                "rank": message["rank"],
+                "time": message["time"],
+                "reason": clean_str(body.get("reason"), 500),
+                "data": data,
+                "overflow": evidence.overflow,
+                "grad_rising": evidence.grad_rising,
+                "evidence": clean_str(evidence.text, 500),
+            }
+        )
+    conn.execute(insert(Flight), rows)
+    del event_ids  # the window belongs to the rank; the event is its trigger
+
+
+def _store_byes(
+    conn: Connection,
+    byes: list[dict[str, Any]],
+    run_ids: dict[str, int],
+    rank_ids: dict[tuple[int, int], int],
+    now: float,
+) -> None:
+    for message in byes:
+        body = message["body"]
+        step = max(0, body["step"])
+        conn.execute(
+            sql_update(Rank)
+            .where(Rank.id == bindparam("rid"))
+            .values(
+                finished_at=bindparam("now"),
+                bye_reason=clean_str(body.get("reason"), 500),
+                step=_greatest(Rank.step, "bye_step"),
+            ),
+            {"rid": rank_ids[_rank_key(message, run_ids)], "now": now, "bye_step": step},
+        )
+
+
+def _touch_runs(
+    conn: Connection, fresh: Iterable[dict[str, Any]], run_ids: dict[str, int], now: float
+) -> None:
+    stats: dict[int, dict[str, Any]] = {}
+    for message in fresh:
+        run_id = run_ids[message["run"]]
+        entry = stats.setdefault(run_id, {"rid": run_id, "now": now, "step": 0, "n": 0, "ws": 0})
+        body = message["body"]
+        kind = message["kind"]
+        if kind in ("heartbeat", "bye"):
+            entry["step"] = max(entry["step"], body["step"])
+        elif kind == "event":
+            entry["n"] += 1
+            entry["ws"] = max(entry["ws"], _int(body["event"].get("world_size")))
+        elif kind == "hello":
+            entry["ws"] = max(entry["ws"], body["world_size"])
+        entry["ws"] = max(entry["ws"], message["rank"] + 1)
+    conn.execute(_RUN_TOUCH, list(stats.values()))
+
+
+_RUN_TOUCH = (
+    sql_update(Run)
+    .where(Run.id == bindparam("rid"))
+    .values(
+        last_seen=_greatest(Run.last_seen, "now"),
+        updated_at=bindparam("now"),
+        latest_step=_greatest(Run.latest_step, "step"),
+        event_count=Run.event_count + bindparam("n"),
+        world_size=_greatest(Run.world_size, "ws"),
+    )
+)
