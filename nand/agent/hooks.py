@@ -1,0 +1,319 @@
+"""Module and tensor hooks: the hot path. Device work only, never a sync.
+
+Per module call:
+
+- the **forward hook** probes each float output (one ``aminmax``) and registers
+  a **tensor hook** on it that probes its gradient in backward. Tensor hooks on
+  forward outputs, not ``register_full_backward_hook``: they cost a fraction,
+  work with ``ReLU(inplace=True)`` and see the right gradient when an in-place
+  op follows (FINDINGS.md).
+- hooks fire when a module *finishes* (children before parents). A value made
+  by code written inline in a parent's ``forward`` reaches the next child as an
+  input that is not the output recorded last; that input is probed as the
+  parent's ("inline"), so the parent is blamed, not the child. Containers check
+  their inputs in a forward pre-hook, before their children run; leaves check
+  them in the forward hook.
+- a parent whose output is its last child's output (``Sequential``) adds no
+  probe: the child already took it.
+- the **root** pre-hook marks a micro-step and probes the input data
+  (positional and keyword, nested); the root's outputs get a "loss" tensor hook:
+  the gradient arriving there comes from the loss computation.
+
+Under ``torch.compile`` these hooks are inlined when they are registered before
+the first compiled call; tensor hooks cause graph breaks (see ``watch.py``).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from nand.agent.probes import MICRO, ProbeBuffer, Site, iter_tensors
+from nand.agent.safety import Guard
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+
+
+class HookState:
+    """What the hooks share: the buffer, the last recorded output, the guard."""
+
+    __slots__ = ("before_root", "buf", "guard", "last")
+
+    def __init__(self, buf: ProbeBuffer, guard: Guard) -> None:
+        self.buf = buf
+        self.guard = guard
+        self.last: Tensor | None = None
+        self.before_root: Callable[[], None] | None = None  # a step boundary, if any
+
+
+class ModuleInfo:
+    """One hooked module: its sites (cached, so hooks allocate nothing new)."""
+
+    def __init__(self, name: str, module: nn.Module, index: int, allow_neginf: bool) -> None:
+        self.name = name
+        self.type = type(module).__name__
+        self.index = index
+        self.allow_neginf = allow_neginf
+        self.leaf = not any(True for _ in module.children())
+        self.parent: ModuleInfo | None = None  # the module whose forward calls this one
+        self._outputs: dict[str, Site] = {}
+        self._inline: Site | None = None
+
+    def output_site(self, slot: str) -> Site:
+        site = self._outputs.get(slot)
+        if site is None:
+            site = self._new_site("forward", slot, "output")
+            self._outputs[slot] = site
+        return site
+
+    def input_site(self, slot: str) -> Site:
+        """The site of the root's input data at ``slot`` (argument path)."""
+        site = self._outputs.get("input:" + slot)
+        if site is None:
+            site = Site("input", self.name, self.type, self.index, slot, "input")
+            self._outputs["input:" + slot] = site
+        return site
+
+    def loss_site(self, slot: str, shared: bool) -> Site:
+        """The site of the gradient arriving at the root output ``slot``.
+
+        ``shared``: the output is also the last child's output, whose tensor
+        hook fires first on the same gradient (the analysis needs to know).
+        """
+        kind = "loss_shared" if shared else "loss"
+        site = self._outputs.get(kind + ":" + slot)
+        if site is None:
+            site = Site("loss", self.name, self.type, self.index, slot, kind)
+            self._outputs[kind + ":" + slot] = site
+        return site
+
+    def inline_site(self) -> Site:
+        """The site of a value computed inline in this module's forward."""
+        if self._inline is None:
+            self._inline = self._new_site("forward", "", "inline")
+        return self._inline
+
+    def _new_site(self, phase: str, slot: str, kind: str) -> Site:
+        site = Site(phase, self.name, self.type, self.index, slot, kind)
+        site.backward = Site("backward", self.name, self.type, self.index, slot, kind)
+        site.allow_neginf = self.allow_neginf and kind == "output"
+        return site
+
+
+def is_allowed(name: str, type_name: str, patterns: Iterable[str]) -> bool:
+    """Whether a module may emit -inf on purpose (glob on name or type name)."""
+    return any(fnmatch.fnmatchcase(name, p) or p == type_name for p in patterns)
+
+
+class Hooks:
+    """Installs and removes every module hook of one watch."""
+
+    def __init__(self, state: HookState) -> None:
+        self.state = state
+        self.handles: list[RemovableHandle] = []
+        self._grad_hooks: dict[int, Callable[[Tensor], None]] = {}
+
+    def install(self, root: nn.Module, infos: dict[nn.Module, ModuleInfo]) -> None:
+        for module, info in infos.items():
+            if isinstance(module, _CONTAINERS):
+                continue
+            if module is root:
+                self._install_root(module, info)
+            elif info.leaf:
+                self.handles.append(module.register_forward_hook(self._leaf_hook(info)))
+            else:
+                self.handles.append(module.register_forward_pre_hook(self._container_pre(info)))
+                self.handles.append(module.register_forward_hook(self._container_hook(info)))
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+    def _install_root(self, module: nn.Module, info: ModuleInfo) -> None:
+        pre = self._root_pre(info)
+        self.handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+        self.handles.append(module.register_forward_hook(self._root_hook(info)))
+
+    # --- the hooks ------------------------------------------------------------
+
+    def _leaf_hook(self, info: ModuleInfo) -> Callable[..., None]:
+        state, pairs, sites = self.state, self.state.buf.pairs, self.state.buf.sites
+        out_site = info.output_site("")
+        assert out_site.backward is not None
+        grad_hook = self._grad_hook(out_site.backward)
+        allow = info.allow_neginf
+
+        def leaf_hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            if state.guard.off:
+                return
+            try:
+                if args:
+                    self._check_inputs(args, output, info)
+                if isinstance(output, Tensor):
+                    if allow:
+                        self._probe_output(out_site, output)
+                    elif output.is_floating_point() and output.numel():
+                        pairs.extend(torch.aminmax(output.detach()))
+                        sites.append(out_site)
+                        out_site.shape, out_site.dtype = output.shape, output.dtype
+                        if output.requires_grad:
+                            output.register_hook(grad_hook)
+                    state.last = output
+                else:
+                    self._probe_structure(info, output)
+            except Exception as exc:
+                state.guard.failed(exc, f"forward hook of {info.name!r}")
+
+        return leaf_hook
+
+    def _container_pre(self, info: ModuleInfo) -> Callable[..., None]:
+        state = self.state
+
+        def container_pre(module: nn.Module, args: tuple[Any, ...]) -> None:
+            if state.guard.off or not args:
+                return
+            try:
+                self._check_inputs(args, None, info)
+                if isinstance(args[0], Tensor):
+                    state.last = args[0]
+            except Exception as exc:
+                state.guard.failed(exc, f"forward pre-hook of {info.name!r}")
+
+        return container_pre
+
+    def _container_hook(self, info: ModuleInfo) -> Callable[..., None]:
+        state = self.state
+
+        def container_hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            if state.guard.off:
+                return
+            try:
+                if isinstance(output, Tensor):
+                    if output is not state.last:
+                        self._probe_output(info.output_site(""), output)
+                        state.last = output
+                else:
+                    self._probe_structure(info, output)
+            except Exception as exc:
+                state.guard.failed(exc, f"forward hook of {info.name!r}")
+
+        return container_hook
+
+    def _root_pre(self, info: ModuleInfo) -> Callable[..., None]:
+        state, sites = self.state, self.state.buf.sites
+
+        def root_pre(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if state.guard.off:
+                return
+            try:
+                if state.before_root is not None:
+                    state.before_root()
+                sites.append(MICRO)
+                state.last = None
+                for path, t in iter_tensors((args, kwargs)):
+                    self._probe_input(info, path, t)
+            except Exception as exc:
+                state.guard.failed(exc, "forward pre-hook of the root module")
+
+        return root_pre
+
+    def _root_hook(self, info: ModuleInfo) -> Callable[..., None]:
+        state = self.state
+
+        def root_hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            if state.guard.off:
+                return
+            try:
+                for slot, t in iter_tensors(output):
+                    if not t.is_floating_point() or not t.numel():
+                        continue
+                    shared = t is state.last
+                    if not shared:
+                        self._probe(info.output_site(slot), t)
+                    if t.requires_grad:
+                        t.register_hook(self._grad_hook(info.loss_site(slot, shared)))
+                state.last = None
+            except Exception as exc:
+                state.guard.failed(exc, "forward hook of the root module")
+
+        return root_hook
+
+    # --- helpers (called from the hooks) ---------------------------------------
+
+    def _check_inputs(self, args: tuple[Any, ...], output: Any, info: ModuleInfo) -> None:
+        """Probe inputs that are not the last recorded output, as the parent's."""
+        last = self.state.last
+        for x in args:
+            if (
+                isinstance(x, Tensor)
+                and x is not last
+                and x is not output
+                and x.is_floating_point()
+                and x.numel()
+                and info.parent is not None
+            ):
+                self._probe_output(info.parent.inline_site(), x)
+
+    def _probe_structure(self, info: ModuleInfo, output: Any) -> None:
+        last = None
+        for slot, t in iter_tensors(output):
+            if t.is_floating_point() and t.numel():
+                if last is None:
+                    last = t
+                if info.leaf or t is not self.state.last:
+                    self._probe_output(info.output_site(slot), t)
+        if last is not None:
+            self.state.last = last
+
+    def _probe_output(self, site: Site, t: Tensor) -> None:
+        if t.is_floating_point() and t.numel():
+            self._probe(site, t)
+            if t.requires_grad and site.backward is not None:
+                t.register_hook(self._grad_hook(site.backward))
+
+    def _probe(self, site: Site, t: Tensor) -> None:
+        lo, hi = torch.aminmax(t.detach())
+        # An allow-listed module may emit -inf on purpose: only its max is
+        # watched (NaN and +inf still reach it).
+        self.state.buf.pairs.extend((hi, hi) if site.allow_neginf else (lo, hi))
+        self.state.buf.sites.append(site)
+        site.shape, site.dtype = t.shape, t.dtype
+
+    def _probe_input(self, info: ModuleInfo, path: str, t: Tensor) -> None:
+        if not t.is_floating_point() or not t.numel():
+            return
+        # path is "[0][i]..." for positional, "[1].name..." for keyword args
+        slot = path[3:] if path.startswith("[1].") else "args" + path[3:]
+        self._probe(info.input_site(slot), t)
+        if self.state.last is None:
+            self.state.last = t
+
+    def _grad_hook(self, site: Site) -> Callable[[Tensor], None]:
+        """The tensor hook for gradients at ``site``: cached, one per site."""
+        hook = self._grad_hooks.get(id(site))
+        if hook is None:
+            hook = _make_grad_hook(self.state, site)
+            self._grad_hooks[id(site)] = hook
+        return hook
+
+
+def _make_grad_hook(state: HookState, site: Site) -> Callable[[Tensor], None]:
+    pairs, sites = state.buf.pairs, state.buf.sites
+
+    def grad_hook(grad: Tensor) -> None:
+        if state.guard.off:
+            return
+        try:
+            if grad.is_floating_point() and grad.numel():
+                pairs.extend(torch.aminmax(grad.detach()))
+                sites.append(site)
+        except Exception as exc:
+            state.guard.failed(exc, f"gradient hook of {site.module!r}")
+
+    return grad_hook

@@ -1,0 +1,61 @@
+"""Module and parameter names as the user wrote them, without wrapper prefixes.
+
+``DistributedDataParallel`` adds ``module.``, ``torch.compile`` adds
+``_orig_mod.``, FSDP (v1) adds ``_fsdp_wrapped_module.`` and activation
+checkpointing ``_checkpoint_wrapped_module.``. A user who wrote ``fc1`` wants
+to read ``fc1`` in a report, whatever wrapped the model.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+#: Path components that wrappers insert; dropped from every reported name.
+WRAPPER_PARTS = frozenset(
+    {"module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"}
+)
+
+#: Attribute holding the wrapped model, per wrapper class name.
+_INNER_ATTR = {
+    "DistributedDataParallel": "module",
+    "DataParallel": "module",
+    "FullyShardedDataParallel": "_fsdp_wrapped_module",
+    "OptimizedModule": "_orig_mod",
+}
+
+
+def clean_name(name: str) -> str:
+    """``module._orig_mod.fc1.weight`` → ``fc1.weight``.
+
+    Only the wrapper parts are dropped; a user's own submodule called
+    ``module`` inside a plain model keeps its name (see :func:`unwrap`).
+    """
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_PARTS)
+
+
+def unwrap(model: nn.Module) -> tuple[nn.Module, bool]:
+    """The innermost user model under DDP / DataParallel / FSDP / compile wrappers.
+
+    Returns the model and whether anything was unwrapped (then names are
+    cleaned of wrapper parts; otherwise they are reported verbatim).
+    """
+    wrapped = False
+    while type(model).__name__ in _INNER_ATTR:
+        inner = getattr(model, _INNER_ATTR[type(model).__name__], None)
+        if not isinstance(inner, nn.Module):
+            break
+        model, wrapped = inner, True
+    return model, wrapped
+
+
+def module_names(model: nn.Module, wrapped: bool) -> dict[nn.Module, str]:
+    """Every submodule (each once, even if shared) with its reported name."""
+    names: dict[nn.Module, str] = {}
+    for name, module in model.named_modules():
+        names.setdefault(module, clean_name(name) if wrapped else name)
+    return names
+
+
+def param_names(model: nn.Module, wrapped: bool) -> dict[nn.Parameter, str]:
+    """Every parameter (shared ones once) with its reported qualified name."""
+    return {p: clean_name(n) if wrapped else n for n, p in model.named_parameters()}

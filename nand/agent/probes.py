@@ -1,0 +1,136 @@
+"""Device-side reductions and the per-step probe buffer.
+
+A probe is one ``torch.aminmax`` of a tensor: one pass that gives both
+detection (NaN reaches min and max, +inf the max, -inf the min) and the
+telemetry figure max|x| = max(max, -min). It is correct in every float dtype
+and the fastest correct reduction on CPU (FINDINGS.md: the CPU inf-norm is not
+vectorised). The two 0-d results stay on the device; nothing here reads them.
+
+Parameters, gradients and optimizer state are checked with one multi-tensor
+``torch._foreach_norm`` (2-norm), which also gives the gradient norm. A 2-norm
+of finite values can overflow to inf, so a non-finite norm is only a suspect:
+the slow path in :mod:`nand.agent.step_check` verifies it with ``isfinite``.
+
+The buffer's lists are cleared in place, never rebound: the hooks hold them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+#: Marks the start of a micro-step (a root forward call) in ``ProbeBuffer.sites``.
+MICRO = None
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class Site:
+    """Where a probe was taken; one object per (module, phase, output slot).
+
+    ``owner`` is the module the finding is blamed on: the module itself for its
+    outputs, the parent for an inline value computed in the parent's forward.
+    """
+
+    phase: str
+    module: str
+    module_type: str
+    index: int = -1  # position in the module table; -1 for parameters
+    slot: str = ""  # output position ("0", "logits"...), state key, or input path
+    kind: str = "output"  # output | inline | loss | input | norm
+    dtype: torch.dtype | None = None  # of the last probed tensor
+    shape: tuple[int, ...] = ()  # of the last probed tensor
+    allow_neginf: bool = False  # allow-listed module: -inf is on purpose
+    backward: Site | None = None  # the site of this value's gradient
+    param: Tensor | None = None  # norm sites: the parameter
+    state_key: str = ""  # optimizer_state sites: the key in optimizer.state[param]
+
+
+class ProbeBuffer:
+    """The 0-d results of one optimizer step, in execution order.
+
+    ``pairs`` holds (min, max) per activation probe, ``sites`` the matching
+    :class:`Site` (and :data:`MICRO` marks); ``norms``/``norm_sites`` hold the
+    multi-tensor norms of grads, params and optimizer state.
+    """
+
+    __slots__ = ("extras", "norm_sites", "norms", "pairs", "sites")
+
+    def __init__(self) -> None:
+        self.pairs: list[Tensor] = []
+        self.sites: list[Site | None] = []
+        self.norms: list[Tensor] = []
+        self.norm_sites: list[Site] = []
+        self.extras: list[Tensor] = []  # loss, AMP scale, found_inf...
+
+    def clear(self) -> None:
+        self.pairs.clear()
+        self.sites.clear()
+        self.norms.clear()
+        self.norm_sites.clear()
+        self.extras.clear()
+
+    def __len__(self) -> int:
+        return len(self.sites) + len(self.norm_sites)
+
+    def add_norms(self, tensors: list[Tensor], sites: list[Site]) -> None:
+        """One ``_foreach_norm`` launch over ``tensors`` (all floating, non-empty)."""
+        if tensors:
+            self.norms.extend(torch._foreach_norm(tensors))
+            self.norm_sites.extend(sites)
+
+    def gather(self) -> Tensor | None:
+        """All results as one 1-d float32 tensor: pairs, then norms, then extras."""
+        parts = []
+        if self.pairs:
+            parts.append(torch.stack(self.pairs).float())
+        if self.norms:
+            parts.append(torch.stack(self.norms).float())
+        if self.extras:
+            parts.append(torch.stack(self.extras).float())
+        if not parts:
+            return None
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def probe(pairs: list[Tensor], sites: list[Site | None], site: Site, t: Tensor) -> None:
+    """Launch one aminmax of ``t`` if it is a non-empty float tensor. No sync."""
+    if t.is_floating_point() and t.numel():
+        pairs.extend(torch.aminmax(t.detach()))
+        sites.append(site)
+
+
+def iter_tensors(value: Any, path: str = "", depth: int = 0) -> Iterator[tuple[str, Tensor]]:
+    """(path, tensor) for every tensor in a nested output or input structure.
+
+    Handles tensors, tuples/lists, dicts (and ``ModelOutput``, a dict subclass)
+    and dataclasses; other objects are ignored. Depth is bounded so a
+    self-referencing structure cannot hang the training loop.
+    """
+    if isinstance(value, Tensor):
+        yield path, value
+    elif depth > 4:
+        return
+    elif isinstance(value, (tuple, list)):
+        for i, item in enumerate(value):
+            yield from iter_tensors(item, f"{path}[{i}]", depth + 1)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from iter_tensors(item, f"{path}.{key}" if path else str(key), depth + 1)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            item = getattr(value, f.name, None)
+            yield from iter_tensors(item, f"{path}.{f.name}" if path else f.name, depth + 1)
+
+
+def first_float(value: Any) -> Tensor | None:
+    """The first float tensor of a (nested) value, or None."""
+    if isinstance(value, Tensor):
+        return value
+    for _, t in iter_tensors(value):
+        if t.is_floating_point():
+            return t
+    return None

@@ -1,0 +1,98 @@
+"""Turns a :class:`~nand.agent.step_check.Finding` into an :class:`~nand.events.Event`.
+
+This is the slow path: it runs once per incident, so it may look at tensors
+(counting NaN/+inf/-inf on a parameter, gradient or optimizer state) and sync.
+Activations are gone by the step boundary; their events carry the aminmax
+figures that were read (min/max, NaN-propagating), shape and dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from nand.agent.identity import Identity
+from nand.agent.step_check import Finding
+from nand.events import Event
+
+
+def build_event(
+    finding: Finding, who: Identity, step: int, seq: int, scale: float, root_type: str
+) -> Event:
+    event = Event(
+        run=who.run,
+        rank=who.rank,
+        world_size=who.world_size,
+        host=who.host,
+        pid=who.pid,
+        step=step,
+        micro_step=finding.micro,
+        phase=finding.phase,
+        module=finding.module,
+        module_type=finding.module_type if finding.module else root_type,
+        order=finding.order,
+        cause=finding.cause,
+        call=finding.call,
+        seq=seq,
+    )
+    if finding.tensor is not None:
+        _count(event, finding.tensor)
+    else:
+        _from_minmax(event, finding, scale)
+    event.message = describe(event, finding)
+    return event
+
+
+def _count(event: Event, t: Tensor) -> None:
+    t = t.detach()
+    event.nan = int(torch.isnan(t).sum())
+    event.posinf = int((t == math.inf).sum())
+    event.neginf = int((t == -math.inf).sum())
+    finite = t[torch.isfinite(t)].float()
+    if finite.numel():
+        event.min, event.max = float(finite.min()), float(finite.max())
+        event.max_abs = float(finite.abs().max())
+    event.shape, event.dtype = list(t.shape), str(t.dtype).removeprefix("torch.")
+
+
+def _from_minmax(event: Event, finding: Finding, scale: float) -> None:
+    # Gradients under AMP are scaled: report what the user would compute.
+    div = scale if finding.phase in ("backward", "loss") else 1.0
+    event.min, event.max = finding.lo / div, finding.hi / div
+    site = finding.site
+    event.shape = list(site.shape)
+    event.dtype = str(site.dtype).removeprefix("torch.") if site.dtype is not None else ""
+
+
+def _kinds(event: Event) -> str:
+    if event.nan is not None:
+        return ""  # Event.describe counts them
+    lo, hi = event.min, event.max
+    if lo is None or hi is None or math.isnan(lo) or math.isnan(hi):
+        return "NaN"
+    parts = [s for s, bad in (("+inf", hi == math.inf), ("-inf", lo == -math.inf)) if bad]
+    return " and ".join(parts) or "non-finite value"
+
+
+def describe(event: Event, finding: Finding) -> str:
+    """The one log line of an incident: who, where, what, and what it means."""
+    text = event.describe()
+    kinds = _kinds(event)
+    if kinds:
+        text = text.replace("non-finite value", kinds, 1)
+    extra = []
+    if finding.site.kind == "inline":
+        extra.append(f"made by code inline in the forward of {event.module or '<root>'}")
+    if finding.site.kind == "input":
+        extra.append(f"input argument {finding.site.slot}")
+    if finding.phase == "backward":
+        extra.append("its backward turned a finite gradient non-finite")
+    if finding.phase == "loss":
+        extra.append("the forward was finite: look at the loss computation")
+    if finding.call:
+        extra.append(f"call {finding.call + 1} of this module in the micro-step")
+    if event.max_abs is not None and event.nan is not None:
+        extra.append(f"largest finite |x| {event.max_abs:.3g}")
+    return text + ("; " + "; ".join(extra) if extra else "")

@@ -1,0 +1,159 @@
+"""The agent's outputs: identity, sinks, heartbeats and server commands.
+
+Every sink call is guarded: a failing sink is logged once and dropped, never
+raised into the training loop. Sinks are called at step boundaries only.
+
+Calls, in order: ``hello(info)`` once from ``nand.watch``; ``event(event,
+flight)`` when an incident starts (the flight window rides along);
+``heartbeat(summary)`` every ``NAND_HEARTBEAT_S`` seconds at a step end, built
+from figures already read (never an extra sync); ``commands()`` at every
+optimizer step boundary (``{"command": "stop", "step": S}`` makes
+``optimizer.step()`` raise :class:`nand.StopRequested` once ``watch.step >= S``;
+``{"command": "send_flight"}`` answers with ``flight(window, "requested")``);
+``bye(step, reason)`` then ``close(timeout)`` from ``watch.close()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+import nand
+from nand import config
+from nand.agent.identity import Identity, resolve_identity
+from nand.agent.sink import Sink
+from nand.agent.sinks import JsonlSink, LogSink, server_sink
+from nand.events import Event, FlightWindow, StepSummary
+
+if TYPE_CHECKING:
+    from nand.agent.boundary import Outcome
+    from nand.agent.hooks import ModuleInfo
+    from nand.agent.watch import Watch
+
+log = logging.getLogger("nand")
+
+
+class Session:
+    def __init__(self, who: Identity, sinks: list[Sink]) -> None:
+        self.who = who
+        self.sinks = sinks
+        self.stop_at: int | None = None
+        self.heartbeat_s = config.get_float(config.NAND_HEARTBEAT_S, 5.0)
+        self._last_beat = time.monotonic()
+        self._last_step = 0
+
+    @classmethod
+    def open(
+        cls, server: str | None, run: str | None, events_file: str | None, log_events: bool
+    ) -> Session:
+        who = resolve_identity(run)
+        sinks: list[Sink] = [LogSink()] if log_events else []
+        if events_file:
+            sinks.append(JsonlSink(events_file, who.rank))
+        if server:
+            remote = server_sink(server, who, config.get_str(config.NAND_TOKEN))
+            if remote is not None:
+                sinks.append(remote)
+        return cls(who, sinks)
+
+    def hello(
+        self,
+        root: nn.Module,
+        names: list[str],
+        infos: dict[nn.Module, ModuleInfo],
+        optimizer: Any,
+        policy: str,
+    ) -> None:
+        p = next(iter(root.parameters()), None)
+        info = {
+            **self.who.to_dict(),
+            "versions": {
+                "nand": nand.__version__,
+                "torch": torch.__version__,
+                "cuda": torch.version.cuda,
+                "python": platform.python_version(),
+            },
+            "device": str(p.device) if p is not None else "cpu",
+            "modules": [
+                {
+                    "name": i.name,
+                    "type": i.type,
+                    "order": i.index,
+                    "params": sum(q.numel() for q in m.parameters(recurse=False)),
+                }
+                for m, i in infos.items()
+            ],
+            "optimizer": type(optimizer).__name__ if optimizer is not None else None,
+            "on_nonfinite": policy,
+        }
+        self._call("hello", info)
+
+    def event(self, event: Event, flight: FlightWindow | None) -> None:
+        self._call("event", event, flight)
+
+    def step_done(self, watch: Watch, outcome: Outcome) -> None:
+        """Heartbeat when due, from the figures this step already read."""
+        now = time.monotonic()
+        if now - self._last_beat < self.heartbeat_s or not self.sinks:
+            return
+        rate = (watch.step - self._last_step) / (now - self._last_beat)
+        self._last_beat, self._last_step = now, watch.step
+        result = outcome.scan
+        amp = watch._amp
+        summary = StepSummary(
+            step=watch.step,
+            steps_per_s=rate,
+            loss=outcome.loss,
+            grad_norm=result.grad_norm if result else None,
+            max_activation=result.max_act if result else None,
+            amp_skipped=watch.amp_skipped,
+            amp_scale=amp.scale if amp is not None else None,
+        )
+        self._call("heartbeat", summary)
+
+    def poll(self, watch: Watch) -> None:
+        """Server commands, at an optimizer step boundary."""
+        for sink in list(self.sinks):
+            try:
+                commands = sink.commands()
+            except Exception as exc:
+                self._drop(sink, "commands", exc)
+                continue
+            for command in commands:
+                self._command(command, watch)
+
+    def _command(self, command: dict[str, Any], watch: Watch) -> None:
+        kind = command.get("command")
+        if kind == "stop":
+            step = int(command.get("step", watch.step))
+            self.stop_at = step if self.stop_at is None else min(self.stop_at, step)
+        elif kind == "send_flight":
+            self._call("flight", watch.flight_window(), "requested")
+
+    def close(self, step: int, reason: str) -> None:
+        self._call("bye", step, reason)
+        timeout = config.get_float(config.NAND_CLOSE_TIMEOUT_S, 2.0)
+        self._call("close", timeout)
+
+    def _call(self, method: str, *args: Any) -> None:
+        for sink in list(self.sinks):
+            try:
+                getattr(sink, method)(*args)
+            except Exception as exc:
+                self._drop(sink, method, exc)
+
+    def _drop(self, sink: Sink, method: str, exc: Exception) -> None:
+        log.error(
+            "nand: sink %s failed in %s (%s); not using it any more",
+            type(sink).__name__,
+            method,
+            exc,
+            exc_info=exc,
+        )
+        if sink in self.sinks:
+            self.sinks.remove(sink)

@@ -1,0 +1,218 @@
+"""The once-per-step look at the probe results, and the slow path.
+
+:func:`scan` runs every optimizer step on the values read from the device in
+one go: it says whether anything is non-finite and collects the telemetry
+(per-module max|x| of activations and gradients, gradient norm). It is plain
+Python over a short list of floats.
+
+:func:`first_finding` runs only when something was non-finite. It replays the
+buffer in execution order, labels every entry with its micro-step, call index
+and order, and picks the logically first one, ``(micro_step, phase, order)``:
+
+- ``input``: the root's input data (cause ``data``);
+- ``forward``: the first non-finite output, or inline value of a parent;
+- ``loss``: the gradient arriving at the root output, forward being finite;
+- ``backward``: tensor hooks fire in backward order. The first non-finite
+  gradient sits on the output of the module that *fed* the culprit; the
+  culprit is the site whose gradient fired just before it (finite), i.e. the
+  module whose backward turned a finite gradient into a non-finite one;
+- ``grad`` / ``param`` / ``optimizer_state``: multi-tensor 2-norms. A 2-norm of
+  finite values can overflow, so these are verified with ``isfinite`` on the
+  tensor itself before anything is reported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from torch import Tensor
+
+from nand.agent.probes import ProbeBuffer, Site
+from nand.events import PHASE_RANK
+
+_ACT_KINDS = frozenset({"output", "inline"})
+
+
+@dataclasses.dataclass(slots=True)
+class StepScan:
+    """What one step's values say, before any event is built."""
+
+    bad: bool
+    act: list[float | None]  # per module index: max |activation|
+    grad: list[float | None]  # per module index: max |gradient out of it|, unscaled
+    grad_norm: float | None
+    max_act: float | None
+    headroom: Site | None = None  # first site whose max|x| came near its dtype's limit
+    headroom_value: float = 0.0
+
+
+@dataclasses.dataclass(slots=True)
+class Finding:
+    """The logically first non-finite entry of a step."""
+
+    site: Site
+    phase: str
+    module: str
+    module_type: str
+    micro: int
+    order: int
+    call: int
+    lo: float
+    hi: float
+    cause: str
+    tensor: Tensor | None = None  # norm entries: the tensor to count on
+
+
+def scan(
+    buf: ProbeBuffer, values: list[float], n_modules: int, scale: float, norm_scale: float
+) -> StepScan:
+    """Telemetry and the non-finite flag of one step.
+
+    ``scale`` unscales the AMP-scaled gradients seen by tensor hooks,
+    ``norm_scale`` the ``.grad`` norms (1 once the scaler has unscaled them).
+    """
+    n_main = 2 * (len(buf.sites) - buf.sites.count(None)) + len(buf.norms)
+    total = sum(values[:n_main])
+    act: list[float | None] = [None] * n_modules
+    grad: list[float | None] = [None] * n_modules
+    result = StepScan(not math.isfinite(total), act, grad, None, None)
+    i = 0
+    for site in buf.sites:
+        if site is None:
+            continue
+        lo, hi = values[i], values[i + 1]
+        i += 2
+        m = hi if hi > -lo else -lo
+        if site.kind in _ACT_KINDS:
+            target = act if site.phase == "forward" else grad
+            if site.phase != "forward":
+                m /= scale
+            old = target[site.index]
+            if old is None or m > old:
+                target[site.index] = m
+            if site.phase == "forward" and result.headroom is None:
+                _check_headroom(result, site, m)
+    result.grad_norm = _grad_norm(buf, values[i : i + len(buf.norms)], norm_scale)
+    result.max_act = max((a for a in act if a is not None), default=None)
+    return result
+
+
+def _check_headroom(result: StepScan, site: Site, m: float) -> None:
+    dtype = site.dtype
+    limit = torch.finfo(dtype).max if dtype is not None and dtype.is_floating_point else math.inf
+    if math.isfinite(m) and m > 0.5 * limit:
+        result.headroom, result.headroom_value = site, m
+
+
+def _grad_norm(buf: ProbeBuffer, norms: list[float], scale: float) -> float | None:
+    squares = [n * n for n, s in zip(norms, buf.norm_sites, strict=False) if s.phase == "grad"]
+    return math.sqrt(sum(squares)) / scale if squares else None
+
+
+def first_finding(
+    buf: ProbeBuffer, values: list[float], world_size: int = 1, prev_micro: int = 0
+) -> Finding | None:
+    """The logically first verified non-finite entry, or None (a false alarm).
+
+    ``prev_micro`` labels param/optimizer_state entries, which were taken after
+    the previous optimizer step and read with this one.
+    """
+    norms = _norm_findings(buf, values, world_size, prev_micro)
+    candidates = _activation_findings(buf, values) + norms
+    for finding in sorted(candidates, key=_logical_key):
+        if finding.tensor is None or not bool(torch.isfinite(finding.tensor).all()):
+            return finding
+    return None
+
+
+def _logical_key(f: Finding) -> tuple[int, int, int, int]:
+    # param/optimizer_state entries come from the previous step: they go first.
+    previous = 0 if f.phase in ("param", "optimizer_state") else 1
+    return (previous, f.micro, PHASE_RANK[f.phase], f.order)
+
+
+def _entries(buf: ProbeBuffer, values: list[float]) -> list[tuple[int, Site, float, float, int]]:
+    """(micro, site, lo, hi, call) for every activation/gradient entry."""
+    out = []
+    micro, i = -1, 0
+    calls: dict[int, int] = {}
+    for site in buf.sites:
+        if site is None:
+            micro, calls = micro + 1, {}
+            continue
+        call = calls.get(id(site), 0)
+        calls[id(site)] = call + 1
+        out.append((max(micro, 0), site, values[i], values[i + 1], call))
+        i += 2
+    return out
+
+
+def _activation_findings(buf: ProbeBuffer, values: list[float]) -> list[Finding]:
+    found: list[Finding] = []
+    orders: dict[tuple[int, str], int] = {}
+    prev_backward: dict[int, Site] = {}  # micro -> last finite backward site
+    first_bad_backward: set[int] = set()
+    for micro, site, lo, hi, call in _entries(buf, values):
+        key = (micro, site.phase)
+        order = orders.get(key, 0)
+        orders[key] = order + 1
+        finite = math.isfinite(lo) and math.isfinite(hi)
+        if site.kind == "loss" and finite:
+            prev_backward[micro] = site  # the root's own backward runs next
+            continue
+        if site.phase == "backward":
+            if finite:
+                prev_backward[micro] = site
+                continue
+            if micro in first_bad_backward:
+                continue
+            first_bad_backward.add(micro)
+            found.append(_backward_finding(site, prev_backward.get(micro), micro, order, lo, hi))
+        elif not finite:
+            cause = "data" if site.phase == "input" else "produced"
+            module = "" if site.phase == "loss" else site.module
+            found.append(
+                Finding(
+                    site, site.phase, module, site.module_type, micro, order, call, lo, hi, cause
+                )
+            )
+    return found
+
+
+def _backward_finding(
+    site: Site, before: Site | None, micro: int, order: int, lo: float, hi: float
+) -> Finding:
+    """A non-finite gradient: blamed on the module whose backward ran just before."""
+    if before is None:  # nothing finite fired before: it came in with the loss gradient
+        return Finding(site, "loss", "", site.module_type, micro, order, 0, lo, hi, "produced")
+    return Finding(
+        site, "backward", before.module, before.module_type, micro, order, 0, lo, hi, "produced"
+    )
+
+
+def _norm_findings(
+    buf: ProbeBuffer, values: list[float], world_size: int, prev_micro: int
+) -> list[Finding]:
+    start = 2 * (len(buf.sites) - buf.sites.count(None))
+    last_micro = max(buf.sites.count(None) - 1, 0)
+    found: list[Finding] = []
+    orders: dict[str, int] = {}
+    for site, norm in zip(buf.norm_sites, values[start:], strict=False):
+        order = orders.get(site.phase, 0)
+        orders[site.phase] = order + 1
+        if math.isfinite(norm):
+            continue
+        tensor = site.param.grad if site.phase == "grad" and site.param is not None else site.param
+        if tensor is None:
+            continue
+        micro = last_micro if site.phase == "grad" else prev_micro
+        cause = "received" if site.phase == "grad" and world_size > 1 else "produced"
+        found.append(
+            Finding(
+                site, site.phase, site.module, site.module_type, micro, order, 0, norm, norm, cause
+            )
+        )
+        found[-1].tensor = tensor
+    return found

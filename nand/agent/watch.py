@@ -1,0 +1,385 @@
+"""``nand.watch``: find where a training run first went non-finite.
+
+>>> import torch, nand
+>>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+>>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+>>> with nand.watch(model, opt, on_nonfinite="warn") as watch:
+...     for _ in range(3):
+...         model(torch.randn(2, 4)).pow(2).mean().backward()
+...         opt.step()
+...         opt.zero_grad()
+>>> watch.step, watch.first
+(3, None)
+
+What is checked, each with step, micro-step, phase and module (see
+``nand.events``): the root's **input** data; every module's **forward** output
+(any structure; a value made inline in a parent's forward is blamed on the
+parent); the **loss** gradient arriving at the model output; every module's
+**backward** (tensor hooks on forward outputs: works with in-place ops and
+catches NaNs made only in backward); parameter **grad** before the optimizer
+step; **param** and **optimizer_state** after it.
+
+Arguments (each defaults to its ``NAND_*`` variable, see ``nand.config``):
+
+- ``on_nonfinite``: ``"warn"`` logs one line per incident and goes on;
+  ``"raise"`` raises :class:`nand.NonFiniteError` (``.event``) out of
+  ``optimizer.step()`` before the update is applied, so the weights stay
+  finite; ``"skip"`` drops that optimizer step (grads set to ``None``) and
+  training goes on; ``"stop"`` is ``raise`` agreed by all ranks (one tiny
+  all-reduce of a 0-d flag per step when ``torch.distributed`` is initialised;
+  ranks that were fine raise :class:`nand.StopRequested`).
+- ``scaler``: the ``torch.amp.GradScaler`` in use. Overflow steps it skips are
+  counted (``watch.amp_skipped``), not reported; a warning comes only when the
+  scale keeps collapsing. Gradient figures are reported unscaled.
+- ``allow_nonfinite``: module names (globs) or type names allowed to emit
+  ``-inf`` on purpose (attention masks); NaN and +inf are still caught there.
+- ``server`` / ``run`` / ``events_file`` / ``flight_steps`` / ``max_events``.
+
+Cost: every hook launches one ``aminmax`` and keeps the 0-d results on the
+device; parameters, gradients and optimizer state get one ``_foreach_norm``
+each; the host reads everything once per optimizer step. Param and
+optimizer-state results are read with the next step (or at ``close``), so a
+non-finite *update* from finite gradients is reported one step late, and
+``raise`` cannot prevent that one.
+
+Limits: ``torch.compile`` — call ``nand.watch`` *before* compiling or before
+the first compiled call; hooks added later are ignored by dynamo. Tensor hooks
+make graph breaks, so compiled models run in several graphs (checks intact,
+some speed lost). Only positional inputs of submodules are compared for the
+inline-code check. Backward blame follows the order gradients arrive in; with
+branches (residuals) it names the module whose backward ran just before the
+first non-finite gradient. On a GPU the one read per step is a sync; reading
+one step late through pinned memory, and ``found_inf`` for a free "skip" with
+fused optimizers, are designed for (see ``boundary.py``) but not implemented.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from nand import config
+from nand.agent.amp import AmpWatch
+from nand.agent.boundary import Boundary, Outcome
+from nand.agent.hooks import Hooks, HookState, ModuleInfo, is_allowed
+from nand.agent.names import module_names, param_names, unwrap
+from nand.agent.optimizer import OptimizerHooks
+from nand.agent.probes import ProbeBuffer
+from nand.agent.recorder import FlightRecorder
+from nand.agent.safety import Guard
+from nand.agent.session import Session
+from nand.errors import ConfigError, NandError, NonFiniteError, StopRequested
+from nand.events import Event, FlightWindow
+
+__all__ = ["Watch", "watch"]
+
+log = logging.getLogger("nand")
+
+POLICIES = ("warn", "raise", "skip", "stop")
+#: Probe entries after which a window is read even without an optimizer step
+#: (an optimizer that never steps must not make the buffer grow forever).
+MAX_WINDOW = 100_000
+
+
+class Watch:
+    """A watched model (and optimizer); use :func:`watch` to make one.
+
+    ``first`` is the first :class:`nand.Event` on this rank, ``events`` the
+    incidents recorded (bounded, the first always kept), ``step`` the optimizer
+    steps completed (root forward calls without an optimizer).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        *,
+        on_nonfinite: str,
+        session: Session,
+        allow_nonfinite: tuple[str, ...],
+        flight_steps: int,
+        max_events: int,
+        scaler: Any,
+    ) -> None:
+        if on_nonfinite not in POLICIES:
+            raise ConfigError(f"on_nonfinite={on_nonfinite!r}: use one of {', '.join(POLICIES)}")
+        self.policy = on_nonfinite
+        self.session = session
+        self.step = 0
+        self.nonfinite_steps = 0
+        self.first: Event | None = None
+        self._events: deque[Event] = deque(maxlen=max(1, max_events - 1))
+        self._in_incident = False
+        self._closed = False
+        self._micro = 0  # micro-steps of the window read last (for param labels)
+        self._guard = Guard()
+        self._buf = ProbeBuffer()
+        self._root, wrapped = unwrap(model)
+        self._infos = self._module_infos(self._root, wrapped, allow_nonfinite)
+        names = [info.name for info in self._infos.values()]
+        self.recorder = FlightRecorder(flight_steps, names)
+        state = HookState(self._buf, self._guard)
+        state.before_root = self._before_root
+        self._hooks = Hooks(state)
+        self._hooks.install(self._root, self._infos)
+        world = session.who.world_size
+        agree = on_nonfinite in ("skip", "stop") and _dist_up() and world > 1
+        root_type = type(self._root).__name__
+        self._boundary = Boundary(
+            self._buf, session.who, self.recorder, len(names), root_type, agree
+        )
+        self._opt = self._hook_optimizer(optimizer, wrapped) if optimizer is not None else None
+        self._amp = (
+            AmpWatch(scaler, optimizer, self._stepped, self._amp_skipped)
+            if (scaler is not None and optimizer is not None)
+            else None
+        )
+        self._boundary.amp = self._amp
+        self._set_dtype()
+        session.hello(self._root, names, self._infos, optimizer, on_nonfinite)
+
+    # --- public API ------------------------------------------------------------
+
+    @property
+    def events(self) -> list[Event]:
+        """Incidents on this rank, oldest first; the first one is always kept."""
+        rest = [e for e in self._events if e is not self.first]
+        return ([self.first] if self.first is not None else []) + rest
+
+    @property
+    def amp_skipped(self) -> int:
+        """Overflow steps the GradScaler skipped (not incidents)."""
+        return self._amp.skipped if self._amp is not None else 0
+
+    @property
+    def host_reads(self) -> int:
+        """Host reads nand did so far (one per optimizer step at most)."""
+        return self._boundary.reads
+
+    def loss(self, loss: Tensor) -> Tensor:
+        """Record the loss of this step for telemetry, without a sync; returns it."""
+        self._boundary.loss_tensor = loss
+        return loss
+
+    def flight_window(self) -> FlightWindow:
+        """The flight recorder: per-module telemetry of the last steps."""
+        return self.recorder.window()
+
+    def close(self, reason: str = "closed") -> None:
+        """Remove every hook, read what is left, say goodbye. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if not self._guard.off and len(self._buf):
+                self._report(self._boundary.check(self.step, self.step - 1, self._micro, False))
+        except Exception as exc:
+            self._guard.failed(exc, "close")
+        finally:
+            self._hooks.remove()
+            if self._opt is not None:
+                self._opt.remove()
+            if self._amp is not None:
+                self._amp.close()
+            self._buf.clear()
+            self.session.close(self.step, reason)
+
+    def __enter__(self) -> Watch:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        reason = "closed" if exc is None else f"exception: {type(exc).__name__}"
+        self.close(reason)
+
+    # --- step boundaries --------------------------------------------------------
+
+    def _on_step(self) -> None:
+        """Optimizer pre-hook: read the window; apply the policy before the update."""
+        outcome = self._guarded_check(skipped=False)
+        self.session.poll(self)
+        if self.session.stop_at is not None and self.step >= self.session.stop_at:
+            raise StopRequested(self.session.stop_at, "requested by the server")
+        if outcome is None:
+            return
+        if outcome.overflow:
+            assert self._opt is not None
+            self._opt.drop_grads()  # a fused optimizer got found_inf; nothing to apply
+            return
+        self._apply_policy(outcome)
+
+    def _apply_policy(self, outcome: Outcome) -> None:
+        event = outcome.event
+        bad = event is not None or outcome.any_rank_bad
+        if not bad or self.policy == "warn":
+            return
+        if self.policy == "skip":
+            assert self._opt is not None
+            self._opt.drop_grads()
+            log.warning("nand: skipped optimizer step %d (non-finite)", self.step)
+        elif event is not None:
+            raise NonFiniteError(event)
+        else:
+            raise StopRequested(self.step, "a non-finite value on another rank")
+
+    def _after_step(self) -> None:
+        self.step += 1
+
+    def _amp_skipped(self) -> None:
+        """GradScaler.update without an optimizer step: an overflow step."""
+        self._guarded_check(skipped=True)
+
+    def _stepped(self) -> bool:
+        opt = self._opt
+        stepped = opt is not None and opt.stepped
+        if opt is not None:
+            opt.stepped = False
+        return stepped
+
+    def _before_root(self) -> None:
+        """Root pre-hook: without an optimizer, each root call is a step."""
+        if self._opt is None and len(self._buf):
+            outcome = self._guarded_check(skipped=False)
+            self.step += 1
+            event = outcome.event if outcome is not None else None
+            if event is not None and self.policy in ("raise", "stop"):
+                raise NonFiniteError(event)
+        elif len(self._buf) > MAX_WINDOW:
+            self._guarded_check(skipped=False)
+
+    def _guarded_check(self, skipped: bool) -> Outcome | None:
+        if self._guard.off:
+            return None
+        try:
+            outcome = self._boundary.check(self.step, self.step - 1, self._micro, skipped)
+            self._report(outcome)
+            return outcome
+        except NandError:
+            raise
+        except Exception as exc:
+            self._guard.failed(exc, "step boundary")
+            return None
+
+    def _report(self, outcome: Outcome) -> None:
+        """Record, log and send an incident; one message per incident, no flood."""
+        self._micro = max(self._buf.sites.count(None) - 1, 0)
+        if outcome.overflow:
+            if self._amp is not None and self._amp.collapsing():
+                log.warning(
+                    "nand: the AMP loss scale keeps collapsing: %d overflow steps in a row, "
+                    "scale %.3g%s",
+                    self._amp.consecutive,
+                    self._amp.scale,
+                    f"; first non-finite: {outcome.event.message}" if outcome.event else "",
+                )
+            return
+        self.session.step_done(self, outcome)
+        event = outcome.event
+        if event is None:
+            self._in_incident = False
+            return
+        self.nonfinite_steps += 1
+        if self._in_incident:
+            return
+        self._in_incident = True
+        if self.first is None:
+            self.first = event
+        self._events.append(event)
+        self.session.event(event, self.recorder.window())
+
+    # --- setup ------------------------------------------------------------------
+
+    @staticmethod
+    def _module_infos(
+        root: nn.Module, wrapped: bool, allow: tuple[str, ...]
+    ) -> dict[nn.Module, ModuleInfo]:
+        names = module_names(root, wrapped)
+        infos: dict[nn.Module, ModuleInfo] = {}
+        by_name: dict[str, ModuleInfo] = {}
+        for index, (module, name) in enumerate(names.items()):
+            info = ModuleInfo(name, module, index, is_allowed(name, type(module).__name__, allow))
+            infos[module] = by_name[name] = info
+        for module, info in infos.items():
+            if module is not root:
+                info.parent = _caller(info.name, by_name, infos[root], names)
+        return infos
+
+    def _hook_optimizer(self, optimizer: torch.optim.Optimizer, wrapped: bool) -> OptimizerHooks:
+        owners = {m: info for m, info in self._infos.items()}
+        names: dict[Any, tuple[str, str]] = {}
+        for module, info in owners.items():
+            for pname, p in module.named_parameters(recurse=False):
+                names.setdefault(p, (f"{info.name}.{pname}" if info.name else pname, info.type))
+        for p, name in param_names(self._root, wrapped).items():
+            names.setdefault(p, (name, ""))
+        return OptimizerHooks(
+            optimizer, self._buf, self._guard, names, self._on_step, self._after_step
+        )
+
+    def _set_dtype(self) -> None:
+        p = next((p for p in self._root.parameters() if p.is_floating_point()), None)
+        if p is not None:
+            self.recorder.dtype = str(p.dtype).removeprefix("torch.")
+            self.recorder.dtype_max = float(torch.finfo(p.dtype).max)
+
+
+def _caller(
+    name: str, by_name: dict[str, ModuleInfo], root: ModuleInfo, names: dict[nn.Module, str]
+) -> ModuleInfo:
+    """The nearest ancestor with a forward of its own (skips ModuleList/Dict)."""
+    containers = {n for m, n in names.items() if isinstance(m, (nn.ModuleList, nn.ModuleDict))}
+    parts = name.split(".")
+    while len(parts) > 1:
+        parts.pop()
+        parent = ".".join(parts)
+        if parent in by_name and parent not in containers:
+            return by_name[parent]
+    return root
+
+
+def _dist_up() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def watch(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    on_nonfinite: str | None = None,
+    server: str | None = None,
+    run: str | None = None,
+    events_file: str | None = None,
+    allow_nonfinite: tuple[str, ...] | list[str] = (),
+    flight_steps: int | None = None,
+    max_events: int | None = None,
+    scaler: Any = None,
+    log_events: bool = True,
+) -> Watch:
+    """Hook nand into ``model`` (and ``optimizer``); see the module docstring."""
+    policy = on_nonfinite or config.get_str(config.NAND_ON_NONFINITE, "warn") or "warn"
+    disabled = config.get_bool(config.NAND_DISABLE)
+    session = Session.open(
+        server=None if disabled else server or config.get_str(config.NAND_SERVER),
+        run=run,
+        events_file=None if disabled else events_file or config.get_str(config.NAND_EVENTS_FILE),
+        log_events=log_events and not disabled,
+    )
+    w = Watch(
+        model,
+        optimizer,
+        on_nonfinite=policy,
+        session=session,
+        allow_nonfinite=tuple(allow_nonfinite),
+        flight_steps=flight_steps or config.get_int(config.NAND_FLIGHT_STEPS, 64),
+        max_events=max_events or config.get_int(config.NAND_MAX_EVENTS, 1000),
+        scaler=scaler,
+    )
+    if disabled:
+        w.close("disabled")  # NAND_DISABLE=1: nothing stays hooked
+    return w

@@ -1,0 +1,128 @@
+"""Small models with faults that can be planted at a known step."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+VALUES = {"nan": float("nan"), "+inf": float("inf"), "-inf": float("-inf")}
+
+
+class Plant(nn.Module):
+    """Identity, except when armed: then one element of its output is ``value``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.value: float | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.value is None:
+            return x
+        x = x.clone()
+        x.view(-1)[0] = self.value
+        return x
+
+
+class BadBackward(torch.autograd.Function):
+    """Identity in forward; its backward writes ``value`` into the gradient."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, value: float) -> Tensor:  # type: ignore[override]
+        ctx.value = value
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        grad = grad.clone()
+        grad.view(-1)[0] = ctx.value
+        return grad, None
+
+
+class BackwardPlant(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.value: float | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x if self.value is None else BadBackward.apply(x, self.value)
+
+
+def mlp(plant_after: int | None = None, inplace: bool = False) -> nn.Sequential:
+    """Linear-ReLU-Linear-ReLU-Linear, optionally a Plant after layer index."""
+    layers: list[nn.Module] = [
+        nn.Linear(8, 16),
+        nn.ReLU(inplace=inplace),
+        nn.Linear(16, 16),
+        nn.ReLU(inplace=inplace),
+        nn.Linear(16, 4),
+    ]
+    if plant_after is not None:
+        layers.insert(plant_after + 1, Plant())
+    return nn.Sequential(*layers)
+
+
+@dataclasses.dataclass
+class Output:
+    logits: Tensor
+    hidden: Tensor
+
+
+class Block(nn.Module):
+    """A parent whose forward has inline code between two children."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 16)
+        self.inline_value: float | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.relu(self.fc1(x))
+        if self.inline_value is not None:
+            h = h.clone()
+            h[0, 0] = self.inline_value
+        return self.fc2(h * 1.0)
+
+
+class Net(nn.Module):
+    """Nested blocks, keyword and nested inputs, a dataclass output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = Block()
+        self.head = nn.Linear(16, 4)
+        self.unused = nn.Linear(3, 3)  # never called
+        self.frozen = nn.Linear(4, 4)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x: Tensor, *, extra: dict[str, Tensor] | None = None) -> Output:
+        if extra is not None:
+            x = x + extra["bias"][0]
+        h = self.block(x)
+        return Output(logits=self.frozen(self.head(h)), hidden=h)
+
+
+def train(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    steps: int,
+    before: Callable[[int, int], None] | None = None,
+    accum: int = 1,
+    loss_fn: Callable[[object, int], Tensor] | None = None,
+    inputs: Callable[[int], tuple[tuple, dict]] | None = None,
+) -> None:
+    """A plain training loop; ``before(step, micro)`` plants faults."""
+    gen = torch.Generator().manual_seed(0)
+    for step in range(steps):
+        for micro in range(accum):
+            if before is not None:
+                before(step, micro)
+            args, kwargs = inputs(step) if inputs else ((torch.randn(4, 8, generator=gen),), {})
+            out = model(*args, **kwargs)
+            loss = loss_fn(out, step) if loss_fn else out.pow(2).mean()
+            (loss / accum).backward()
+        opt.step()
+        opt.zero_grad()

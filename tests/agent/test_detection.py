@@ -1,0 +1,254 @@
+"""Each fault planted at a known step gives the exact first event."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import nand
+from tests.agent.models import VALUES, BackwardPlant, Net, Plant, mlp, train
+
+pytestmark = pytest.mark.parametrize("kind", list(VALUES))
+
+
+def where(event: nand.Event) -> tuple:
+    return (event.step, event.micro_step, event.phase, event.module, event.cause)
+
+
+def arm_at(module: nn.Module, step: int, value: float, micro: int = 0):
+    def before(s: int, m: int) -> None:
+        module.value = value if (s, m) == (step, micro) else None  # type: ignore[assignment]
+
+    return before
+
+
+def test_non_finite_input_data_is_reported_as_input_with_cause_data(kind):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def inputs(step: int):
+        x = torch.randn(4, 8)
+        if step == 3:
+            x[1, 2] = VALUES[kind]
+        return (x,), {}
+
+    with nand.watch(model, opt) as w:
+        train(model, opt, 5, inputs=inputs)
+    assert where(w.first) == (3, 0, "input", "", "data")
+
+
+def test_non_finite_in_a_nested_keyword_input_is_found(kind):
+    model = Net()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.01)
+
+    def inputs(step: int):
+        bias = torch.zeros(8)
+        if step == 2:
+            bias[3] = VALUES[kind]
+        return (torch.randn(4, 8),), {"extra": {"bias": [bias]}}
+
+    with nand.watch(model, opt) as w:
+        train(model, opt, 4, inputs=inputs, loss_fn=lambda out, s: out.logits.pow(2).mean())
+    assert where(w.first) == (2, 0, "input", "", "data")
+    assert "extra" in w.first.message
+
+
+def test_the_first_module_producing_a_non_finite_output_is_blamed(kind):
+    model = mlp(plant_after=2)  # Linear, ReLU, Linear, Plant, ReLU, Linear
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nand.watch(model, opt) as w:
+        train(model, opt, 6, before=arm_at(model[3], 4, VALUES[kind]))
+    assert where(w.first) == (4, 0, "forward", "3", "produced")
+    assert w.first.module_type == "Plant"
+    assert w.first.shape == [4, 16] and w.first.dtype == "float32"
+
+
+def test_inline_code_in_a_parent_forward_is_blamed_on_the_parent(kind):
+    model = Net()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.01)
+
+    def before(step: int, micro: int) -> None:
+        model.block.inline_value = VALUES[kind] if step == 1 else None
+
+    with nand.watch(model, opt) as w:
+        train(model, opt, 3, before=before, loss_fn=lambda out, s: out.logits.pow(2).mean())
+    assert where(w.first) == (1, 0, "forward", "block", "produced")
+    assert w.first.module_type == "Block"
+
+
+def test_a_non_finite_loss_from_finite_outputs_is_reported_as_loss(kind):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def loss_fn(out, step):
+        loss = out.pow(2).mean()
+        return loss * VALUES[kind] if step == 2 else loss
+
+    with nand.watch(model, opt) as w:
+        train(model, opt, 4, loss_fn=loss_fn)
+    assert where(w.first) == (2, 0, "loss", "", "produced")
+
+
+def test_a_nan_made_only_in_a_custom_backward_is_blamed_on_that_module(kind):
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(inplace=True), BackwardPlant(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nand.watch(model, opt) as w:
+        train(model, opt, 5, before=arm_at(model[2], 3, VALUES[kind]))
+    assert where(w.first) == (3, 0, "backward", "2", "produced")
+    assert w.first.module_type == "BackwardPlant"
+
+
+def test_where_log_backward_nan_is_found_in_backward_not_forward(kind):
+    class SafeLog(nn.Module):
+        def forward(self, x):
+            return torch.where(x > 0, torch.log(x), torch.zeros_like(x))
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), SafeLog(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: weights stay, only grads matter
+    with nand.watch(model, opt) as w:
+        train(model, opt, 3)
+    # ReLU makes exact zeros; log'(0) * 0 = NaN in backward only, from the first step.
+    assert where(w.first) == (0, 0, "backward", "2", "produced")
+
+
+def test_a_non_finite_gradient_written_into_grad_is_reported_as_grad(kind):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nand.watch(model, opt) as w:
+        for step in range(4):
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            if step == 2:
+                model[2].weight.grad[0, 0] = VALUES[kind]
+            opt.step()
+            opt.zero_grad()
+    assert where(w.first) == (2, 0, "grad", "2.weight", "produced")
+    assert w.first.module_type == "Linear"
+    counts = {"nan": w.first.nan, "+inf": w.first.posinf, "-inf": w.first.neginf}
+    assert counts[kind] == 1 and sum(counts.values()) == 1
+
+
+def corrupt_after_step(opt, at_step, fn):
+    """An optimizer post-hook registered before nand's: as if the update made it."""
+    count = [0]
+
+    def hook(optimizer, args, kwargs):
+        if count[0] == at_step:
+            with torch.no_grad():
+                fn()
+        count[0] += 1
+
+    opt.register_step_post_hook(hook)
+
+
+def test_a_non_finite_update_is_reported_as_param_of_that_step(kind):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    corrupt_after_step(opt, 1, lambda: model[4].bias.data.__setitem__(1, VALUES[kind]))
+    with nand.watch(model, opt) as w:
+        train(model, opt, 4)
+    assert where(w.first) == (1, 0, "param", "4.bias", "produced")
+
+
+def test_adam_state_going_non_finite_is_reported_as_optimizer_state(kind):
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    state = lambda: opt.state[model[0].weight]["exp_avg_sq"]  # noqa: E731
+    corrupt_after_step(opt, 2, lambda: state().__setitem__((0, 0), VALUES[kind]))
+    with nand.watch(model, opt) as w:
+        train(model, opt, 4)
+    assert where(w.first) == (2, 0, "optimizer_state", "0.weight:exp_avg_sq", "produced")
+
+
+def test_a_param_going_bad_at_the_last_step_is_found_at_close(kind):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    corrupt_after_step(opt, 2, lambda: model[0].weight.data.__setitem__((0, 0), VALUES[kind]))
+    with nand.watch(model, opt) as w:
+        train(model, opt, 3)
+    assert where(w.first) == (2, 0, "param", "0.weight", "produced")
+
+
+def test_a_reused_module_reports_which_call_went_bad(kind):
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+            self.plant = Plant()
+
+        def forward(self, x):
+            return self.plant(self.fc(self.plant(self.fc(x))))
+
+    model = Twice()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    calls = []
+
+    def arm(step, micro):
+        calls.clear()
+        model.plant.value = None
+
+    orig = model.plant.forward
+
+    def forward(x):  # armed on the second call of step 2 only
+        calls.append(1)
+        model.plant.value = VALUES[kind] if len(calls) == 2 and len(seen) == 2 else None
+        return orig(x)
+
+    seen: list[int] = []
+    model.plant.forward = forward  # type: ignore[method-assign]
+
+    def before(step, micro):
+        arm(step, micro)
+        seen.append(step) if step == 2 else None
+        seen.extend([0] if step == 2 else [])
+
+    with nand.watch(model, opt) as w:
+        train(model, opt, 4, before=before)
+    assert where(w.first) == (2, 0, "forward", "plant", "produced")
+    assert w.first.call == 1
+
+
+def test_gradient_accumulation_labels_the_micro_step(kind):
+    model = mlp(plant_after=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nand.watch(model, opt) as w:
+        train(model, opt, 4, accum=3, before=arm_at(model[1], 2, VALUES[kind], micro=2))
+    assert where(w.first) == (2, 2, "forward", "1", "produced")
+
+
+def test_an_allow_listed_module_may_emit_minus_inf_but_not_nan(kind):
+    class Mask(nn.Module):
+        def forward(self, x):
+            return x.masked_fill(torch.ones_like(x, dtype=torch.bool).triu(1), float("-inf"))
+
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+            self.mask = Mask()
+            self.plant = Plant()
+
+        def forward(self, x):
+            return self.plant(torch.softmax(self.mask(self.fc(x)), -1))
+
+    model = Attn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nand.watch(model, opt, allow_nonfinite=["mask"]) as w:
+        train(model, opt, 4, before=arm_at(model.plant, 3, VALUES[kind]))
+    assert where(w.first) == (3, 0, "forward", "plant", "produced")
+
+
+def test_the_event_says_what_the_values_looked_like(kind):
+    model = mlp(plant_after=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nand.watch(model, opt) as w:
+        train(model, opt, 2, before=arm_at(model[1], 1, VALUES[kind]))
+    e = w.first
+    text = {"nan": "NaN", "+inf": "+inf", "-inf": "-inf"}[kind]
+    assert text in e.message and "1 (Plant)" in e.message and "step 1" in e.message
+    if kind == "nan":
+        assert math.isnan(e.max)
+    else:
+        assert (e.max if kind == "+inf" else e.min) == VALUES[kind]
