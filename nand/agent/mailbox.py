@@ -43,11 +43,14 @@ class Mailbox:
         self.intake: deque[Outgoing] = deque()
         self.commands: list[dict[str, Any]] = []
         self.dropped: dict[str, int] = {}
+        #: Messages that left the intake by being dropped (for flush accounting).
+        self.intake_drops = 0
 
     def put(self, message: Outgoing) -> bool:
         """Append (caller holds the lock); False if ``message`` itself was dropped."""
         if len(self.intake) >= self.capacity and not self._make_room(message):
             self.count_drop("queue_full")
+            self.intake_drops += 1
             return False
         self.intake.append(message)
         return True
@@ -60,6 +63,7 @@ class Mailbox:
             return False
         self.intake.remove(victim)
         self.count_drop("queue_full")
+        self.intake_drops += 1
         return True
 
     def _oldest(self, match: Callable[[Outgoing], bool]) -> Outgoing | None:

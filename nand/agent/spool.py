@@ -237,10 +237,11 @@ class Spool:
         return dropped
 
     def _rewrite(self, content: bytes) -> None:
-        # Write the new content to a temporary file, then rename it over the
-        # spool: a crash in between leaves either the old or the new file whole.
+        # Write the new content to a locked temporary file, then rename it over
+        # the spool: a crash in between leaves either the old or the new file
+        # whole, and the lock moves with the new file.
         tmp = self.path.with_name(self.path.name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.write(fd, content)
@@ -250,9 +251,7 @@ class Spool:
             os.close(fd)
             raise
         os.close(self._fd)
-        self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND)
-        fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        os.close(fd)
+        self._fd = fd
         self.size = len(content)
 
     def clear(self) -> None:

@@ -35,11 +35,13 @@ re-created on first use. ``close()`` and interpreter exit flush within
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import time
 import uuid
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 from nand import config
@@ -81,24 +83,28 @@ class ServerSink:
     # --- the Sink protocol (training thread; returns at once) ----------------
 
     def hello(self, info: dict[str, Any]) -> None:
-        self._hello = dict(info)
-        self._submit("hello", self._hello_body, keep=True)
+        with self._guard():
+            self._hello = dict(info)
+            self._submit("hello", self._hello_body, keep=True)
 
     def event(self, event: Event, flight: FlightWindow | None) -> None:
-        first = not self._first_event_sent
-        self._first_event_sent = True
-        body = {"event": event.to_dict(), "flight": None}
-        self._submit("event", _with_flight(body, flight), keep=first)
+        with self._guard():
+            first = not self._first_event_sent
+            self._first_event_sent = True
+            body = {"event": event.to_dict(), "flight": None}
+            self._submit("event", _with_flight(body, flight), keep=first)
 
     def heartbeat(self, summary: StepSummary) -> None:
-        body = summary.to_dict()
-        lost = self.dropped()
-        if lost:
-            body["dropped"] = lost
-        self._submit("heartbeat", body)
+        with self._guard():
+            body = summary.to_dict()
+            lost = self.dropped()
+            if lost:
+                body["dropped"] = lost
+            self._submit("heartbeat", body)
 
     def flight(self, flight: FlightWindow, reason: str) -> None:
-        self._submit("flight", _with_flight({"reason": reason}, flight))
+        with self._guard():
+            self._submit("flight", _with_flight({"reason": reason}, flight))
 
     def commands(self) -> list[dict[str, Any]]:
         try:
@@ -108,7 +114,8 @@ class ServerSink:
             return []
 
     def bye(self, step: int, reason: str) -> None:
-        self._submit("bye", {"step": int(step), "reason": reason}, keep=True)
+        with self._guard():
+            self._submit("bye", {"step": int(step), "reason": reason}, keep=True)
 
     def close(self, timeout: float | None = None) -> None:
         """Flush for at most ``timeout`` seconds (default ``NAND_CLOSE_TIMEOUT_S``)."""
@@ -143,7 +150,8 @@ class ServerSink:
             sender = self._sender
             if sender is None:
                 return self._seq == 0
-            if sender.stats["routed"] >= self._seq and not sender.has_unacked():
+            accounted = sender.stats["routed"] + self._mailbox.intake_drops
+            if accounted >= self._seq and not sender.has_unacked():
                 return True
             sender.wake()
             time.sleep(0.01)
@@ -159,8 +167,16 @@ class ServerSink:
             body["token"] = self.token
         return body
 
-    def _submit(self, kind: str, body: Any, keep: bool = False) -> None:
+    @contextlib.contextmanager
+    def _guard(self) -> Iterator[None]:
+        """The agent's own errors are logged once and never reach the training loop."""
         try:
+            yield
+        except Exception as exc:
+            self._log_once(exc)
+
+    def _submit(self, kind: str, body: Any, keep: bool = False) -> None:
+        with self._guard():
             wake = keep or kind == "event"
             with self._mailbox.lock:
                 if self._closed:
@@ -173,8 +189,6 @@ class ServerSink:
                 wake = wake or len(self._mailbox.intake) >= self._mailbox.capacity // 2
             if wake:
                 sender.wake()
-        except Exception as exc:
-            self._log_once(exc)
 
     def _ensure_sender(self) -> Sender:
         """Start the sender thread on first use (again in a forked child)."""
