@@ -55,7 +55,7 @@ def ranks_of(
         .where(Rank.run_id.in_(run_ids))
         .order_by(Rank.run_id, Rank.rank)
     )
-    for rank, event in session.execute(statement).tuples():
+    for rank, event in session.execute(statement).all():
         result[rank.run_id].append((rank, event))
     return result
 

@@ -61,7 +61,7 @@ def write_batch(engine: Engine, messages: list[dict[str, Any]], now: float) -> B
     with engine.begin() as conn:
         run_ids = _ensure_runs(conn, {m["run"] for m in unique.values()}, now)
         fresh = _claim(conn, unique, run_ids)
-        result.duplicates = len(unique) - len(fresh)
+        result.duplicates = len(messages) - len(fresh)
         result.stored = len(fresh)
         if fresh:
             result.events = _store(conn, fresh, run_ids, now)

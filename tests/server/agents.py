@@ -1,0 +1,122 @@
+"""A fake agent for tests: a real ZeroMQ DEALER sending wire-encoded messages."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import zmq
+
+from nand import wire
+from nand.events import Event, FlightWindow, StepSummary
+
+
+class FakeAgent:
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        run: str = "run-1",
+        rank: int = 0,
+        world_size: int = 1,
+        agent: str | None = None,
+        curve: tuple[str, str, str] | None = None,
+    ) -> None:
+        self.run, self.rank, self.world_size = run, rank, world_size
+        self.agent = agent or uuid.uuid4().hex
+        self.seq = 0
+        self.context = zmq.Context.instance()
+        self.sock = self.context.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        if curve is not None:
+            server_public, public, secret = curve
+            self.sock.curve_serverkey = server_public.encode()
+            self.sock.curve_publickey = public.encode()
+            self.sock.curve_secretkey = secret.encode()
+        self.sock.connect(endpoint)
+        self.acked: set[int] = set()
+        self.commands: list[dict[str, Any]] = []
+        self.rejects: list[dict[str, Any]] = []
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+    def message(self, kind: str, body: dict[str, Any], seq: int | None = None) -> dict[str, Any]:
+        if seq is None:
+            self.seq += 1
+            seq = self.seq
+        return wire.agent_message(
+            kind, agent=self.agent, seq=seq, run=self.run, rank=self.rank, body=body
+        )
+
+    def send(self, kind: str, body: dict[str, Any], seq: int | None = None) -> int:
+        message = self.message(kind, body, seq)
+        self.sock.send(wire.encode(message))
+        return int(message["seq"])
+
+    def send_raw(self, frame: bytes) -> None:
+        self.sock.send(frame)
+
+    def hello(self, token: str | None = None, **extra: Any) -> int:
+        body: dict[str, Any] = {
+            "world_size": self.world_size,
+            "host": f"host-{self.rank}",
+            "pid": 1000 + self.rank,
+            "modules": [{"name": "fc1", "type": "Linear"}, {"name": "fc2", "type": "Linear"}],
+            "optimizer": "AdamW",
+            "versions": {"torch": "2.13"},
+            **extra,
+        }
+        if token is not None:
+            body["token"] = token
+        return self.send("hello", body)
+
+    def heartbeat(self, step: int, **fields: Any) -> int:
+        return self.send("heartbeat", StepSummary(step=step, **fields).to_dict())
+
+    def event(self, flight: FlightWindow | None = None, **fields: Any) -> int:
+        event = Event(run=self.run, rank=self.rank, world_size=self.world_size, **fields)
+        body = {"event": event.to_dict(), "flight": flight.to_dict() if flight else None}
+        return self.send("event", body)
+
+    def flight(self, window: FlightWindow, reason: str = "requested") -> int:
+        return self.send("flight", {"flight": window.to_dict(), "reason": reason})
+
+    def bye(self, step: int, reason: str = "done") -> int:
+        return self.send("bye", {"step": step, "reason": reason})
+
+    def pump(self, timeout: float = 0.05) -> list[dict[str, Any]]:
+        """Receive whatever the server sent within ``timeout`` seconds."""
+        got = []
+        deadline = time.monotonic() + timeout
+        while True:
+            left = max(0, int((deadline - time.monotonic()) * 1000))
+            if not self.sock.poll(left):
+                return got
+            reply = wire.decode(self.sock.recv())
+            got.append(reply)
+            if reply["kind"] == "ack":
+                self.acked.update(reply["seqs"])
+            elif reply["kind"] == "command":
+                self.commands.append(reply)
+            elif reply["kind"] == "reject":
+                self.rejects.append(reply)
+
+    def wait_acked(self, seqs: set[int] | None = None, timeout: float = 10.0) -> None:
+        wanted = set(range(1, self.seq + 1)) if seqs is None else seqs
+        deadline = time.monotonic() + timeout
+        while not wanted <= self.acked:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not acked: {sorted(wanted - self.acked)}")
+            self.pump(0.1)
+
+    def wait_for(self, what: str, timeout: float = 10.0) -> dict[str, Any]:
+        """Wait for the next ``command`` or ``reject``."""
+        store = self.commands if what == "command" else self.rejects
+        deadline = time.monotonic() + timeout
+        while not store:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no {what} received")
+            self.pump(0.1)
+        return store.pop(0)

@@ -1,0 +1,170 @@
+"""Correlation on constructed event streams: each case of the issue, pure functions."""
+
+from __future__ import annotations
+
+from nand.events import Event, FlightWindow
+from nand.server import correlate
+from nand.server.correlate import FlightEvidence
+
+
+def ev(rank: int, step: int, phase: str, module: str = "", **kw: object) -> Event:
+    return Event(run="r", rank=rank, step=step, phase=phase, module=module, **kw)  # type: ignore[arg-type]
+
+
+def test_single_origin_in_forward_others_received_through_grad_all_reduce() -> None:
+    firsts = [ev(3, 4711, "forward", "enc.layers.5.mlp.fc2", module_type="Linear", posinf=2)]
+    firsts += [
+        ev(r, 4711, "grad", "enc.layers.5.mlp.fc2.weight", nan=9) for r in (0, 1, 2, 4, 5, 6, 7)
+    ]
+    assert correlate.origin(firsts).rank == 3  # type: ignore[union-attr]
+    rel = correlate.relations(firsts)
+    assert rel[3] == "origin"
+    assert {rel[r] for r in (0, 1, 2, 4, 5, 6, 7)} == {"received"}
+    hint = correlate.hint(correlate.origin(firsts))
+    text = correlate.diverged_summary(firsts, 8, hint)
+    assert text.startswith(
+        "rank 3 produced +inf in enc.layers.5.mlp.fc2 (Linear) during forward at step 4711; "
+        "the other 7 ranks received it through the gradient all-reduce."
+    )
+    assert "Only rank 3 produced it: suspect its data or its GPU." in text
+    assert hint == "produced_in_layer"
+
+
+def test_all_ranks_same_step_and_layer_is_simultaneous_not_one_gpu() -> None:
+    firsts = [ev(r, 12, "forward", "attn.softmax", module_type="Softmax", nan=1) for r in range(8)]
+    rel = correlate.relations(firsts)
+    assert rel[0] == "origin"
+    assert {rel[r] for r in range(1, 8)} == {"simultaneous"}
+    text = correlate.diverged_summary(firsts, 8, "produced_in_layer")
+    assert text.startswith("all 8 ranks went non-finite at the same point")
+    assert "not one faulty GPU" in text
+    assert "suspect its data" not in text
+
+
+def test_same_step_but_other_layer_is_not_simultaneous() -> None:
+    firsts = [ev(0, 12, "forward", "fc1", order=1), ev(1, 12, "forward", "fc2", order=2)]
+    assert correlate.relations(firsts)[1] == "produced"
+
+
+def test_bad_data_on_one_rank_points_at_its_input() -> None:
+    firsts = [ev(5, 90, "input", "", cause="data", nan=3)]
+    firsts += [ev(r, 90, "grad", "fc1.weight", nan=1) for r in range(8) if r != 5]
+    head = correlate.origin(firsts)
+    assert head is not None and head.rank == 5
+    assert correlate.hint(head) == "input_data"
+    text = correlate.diverged_summary(firsts, 8, "input_data")
+    assert text.startswith("rank 5 got NaN in its input data at step 90")
+    assert "check the data pipeline" in text
+
+
+def test_fsdp_bad_shard_arrives_in_next_step_forward_on_every_rank() -> None:
+    firsts = [ev(2, 30, "param", "layers.1.weight", nan=1)]
+    firsts += [ev(r, 31, "forward", "layers.1", module_type="Linear", nan=4) for r in (0, 1, 3)]
+    rel = correlate.relations(firsts)
+    assert rel == {2: "origin", 0: "received", 1: "received", 3: "received"}
+    hint = correlate.hint(correlate.origin(firsts))
+    assert hint == "optimizer_update"
+    text = correlate.diverged_summary(firsts, 4, hint)
+    assert "the other 3 ranks received it through the parameter all-gather of the next step" in text
+
+
+def test_forward_in_the_same_step_on_another_rank_is_produced_there() -> None:
+    firsts = [ev(0, 30, "forward", "fc1", order=0), ev(1, 30, "forward", "fc3", order=5)]
+    assert correlate.relations(firsts)[1] == "produced"
+
+
+def test_agent_cause_received_is_trusted() -> None:
+    firsts = [ev(0, 5, "forward", "fc1"), ev(1, 6, "backward", "fc1", cause="received")]
+    assert correlate.relations(firsts)[1] == "received"
+
+
+def test_loss_went_non_finite() -> None:
+    firsts = [ev(0, 7, "loss", "", nan=1), ev(1, 7, "grad", "fc.weight", nan=1)]
+    assert correlate.hint(correlate.origin(firsts)) == "loss"
+    text = correlate.diverged_summary(firsts, 2, "loss")
+    assert "in the loss gradient at step 7" in text
+    assert "loss went non-finite while the model's outputs were finite" in text
+
+
+def test_learning_rate_explosion_shows_in_param_phase_as_optimizer_update() -> None:
+    firsts = [ev(r, 100, "param", "fc.weight", posinf=5) for r in range(4)]
+    assert correlate.hint(correlate.origin(firsts)) == "optimizer_update"
+    assert set(correlate.relations(firsts).values()) == {"origin", "simultaneous"}
+
+
+def test_overflow_from_a_flight_window_growing_towards_the_dtype_limit() -> None:
+    window = FlightWindow(
+        steps=[1, 2, 3, 4],
+        modules=["fc1", "fc2"],
+        act_max_abs=[[1.0, 2.0], [50.0, 80.0], [900.0, 3000.0], [8000.0, None]],
+        grad_max_abs=[],
+        dtype="float16",
+        dtype_max=65504.0,
+    ).to_dict()
+    evidence = correlate.flight_evidence(window)
+    assert evidence.overflow and not evidence.grad_rising
+    assert "float16 limit 65504" in evidence.text
+    assert correlate.hint(ev(0, 4, "forward", "fc2"), evidence) == "overflow"
+
+
+def test_no_overflow_far_below_the_limit_or_when_not_growing() -> None:
+    calm = FlightWindow(steps=[1, 2], modules=["a"], act_max_abs=[[1.0], [1.5]], dtype_max=65504.0)
+    assert not correlate.flight_evidence(calm.to_dict()).overflow
+    flat = FlightWindow(steps=[1, 2], modules=["a"], act_max_abs=[[9e3], [8e3]], dtype_max=65504.0)
+    assert not correlate.flight_evidence(flat.to_dict()).overflow
+
+
+def test_gradient_explosion_from_a_rising_grad_norm() -> None:
+    window = FlightWindow(steps=[1, 2, 3, 4, 5], grad_norm=[1.0, 3.0, 20.0, 150.0, None])
+    evidence = correlate.flight_evidence(window.to_dict())
+    assert evidence.grad_rising
+    assert correlate.hint(ev(0, 5, "backward", "fc"), evidence) == "gradient_explosion"
+    noisy = FlightWindow(steps=[1, 2, 3, 4], grad_norm=[1.0, 0.5, 1.2, 0.8])
+    assert not correlate.flight_evidence(noisy.to_dict()).grad_rising
+
+
+def test_phase_evidence_wins_over_the_flight_window() -> None:
+    evidence = FlightEvidence(overflow=True, grad_rising=True, text="x")
+    assert correlate.hint(ev(0, 1, "input", cause="data"), evidence) == "input_data"
+
+
+def test_malformed_flight_windows_give_no_evidence_and_no_error() -> None:
+    for window in (
+        {},
+        {"steps": "x", "act_max_abs": [1, "a"], "dtype_max": "big"},
+        {"grad_norm": [None, None], "act_max_abs": [[None]], "dtype_max": -1},
+    ):
+        assert correlate.flight_evidence(window) == FlightEvidence()
+
+
+def test_rank_states_in_priority_order() -> None:
+    base = dict(
+        last_seen=100.0, step_changed_at=100.0, now=101.0, lost_after_s=60, stalled_after_s=300
+    )
+    assert correlate.rank_state(diverged=True, finished=True, **base) == "diverged"  # type: ignore[arg-type]
+    assert correlate.rank_state(diverged=False, finished=True, **base) == "finished"  # type: ignore[arg-type]
+    assert correlate.rank_state(diverged=False, finished=False, **base) == "running"  # type: ignore[arg-type]
+    assert (
+        correlate.rank_state(**{**base, "now": 200.0}, diverged=False, finished=False) == "lost"  # type: ignore[arg-type]
+    )
+    stalled = {**base, "last_seen": 500.0, "now": 501.0}
+    assert correlate.rank_state(**stalled, diverged=False, finished=False) == "stalled"  # type: ignore[arg-type]
+
+
+def test_run_state_is_diverged_then_lost_then_stalled_then_finished_then_healthy() -> None:
+    assert correlate.run_state(["finished", "lost", "diverged"]) == "diverged"
+    assert correlate.run_state(["stalled", "lost", "running"]) == "lost"
+    assert correlate.run_state(["stalled", "finished"]) == "stalled"
+    assert correlate.run_state(["finished", "finished"]) == "finished"
+    assert correlate.run_state(["finished", "running"]) == "healthy"
+    assert correlate.run_state([]) == "healthy"
+
+
+def test_calm_summaries_name_the_lost_and_stalled_ranks() -> None:
+    assert correlate.calm_summary("lost", [(0, "running", 5), (3, "lost", 4)], 60, 300).startswith(
+        "rank 3 lost"
+    )
+    assert "stalled" in correlate.calm_summary("stalled", [(1, "stalled", 9)], 60, 300)
+    assert correlate.calm_summary("finished", [(0, "finished", 9)], 60, 300).startswith(
+        "Finished at step 9"
+    )
