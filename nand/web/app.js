@@ -53,8 +53,19 @@ function showStreamStatus(status) {
       : "The live stream is down; the page retries by itself";
 }
 
+// The server also answers /runs/<id> with this page (shareable path links):
+// turn such a path into the equivalent hash route.
+if (location.pathname.startsWith("/runs/")) {
+  history.replaceState(null, "", `/#${location.pathname}${location.search}`);
+}
+
 // Only a change of path re-mounts a view; a change of its query (the event
 // filters, via setRouteParams) does not fire hashchange.
 window.addEventListener("hashchange", route);
+// The skip link must not change the hash: the hash is the route.
+document.querySelector(".skip").addEventListener("click", (ev) => {
+  ev.preventDefault();
+  main.focus();
+});
 onStreamStatus(showStreamStatus);
 route();

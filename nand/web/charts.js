@@ -4,12 +4,12 @@
 
 import { el, svg } from "./dom.js";
 import { num } from "./format.js";
-import { linear, logTicks, nearest, niceTicks } from "./scale.js";
+import { linear, logValueTicks, nearest, niceTicks } from "./scale.js";
 import { hideTip, showTip } from "./tooltip.js";
 
 const W = 560;
 const H = 210;
-const PAD = { left: 58, right: 14, top: 12, bottom: 32 };
+const PAD = { left: 58, right: 14, top: 22, bottom: 32 };
 const DISTINCT = 10; // up to this many ranks get a colour each
 
 /** Keep the shape of a long line: per pixel column, the first, min and max points. */
@@ -74,7 +74,7 @@ function extent(lines, log) {
 
 function axes(x, y, ext, log) {
   const g = svg("g", { class: "axis" });
-  const yTicks = log ? logTicks(Math.log10(ext.lo), Math.log10(ext.hi), 5).map((e) => 10 ** e) : niceTicks(ext.lo, ext.hi, 4);
+  const yTicks = log ? logValueTicks(ext.lo, ext.hi, 5) : niceTicks(ext.lo, ext.hi, 4);
   for (const t of yTicks) {
     const py = y(t);
     if (py < PAD.top - 1 || py > H - PAD.bottom + 1) continue;
@@ -185,7 +185,8 @@ export function lineChart({ title, lines, origin = null, mark = null, log = fals
   if (mark !== null && mark >= ext.s0 && mark <= ext.s1) {
     chart.append(
       svg("line", { class: "mark", x1: x(mark), x2: x(mark), y1: PAD.top, y2: H - PAD.bottom }),
-      svg("text", { class: "mark-label", x: x(mark) - 4, y: PAD.top + 10, "text-anchor": "end" }, "first non-finite"),
+      // Above the plot area, so it never sits on top of a line.
+      svg("text", { class: "mark-label", x: x(mark) + 3, y: PAD.top - 8, "text-anchor": "end" }, "first non-finite"),
     );
   }
   const cursor = svg("line", { class: "cursor", y1: PAD.top, y2: H - PAD.bottom, visibility: "hidden" });

@@ -9,8 +9,19 @@ import { count, datetime, num, stepLabel, tensorLabel, valueKinds } from "./form
 import { PHASE_WORDS } from "./verdict.js";
 
 const PHASES = Object.keys(PHASE_WORDS);
-const PAGE_SIZES = [50, 200, 1000];
+const PAGE_SIZES = [50, 200, 1000, 10000];
+const API_MAX = 1000; // the server's largest page; bigger pages are fetched in parts
 const FILTERS = ["rank", "phase", "module", "step_min", "step_max"];
+
+/** One page of `limit` events from `offset`, in parts of at most API_MAX. */
+async function fetchPage(run, filters, offset, limit) {
+  const parts = [];
+  for (let start = offset; start < offset + limit; start += API_MAX) {
+    parts.push(api.events(run, { ...filters, offset: start, limit: Math.min(API_MAX, offset + limit - start) }));
+  }
+  const pages = await Promise.all(parts);
+  return { items: pages.flatMap((p) => p.items), total: pages[0].total, offset, limit };
+}
 
 function cells(e, originId) {
   return el(
@@ -60,7 +71,7 @@ export function eventTable(root, { run, ranks, modules, originId, params }) {
     step_max: el("input", { type: "number", min: 0, placeholder: "to step", "aria-label": "To step", class: "step-input" }),
   };
   for (const key of FILTERS) inputs[key].value = params.get(key) || "";
-  const sizeSelect = el("select", { "aria-label": "Events per page" }, PAGE_SIZES.map((n) => el("option", { value: n }, `${n} per page`)));
+  const sizeSelect = el("select", { "aria-label": "Events per page" }, PAGE_SIZES.map((n) => el("option", { value: n }, `${count(n)} per page`)));
   if (!PAGE_SIZES.includes(state.limit)) sizeSelect.append(el("option", { value: state.limit }, `${state.limit} per page`));
   sizeSelect.value = String(state.limit);
   const datalist = el("datalist", { id: "module-names" }, modules.map((m) => el("option", { value: m.name })));
@@ -144,7 +155,7 @@ export function eventTable(root, { run, ranks, modules, originId, params }) {
     if (!body.firstChild) body.append(stateMessage("loading", "Loading events…"));
     let page;
     try {
-      page = await api.events(run, { ...filters(), offset: state.offset, limit: state.limit });
+      page = await fetchPage(run, filters(), state.offset, state.limit);
     } catch (err) {
       if (mine !== token) return;
       body.removeAttribute("aria-busy");

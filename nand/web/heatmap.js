@@ -35,7 +35,7 @@ function colourBar(range, flight) {
   for (const e of logTicks(range.lo, range.hi, 7)) {
     ticks.append(
       svg("line", { x1: x(e), x2: x(e), y1: 0, y2: 5 }),
-      svg("text", { x: x(e), y: 17, "text-anchor": e === range.lo ? "start" : "middle" }, `1e${e}`),
+      svg("text", { x: x(e), y: 17, "text-anchor": e === range.lo ? "start" : "middle" }, e >= -3 && e <= 5 ? num(10 ** e) : `1e${e}`),
     );
   }
   const parts = [

@@ -97,10 +97,24 @@ function flightPanel(run, ranks, origin, width) {
       );
     }
   }
-  if (origin) rankSelect.value = String(origin.rank);
   rankSelect.addEventListener("change", load);
   which.addEventListener("change", () => flight && show());
-  load();
+  if (origin) {
+    rankSelect.value = String(origin.rank);
+    load();
+  } else {
+    // Ranks send a window when they go non-finite; before that there is
+    // nothing to fetch unless the user picks a rank.
+    body.append(
+      stateMessage(
+        "empty",
+        "No incident, so no flight-recorder window yet.",
+        el("p", {}, "A rank sends its last steps of per-layer values when it goes non-finite. Pick a rank above to look for one."),
+      ),
+    );
+    rankSelect.prepend(el("option", { value: "", disabled: true }, "choose a rank"));
+    rankSelect.value = "";
+  }
   return {
     node: section(
       "flight",

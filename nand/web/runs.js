@@ -257,9 +257,13 @@ export function runsPage(main, params) {
 
   // A stream message may arrive before the first load finishes; load() keeps
   // whichever copy of a run is newer.
+  // Only a real change flashes its row: the stream also repeats what the
+  // page already has when it (re)connects.
+  const changed = (a, b) =>
+    !a || a.state !== b.state || a.latest_step !== b.latest_step || a.event_count !== b.event_count;
   const unsubscribe = onRunChange((run) => {
+    if (loaded && changed(runs.get(run.run), run)) fresh.add(run.run);
     runs.set(run.run, run);
-    fresh.add(run.run);
     render();
   });
   const ticker = setInterval(render, 15000); // keep the ages true

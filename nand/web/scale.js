@@ -23,6 +23,22 @@ export function logTicks(lo, hi, n = 6) {
   return ticks;
 }
 
+/** Tick values for a log axis over [lo, hi] (values, not exponents): powers
+ * of ten, with 2 and 5 in between when the range spans under two decades. */
+export function logValueTicks(lo, hi, n = 5) {
+  const a = Math.log10(lo);
+  const b = Math.log10(hi);
+  if (b - a >= 2) return logTicks(a, b, n).map((e) => 10 ** e);
+  const ticks = [];
+  for (let e = Math.floor(a); e <= Math.ceil(b); e++) {
+    for (const m of [1, 2, 5]) {
+      const v = m * 10 ** e;
+      if (v >= lo && v <= hi) ticks.push(Number(v.toPrecision(6)));
+    }
+  }
+  return ticks;
+}
+
 /** A linear map from [d0, d1] to [r0, r1]. */
 export function linear(d0, d1, r0, r1) {
   const k = d1 === d0 ? 0 : (r1 - r0) / (d1 - d0);

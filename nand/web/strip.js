@@ -11,6 +11,7 @@ import { hideTip, showTip } from "./tooltip.js";
 
 const LABEL_W = 64;
 const AXIS_H = 22;
+const TOP = 6; // room for the first label
 
 const RELATION_WORDS = {
   origin: "origin: went non-finite first",
@@ -46,7 +47,7 @@ function colours() {
 }
 
 /** The colour of one bin [s0, s1] of a rank's row, or null for no data. */
-function binColour(span, s0, s1, c, end) {
+function binColour(span, s0, s1, c) {
   if (s1 < span.from) return null;
   if (s0 > span.to) {
     // After its last report: show why it went quiet until the run's end.
@@ -57,7 +58,7 @@ function binColour(span, s0, s1, c, end) {
   if (span.bad !== null && s1 >= span.bad) {
     return span.relation === "received" ? c.received : c.bad;
   }
-  return s0 > end ? null : c.ok;
+  return c.ok;
 }
 
 export function healthStrip({ ranks, series, width, onRank }) {
@@ -76,16 +77,16 @@ export function healthStrip({ ranks, series, width, onRank }) {
   const per = steps / bins;
   const rowH = Math.max(2, Math.min(16, Math.floor(420 / rows.length)));
   const gap = rowH >= 8 ? 2 : 0;
-  const { canvas, ctx } = hiDpiCanvas(LABEL_W + plotW, rows.length * rowH + AXIS_H, `Health of ${rows.length} ranks over steps ${s0} to ${end}`);
+  const { canvas, ctx } = hiDpiCanvas(LABEL_W + plotW, TOP + rows.length * rowH + AXIS_H, `Health of ${rows.length} ranks over steps ${s0} to ${end}`);
   const c = colours();
   const x = linear(s0, end + 1, LABEL_W, LABEL_W + plotW);
 
   rows.forEach((span, j) => {
-    const y = j * rowH;
+    const y = TOP + j * rowH;
     for (let b = 0; b < bins; b++) {
       const lo = s0 + Math.floor(b * per);
       const hi = s0 + Math.floor((b + 1) * per) - 1;
-      const colour = binColour(span, lo, Math.max(lo, hi), c, end);
+      const colour = binColour(span, lo, Math.max(lo, hi), c);
       if (!colour) continue;
       ctx.fillStyle = colour;
       ctx.fillRect(LABEL_W + b * binW, y, Math.ceil(binW), rowH - gap);
@@ -98,27 +99,29 @@ export function healthStrip({ ranks, series, width, onRank }) {
     }
   });
 
-  // Rank labels where they fit; otherwise every tenth.
-  ctx.font = "11px system-ui, sans-serif";
+  // Rank labels where they fit, else every tenth rank; the origin's always,
+  // with its neighbours' labels dropped so they do not overlap it.
   ctx.textAlign = "right";
   ctx.textBaseline = "middle";
-  const labelEvery = rowH >= 11 ? 1 : Math.ceil(12 / rowH / 10) * 10;
+  const labelEvery = rowH >= 11 ? 1 : Math.ceil(13 / rowH / 10) * 10;
+  const originRow = rows.findIndex((r) => r.relation === "origin");
   rows.forEach((span, j) => {
-    if (j % labelEvery && span.relation !== "origin") return;
-    ctx.fillStyle = span.relation === "origin" ? c.fg : c.muted;
-    ctx.font = span.relation === "origin" ? "bold 11px system-ui, sans-serif" : "11px system-ui, sans-serif";
-    ctx.fillText(`rank ${span.rank}`, LABEL_W - 8, j * rowH + (rowH - gap) / 2);
+    const isOrigin = j === originRow;
+    if (!isOrigin && (j % labelEvery || (originRow >= 0 && Math.abs(j - originRow) * rowH < 13))) return;
+    ctx.fillStyle = isOrigin ? c.fg : c.muted;
+    ctx.font = isOrigin ? "bold 11px system-ui, sans-serif" : "11px system-ui, sans-serif";
+    ctx.fillText(`rank ${span.rank}`, LABEL_W - 8, TOP + j * rowH + (rowH - gap) / 2);
   });
   ctx.font = "11px system-ui, sans-serif";
   ctx.textAlign = "center";
   ctx.fillStyle = c.muted;
   for (const t of niceTicks(s0, end, 8)) {
-    if (Number.isInteger(t)) ctx.fillText(count(t), x(t), rows.length * rowH + 12);
+    if (Number.isInteger(t)) ctx.fillText(count(t), x(t), TOP + rows.length * rowH + 12);
   }
 
   canvas.addEventListener("mousemove", (ev) => {
     const p = pointer(canvas, ev);
-    const j = Math.floor(p.y / rowH);
+    const j = Math.floor((p.y - TOP) / rowH);
     if (p.x < LABEL_W || j < 0 || j >= rows.length) return hideTip();
     const span = rows[j];
     const step = Math.floor(x.invert(p.x));
@@ -132,7 +135,7 @@ export function healthStrip({ ranks, series, width, onRank }) {
   });
   canvas.addEventListener("mouseleave", hideTip);
   canvas.addEventListener("click", (ev) => {
-    const j = Math.floor(pointer(canvas, ev).y / rowH);
+    const j = Math.floor((pointer(canvas, ev).y - TOP) / rowH);
     if (onRank && j >= 0 && j < rows.length) onRank(rows[j].rank);
   });
 

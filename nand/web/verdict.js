@@ -129,7 +129,7 @@ export function verdictCard(verdict, run) {
       el(
         "p",
         { class: "stop-note" },
-        `Stop requested ${age(s.requested_at)}: every rank stops after step ${count(s.step)}`,
+        `Stop requested ${age(s.requested_at)}: every rank stops at step ${count(s.step)}`,
         s.reason ? ` (${s.reason})` : "",
         ".",
       ),

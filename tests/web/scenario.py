@@ -312,8 +312,13 @@ def wide_run(run: str = "perf-256-ranks", world_size: int = 256, steps: int = 60
     )
 
 
-def replay(endpoint: str, scenario: Scenario, timeout: float = 60.0) -> None:
-    """Send every agent's messages over ZeroMQ and wait until the server acked them all."""
+def replay(
+    endpoint: str, scenario: Scenario, *, token: str | None = None, timeout: float = 60.0
+) -> None:
+    """Send every agent's messages over ZeroMQ and wait until the server acked them all.
+
+    With a ``token``, each hello carries it, as an agent started with NAND_TOKEN does.
+    """
     ctx = zmq.Context.instance()
     sockets: dict[zmq.Socket, tuple[str, set[int]]] = {}
     poller = zmq.Poller()
@@ -324,6 +329,8 @@ def replay(endpoint: str, scenario: Scenario, timeout: float = 60.0) -> None:
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.connect(endpoint)
             for message in messages:
+                if token and message["kind"] == "hello":
+                    message = {**message, "body": {**message["body"], "token": token}}
                 sock.send(wire.encode(message))
             sockets[sock] = (agent, {m["seq"] for m in messages})
             poller.register(sock, zmq.POLLIN)
