@@ -150,7 +150,7 @@ def _agent_store() -> Any:
         import torch.distributed as dist
 
         port = int(env["MASTER_PORT"])
-        timeout = timedelta(seconds=30)
+        timeout = timedelta(seconds=10)
         return dist.TCPStore(env["MASTER_ADDR"], port, is_master=False, timeout=timeout)
     except Exception:
         return None

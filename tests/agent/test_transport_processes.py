@@ -1,0 +1,201 @@
+"""The transport across real processes: fork, kill -9, and ``nand spool replay``."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from nand.agent import spool as sp
+from nand.agent.identity import Identity
+from nand.agent.transport import ServerSink
+from nand.testing import Receiver
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+FAST = "ack_timeout_s=0.3, connect_grace_s=0.1, poll_interval_s=0.02"
+PRELUDE = f"""
+import json, os, sys, time
+from nand.agent.identity import Identity
+from nand.agent.transport import ServerSink
+from nand.events import Event, StepSummary
+endpoint, run = sys.argv[1], sys.argv[2]
+me = Identity(run=run, rank=0, local_rank=0, world_size=1, host="h", pid=os.getpid())
+sink = ServerSink(endpoint, me, {FAST})
+"""
+
+FORK_CHILD = """
+sink.hello({"role": "parent"})
+for i in range(10):
+    sink.heartbeat(StepSummary(step=i))
+assert sink.flush(10)
+pid = os.fork()
+if pid == 0:  # the forked child uses the very same sink object
+    for i in range(20):
+        sink.heartbeat(StepSummary(step=1000 + i))
+    ok = sink.flush(10)
+    report = {"who": "child", "agent": sink.agent, "ok": ok, "pid": os.getpid()}
+    print(json.dumps(report), flush=True)
+    sink.close()
+    os._exit(0 if ok else 3)
+for i in range(20):
+    sink.heartbeat(StepSummary(step=10 + i))
+ok = sink.flush(10)
+_, status = os.waitpid(pid, 0)
+print(json.dumps({"who": "parent", "agent": sink.agent, "ok": ok, "child": status}), flush=True)
+sink.close()
+"""
+
+KILLED_CHILD = """
+sink.hello({})
+sink.event(Event(run=run, module="fc1", nan=1), None)
+step = 0
+while True:
+    sink.heartbeat(StepSummary(step=step))
+    step += 1
+    if step == 300:
+        print(sink.agent, flush=True)
+    time.sleep(0.002)
+"""
+
+
+def _script(tmp_path: Path, name: str, body: str) -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(PRELUDE) + textwrap.dedent(body))
+    return path
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), NAND_SPOOL_DIR=str(tmp_path / "spool"))
+    env.pop("NAND_SERVER", None)
+    return env
+
+
+def test_a_forked_child_gets_its_own_agent_thread_and_socket_and_both_deliver(tmp_path):
+    script = _script(tmp_path, "fork_child.py", FORK_CHILD)
+    with Receiver() as rx:
+        out = subprocess.run(
+            [sys.executable, "-W", "ignore", str(script), rx.endpoint, "run-fork"],
+            env=_env(tmp_path),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 0, out.stderr
+        reports = {r["who"]: r for r in map(json.loads, out.stdout.split("\n")[:-1])}
+        parent, child = reports["parent"], reports["child"]
+        assert parent["ok"] and child["ok"] and parent["child"] == 0
+        assert parent["agent"] != child["agent"]
+        assert rx.seqs(parent["agent"]) == list(range(1, 32))  # hello + 30 heartbeats
+        assert rx.seqs(child["agent"]) == list(range(1, 22))  # its own hello + 20
+        child_hello = rx.messages[child["agent"]][0]
+        assert child_hello["kind"] == "hello" and child_hello["body"]["pid"] == child["pid"]
+        steps = [m["body"]["step"] for m in rx.messages[child["agent"]][1:]]
+        assert steps == list(range(1000, 1020))
+        assert rx.duplicates == 0
+
+
+def _run_and_kill(tmp_path: Path, endpoint: str) -> tuple[str, Path]:
+    """Start a producer whose server is down, kill -9 it mid-run; return its spool."""
+    script = _script(tmp_path, "killed_child.py", KILLED_CHILD)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), endpoint, "run-k9"],
+        env=_env(tmp_path),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        agent = proc.stdout.readline().strip()
+        time.sleep(0.2)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    assert proc.returncode == -signal.SIGKILL and agent
+    return agent, sp.spool_path(tmp_path / "spool", "run-k9", 0)
+
+
+def test_kill_9_leaves_a_spool_that_the_next_agent_of_the_rank_replays(tmp_path):
+    with Receiver() as rx:
+        rx.stop()  # the server is down while the first agent runs
+        dead_agent, path = _run_and_kill(tmp_path, rx.endpoint)
+        records = sp.read_records(path)
+        assert len(records) >= 300
+        first = [msgpack.unpackb(p)["kind"] for _, p in records[:3]]
+        assert first == ["hello", "event", "heartbeat"]
+        rx.start()
+        me = Identity(run="run-k9", rank=0, local_rank=0, world_size=1, host="h", pid=os.getpid())
+        sink = ServerSink(rx.endpoint, me, spool_dir=tmp_path / "spool", ack_timeout_s=0.3)
+        sink.hello({})
+        assert sink.flush(15), sink.stats()
+        sink.close()
+        assert rx.seqs(dead_agent) == list(range(1, len(records) + 1))
+        assert rx.messages[dead_agent][1]["body"]["event"]["module"] == "fc1"
+        assert rx.seqs(sink.agent) == [1]
+        assert not path.exists()  # replayed, acknowledged, gone
+
+
+REPLAY_CLI = """
+import argparse, sys
+from nand.agent import commands
+parser = argparse.ArgumentParser(prog="nand")
+commands.register(parser.add_subparsers(dest="command"))
+args = parser.parse_args(sys.argv[1:])
+sys.exit(args.func(args))
+"""
+
+
+def test_kill_9_spool_is_replayed_by_nand_spool_replay(tmp_path):
+    cli = tmp_path / "cli.py"
+    cli.write_text(REPLAY_CLI)
+    with Receiver() as rx:
+        rx.stop()
+        dead_agent, path = _run_and_kill(tmp_path, rx.endpoint)
+        kept = tmp_path / "kept"
+        kept.mkdir()
+        shutil.copy(path, kept / path.name)
+        count = len(sp.read_records(path))
+        rx.start()
+        show = subprocess.run(
+            [sys.executable, str(cli), "spool", "show", str(kept)],
+            env=_env(tmp_path),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert f"{count} records" in show.stdout and "hello" in show.stdout
+        replay = [sys.executable, str(cli), "spool", "replay", str(kept), "--server", rx.endpoint]
+        out = subprocess.run(replay, env=_env(tmp_path), capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert f"{count}/{count} acknowledged, done" in out.stdout
+        assert rx.seqs(dead_agent) == list(range(1, count + 1))
+        assert not (kept / path.name).exists()
+        again = subprocess.run(
+            replay, env=_env(tmp_path), capture_output=True, text=True, timeout=60
+        )
+        assert again.returncode == 1 and "no spool files" in again.stdout
+
+
+def test_nand_spool_replay_skips_a_live_agents_file_and_needs_a_server(tmp_path):
+    cli = tmp_path / "cli.py"
+    cli.write_text(REPLAY_CLI)
+    live = sp.Spool(tmp_path / "rank-0.spool", max_bytes=1 << 20)
+    live.append(b"\x80", kind="heartbeat")
+    env = _env(tmp_path)
+    args = [sys.executable, str(cli), "spool", "replay", str(tmp_path)]
+    out = subprocess.run(args, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "no server" in out.stdout
+    with Receiver() as rx:
+        args += ["--server", rx.endpoint, "--timeout", "2"]
+        out = subprocess.run(args, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "skipped: a running agent owns it" in out.stdout
+    live.close()
