@@ -121,7 +121,9 @@ class Ingest:
         sock = context.socket(zmq.ROUTER)
         sock.setsockopt(zmq.RCVHWM, 100_000)
         sock.setsockopt(zmq.SNDHWM, 100_000)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.settings.max_frame_bytes + 1024)
+        # Frames a little too large are read and counted (too_large); beyond 4x the
+        # limit libzmq drops the connection unread, so no peer can exhaust memory.
+        sock.setsockopt(zmq.MAXMSGSIZE, 4 * self.settings.max_frame_bytes)
         if self.settings.curve_secret_key:
             sock.curve_secretkey = self.settings.curve_secret_key.encode()
             sock.curve_server = True

@@ -1,0 +1,70 @@
+"""Real ``nand server`` processes for crash and multi-server tests."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerProcess:
+    """``python -m nand.server server`` on ``db_url``; ``http_url`` once started."""
+
+    def __init__(self, db_url: str, zmq_port: int, **env: str) -> None:
+        self.db_url = db_url
+        self.zmq_endpoint = f"tcp://127.0.0.1:{zmq_port}"
+        self.env = {**os.environ, **env}
+        self.proc: subprocess.Popen[str] | None = None
+        self.http_url = ""
+
+    def start(self, timeout: float = 30.0) -> ServerProcess:
+        command = [
+            sys.executable,
+            "-m",
+            "nand.server",
+            "server",
+            "--db",
+            self.db_url,
+            "--http",
+            "127.0.0.1:0",
+            "--zmq",
+            self.zmq_endpoint,
+        ]
+        self.proc = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=self.env
+        )
+        deadline = time.monotonic() + timeout
+        assert self.proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            match = re.search(r"http=(\S+) zmq=(\S+)", line)
+            if match:
+                self.http_url = match.group(1)
+                return self
+            if not line and self.proc.poll() is not None:
+                break
+        raise RuntimeError(f"server did not start (exit {self.proc.poll()})")
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)

@@ -1,0 +1,228 @@
+"""Ingest: acks after commit, rejections by reason, token and CURVE, stop commands, SSE."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+import zmq
+from sqlalchemy import create_engine, func, select
+
+from nand import wire
+from nand.server.models import EventRow, Message
+from tests.server.agents import FakeAgent
+from tests.server.helpers import eventually
+
+
+def test_every_ack_is_for_a_message_already_committed(server, agents, db_url) -> None:
+    engine = create_engine(db_url)
+    a = agents(run="commit")
+    for step in range(200):
+        a.event(step=step, phase="forward", module="fc")
+    seen = 0
+    deadline = time.monotonic() + 20
+    while seen < 200 and time.monotonic() < deadline:
+        for reply in a.pump(0.2):
+            if reply["kind"] != "ack":
+                continue
+            with engine.connect() as conn:  # another connection: sees only committed rows
+                stored = conn.scalar(
+                    select(func.count())
+                    .select_from(Message)
+                    .where(Message.agent == a.agent, Message.seq.in_(reply["seqs"]))
+                )
+            assert stored == len(reply["seqs"])
+            seen += len(reply["seqs"])
+    assert seen == 200
+    with engine.connect() as conn:
+        assert conn.scalar(select(func.count()).select_from(EventRow)) == 200
+    engine.dispose()
+
+
+@pytest.mark.parametrize(
+    ("frame", "reason"),
+    [
+        (b"\xc1", "not_msgpack"),
+        (wire.encode({"kind": "hello"})[:0] + b"\x01", "not_a_map"),
+        (wire.encode({"v": 99, "kind": "event"}), "bad_version"),
+        (wire.encode({"kind": "gossip"}), "unknown_kind"),
+        (wire.encode({"kind": "ack", "seqs": [1]}), "unknown_kind"),  # a server kind from an agent
+        (
+            wire.encode(
+                {"kind": "event", "agent": "a", "seq": 1, "run": "r", "rank": 0, "time": 1.0}
+            ),
+            "missing_field",
+        ),
+        (
+            wire.encode(
+                wire.agent_message(
+                    "heartbeat", agent="a", seq=1, run="r", rank=0, body={"step": "ten"}
+                )
+            ),
+            "bad_field",
+        ),
+        (
+            wire.encode(
+                wire.agent_message(
+                    "heartbeat", agent="a", seq=2**70, run="r", rank=0, body={"step": 1}
+                )
+            ),
+            "bad_field",
+        ),
+    ],
+)
+def test_bad_frames_are_counted_by_reason_and_the_loop_goes_on(
+    server, agents, frame, reason
+) -> None:
+    a = agents(run="bad")
+    a.send_raw(frame)
+    good = a.heartbeat(1)
+    a.wait_acked({good})
+    assert good in a.acked and len(a.acked) == 1
+    text = httpx.get(f"{server.http_url}/metrics").text
+    assert f'nand_messages_rejected_total{{reason="{reason}"}} 1' in text
+
+
+def test_oversized_frames_are_refused(start_server) -> None:
+    server = start_server(max_frame_bytes=10_000)
+    a = FakeAgent(server.zmq_endpoint, run="big")
+    a.send("heartbeat", {"step": 1, "blob": "x" * 20_000})
+    ok = a.heartbeat(2)
+    a.wait_acked({ok})
+    assert a.acked == {ok}
+    text = httpx.get(f"{server.http_url}/metrics").text
+    assert 'nand_messages_rejected_total{reason="too_large"} 1' in text
+    a.close()
+
+
+def test_token_required_from_agents_when_configured(start_server) -> None:
+    server = start_server(token="s3cret")
+    stranger = FakeAgent(server.zmq_endpoint, run="auth")
+    stranger.heartbeat(1)
+    assert "unauthenticated" in stranger.wait_for("reject")["reason"]
+    wrong = FakeAgent(server.zmq_endpoint, run="auth", rank=1)
+    wrong.hello(token="nope")
+    assert wrong.wait_for("reject")
+    good = FakeAgent(server.zmq_endpoint, run="auth", rank=2)
+    good.hello(token="s3cret")
+    good.heartbeat(3)
+    good.wait_acked()
+    # A reconnect (new socket, same agent id) stays authenticated: the database remembers.
+    again = FakeAgent(server.zmq_endpoint, run="auth", rank=2, agent=good.agent)
+    again.seq = good.seq
+    again.heartbeat(4)
+    again.wait_acked({again.seq})
+    ranks = httpx.get(f"{server.http_url}/api/runs/auth/ranks").json()
+    assert [r["rank"] for r in ranks] == [2]
+    text = httpx.get(f"{server.http_url}/metrics").text
+    assert 'nand_messages_rejected_total{reason="unauthenticated"} 2' in text
+    for agent in (stranger, wrong, good, again):
+        agent.close()
+
+
+@pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CURVE")
+def test_curve_encryption_when_a_secret_key_is_set(start_server) -> None:
+    server_public, server_secret = zmq.curve_keypair()
+    server = start_server(curve_secret_key=server_secret.decode())
+    public, secret = zmq.curve_keypair()
+    keys = (server_public.decode(), public.decode(), secret.decode())
+    sealed = FakeAgent(server.zmq_endpoint, run="curve", curve=keys)
+    sealed.heartbeat(1)
+    sealed.wait_acked()
+    plain = FakeAgent(server.zmq_endpoint, run="plain")
+    plain.heartbeat(1)
+    plain.pump(1.0)
+    assert not plain.acked
+    runs = [r["run"] for r in httpx.get(f"{server.http_url}/api/runs").json()]
+    assert runs == ["curve"]
+    sealed.close()
+    plain.close()
+
+
+def test_stop_needs_a_configured_token(server, agents) -> None:
+    a = agents(run="nostop")
+    a.heartbeat(1)
+    a.wait_acked()
+    response = httpx.post(f"{server.http_url}/api/runs/nostop/stop")
+    assert response.status_code == 403
+    assert "NAND_TOKEN" in response.json()["detail"]
+
+
+def test_stop_reaches_every_rank_with_one_step(start_server) -> None:
+    server = start_server(token="tok", heartbeat_s=1.0)
+    ranks = [FakeAgent(server.zmq_endpoint, run="halt", rank=r, world_size=3) for r in range(3)]
+    for a in ranks:
+        a.hello(token="tok")
+        a.heartbeat(100 + a.rank, steps_per_s=5.0)
+        a.wait_acked()
+    url = f"{server.http_url}/api/runs/halt/stop"
+    assert httpx.post(url).status_code == 401
+    assert httpx.post(url, headers={"Authorization": "Bearer bad"}).status_code == 401
+    answer = httpx.post(url, headers={"Authorization": "Bearer tok"}, json={"reason": "NaN"})
+    assert answer.status_code == 200
+    body = answer.json()
+    assert body == {"run": "halt", "step": 102 + 10, "ranks": [0, 1, 2]}  # latest + 2 s x 5 steps/s
+    for a in ranks:  # pushed without the agents sending anything
+        command = a.wait_for("command", timeout=5)
+        assert command["command"] == "stop" and command["step"] == 112
+        assert command["reason"] == "NaN"
+    again = httpx.post(url, headers={"Authorization": "Bearer tok"}, json={"step": 500})
+    assert again.json()["step"] == 112  # the first request wins
+    verdict = httpx.get(f"{server.http_url}/api/runs/halt/verdict").json()
+    assert verdict["stop"]["step"] == 112
+    ranks[0].bye(110, reason="stopped")
+    ranks[0].wait_acked()
+    ranks[1].heartbeat(105)  # still running: told again
+    assert ranks[1].wait_for("command", timeout=5)["step"] == 112
+    for a in ranks:
+        a.close()
+
+
+def test_stop_rejects_a_step_that_has_passed_and_finished_runs(start_server) -> None:
+    server = start_server(token="tok")
+    a = FakeAgent(server.zmq_endpoint, run="late")
+    a.hello(token="tok")
+    a.heartbeat(50)
+    a.wait_acked()
+    auth = {"Authorization": "Bearer tok"}
+    url = f"{server.http_url}/api/runs/late/stop"
+    assert httpx.post(url, headers=auth, json={"step": 50}).status_code == 409
+    assert httpx.post(url, headers=auth, json={"step": -1}).status_code == 422
+    assert httpx.post(f"{server.http_url}/api/runs/ghost/stop", headers=auth).status_code == 404
+    a.bye(60)
+    a.wait_acked()
+    assert httpx.post(url, headers=auth).status_code == 409
+    a.close()
+
+
+def test_stream_sends_a_run_event_when_a_run_appears_and_diverges(server, agents) -> None:
+    seen: list[dict] = []
+    done = threading.Event()
+
+    def listen() -> None:
+        with httpx.stream("GET", f"{server.http_url}/api/stream", timeout=20) as response:
+            assert response.headers["content-type"].startswith("text/event-stream")
+            event = None
+            for line in response.iter_lines():
+                if line.startswith("event: "):
+                    event = line[7:]
+                elif line.startswith("data: ") and event == "run":
+                    seen.append(json.loads(line[6:]))
+                    if seen[-1]["state"] == "diverged":
+                        done.set()
+                        return
+
+    thread = threading.Thread(target=listen, daemon=True)
+    thread.start()
+    a = agents(run="live")
+    a.heartbeat(1)
+    a.wait_acked()
+    eventually(lambda: any(s["run"] == "live" for s in seen), timeout=10)
+    a.event(step=2, phase="backward", module="fc", nan=1)
+    a.wait_acked()
+    assert done.wait(10)
+    assert seen[-1]["origin"]["phase"] == "backward"
+    assert [s["state"] for s in seen if s["run"] == "live"][0] == "healthy"
