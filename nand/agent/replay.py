@@ -123,6 +123,8 @@ class _Connection:
         nxt = 0
         while len(done) < len(frames) and time.monotonic() < deadline and not result.rejected:
             while nxt < len(frames) and len(inflight) < window:
+                if inflight and frames[nxt][0] != frames[next(iter(inflight))][0]:
+                    break  # one agent in flight at a time, so agent-less acks match
                 if nxt not in done:
                     try:
                         self.sock.send(frames[nxt][2], zmq.NOBLOCK)
@@ -130,7 +132,7 @@ class _Connection:
                         break
                     inflight[nxt] = time.monotonic() + ack_timeout
                 nxt += 1
-            self._read(index, inflight, done, result)
+            self._read(frames, index, inflight, done, result)
             if inflight and next(iter(inflight.values())) < time.monotonic():
                 nxt = min(inflight)  # resend from the oldest unacknowledged
                 inflight.clear()
@@ -139,6 +141,7 @@ class _Connection:
 
     def _read(
         self,
+        frames: list[tuple[str, int, bytes]],
         index: dict[tuple[str, int], int],
         inflight: OrderedDict[int, float],
         done: set[int],
@@ -157,6 +160,8 @@ class _Connection:
                 result.rejected = message["reason"]
             elif message["kind"] == "ack":
                 agent = message.get("agent")
+                if not agent and inflight:
+                    agent = frames[next(iter(inflight))][0]
                 for seq in message["seqs"]:
                     i = index.get((agent, seq)) if agent else None
                     if i is not None:

@@ -230,7 +230,7 @@ class Sender(threading.Thread):
     def _handle(self, message: dict[str, Any]) -> None:
         kind = message["kind"]
         if kind == "ack":
-            agent = message.get("agent") or self.envelope.agent
+            agent = message.get("agent") or self._inflight_agent() or self.envelope.agent
             for seq in message["seqs"]:
                 if self._inflight.pop((agent, seq), None) is not None:
                     self.stats["acked"] += 1
@@ -369,6 +369,15 @@ class Sender(threading.Thread):
         elif time.monotonic() >= self._retry_at:
             self._replay()
 
+    def _inflight_agent(self) -> str | None:
+        """The agent whose frames are in flight: there is only ever one.
+
+        A spool may hold frames of earlier agents of this rank. Sending one
+        agent's frames at a time lets an ack that does not name its agent
+        (allowed by the wire format) still be matched without doubt.
+        """
+        return next(iter(self._inflight))[0] if self._inflight else None
+
     def _send(self, frame: Frame) -> bool:
         try:
             self.sock.send(frame.data, zmq.NOBLOCK)
@@ -392,7 +401,10 @@ class Sender(threading.Thread):
         room = self.settings.window - len(self._inflight)
         if room > 0 and self._cursor < spool.size:
             for end, tag, payload in spool.read_from(self._cursor, max_records=room):
-                if not self._send(_spooled_frame(payload, tag)):
+                frame = _spooled_frame(payload, tag)
+                if self._inflight and frame.agent != self._inflight_agent():
+                    break  # one agent in flight at a time: see _inflight_agent
+                if not self._send(frame):
                     return
                 self._cursor = end
                 self.stats["replayed"] += 1
