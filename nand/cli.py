@@ -42,10 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # nand's own messages at INFO; libraries (alembic, uvicorn) only when they warn.
     logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
+        level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
+    logging.getLogger("nand").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     func = getattr(args, "func", None)
     if func is None:
         parser.print_help()

@@ -7,6 +7,7 @@ way a person or a scheduler would see it; nothing is read behind its back.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import secrets
 import subprocess
@@ -55,6 +56,8 @@ def run_demo(args: argparse.Namespace) -> int:
             f"nand demo needs the agent and server extras: pip install 'nand[agent,server]' ({exc})"
         )
         return 2
+    # The demo's output is its own story; the server's log would interleave.
+    logging.getLogger("nand.server").setLevel(logging.WARNING)
     term = Terminal()
     workdir = Path(tempfile.mkdtemp(prefix="nand-demo-"))
     token = secrets.token_hex(8)
