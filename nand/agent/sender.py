@@ -42,7 +42,7 @@ from nand import wire
 from nand.agent import spool as spool_mod
 from nand.agent.mailbox import Mailbox, Outgoing
 from nand.agent.transport_settings import TransportSettings
-from nand.errors import WireError
+from nand.errors import SpoolCorruptError, WireError
 
 log = logging.getLogger("nand.agent.transport")
 _MAX_BACKOFF_S = 60.0
@@ -315,6 +315,10 @@ class Sender(threading.Thread):
     def _claim_spool(self) -> spool_mod.Spool:
         limit = self.settings.spool_max_bytes
         try:
+            return spool_mod.Spool(self.spool_path, max_bytes=limit)
+        except SpoolCorruptError as exc:  # keep the evidence aside, start afresh
+            self._warn("corrupt", f"nand: {exc}; moved aside as .corrupt")
+            self.spool_path.rename(self.spool_path.with_name(self.spool_path.name + ".corrupt"))
             return spool_mod.Spool(self.spool_path, max_bytes=limit)
         except BlockingIOError:  # another live agent of this rank (e.g. a forked child)
             alt = self.spool_path.with_name(

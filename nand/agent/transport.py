@@ -20,8 +20,9 @@ relies on (see :mod:`nand.wire` for the messages):
 
 Losses are counted by reason and sent as ``dropped`` in every heartbeat.
 A forked child gets a fresh agent id, no thread and no socket; they are
-re-created on first use. ``close()`` and interpreter exit flush within
-``NAND_CLOSE_TIMEOUT_S`` (default 2 s) and never hang.
+re-created on its first message, which is preceded by a hello with its pid.
+``close()`` and interpreter exit flush within ``NAND_CLOSE_TIMEOUT_S``
+(default 2 s) and never hang.
 
 >>> from nand.agent.identity import Identity
 >>> me = Identity(run="r1", rank=0, local_rank=0, world_size=1, host="h", pid=1)
@@ -38,6 +39,7 @@ import atexit
 import contextlib
 import logging
 import os
+import re
 import time
 import uuid
 import weakref
@@ -50,10 +52,12 @@ from nand.agent.mailbox import Mailbox, Outgoing
 from nand.agent.sender import Envelope, Sender
 from nand.agent.spool import spool_path
 from nand.agent.transport_settings import TransportSettings
+from nand.errors import ConfigError
 from nand.events import Event, FlightWindow, StepSummary
 
 log = logging.getLogger("nand.agent.transport")
 _LIVE: weakref.WeakSet[ServerSink] = weakref.WeakSet()
+_ENDPOINT = re.compile(r"^(tcp|ipc|inproc|ws|wss)://.+")
 
 
 class ServerSink:
@@ -62,6 +66,8 @@ class ServerSink:
     def __init__(
         self, endpoint: str, identity: Identity, *, token: str | None = None, **overrides: Any
     ) -> None:
+        if not _ENDPOINT.match(endpoint):
+            raise ConfigError(f"server endpoint {endpoint!r} is not like tcp://host:port")
         self.endpoint = endpoint
         self.identity = identity
         self.token = token if token is not None else config.get_str(config.NAND_TOKEN)
@@ -79,6 +85,7 @@ class ServerSink:
         self._mailbox = Mailbox(self.settings.queue_max)
         self._sender: Sender | None = None
         self._warned = False
+        self._hello_due = False  # a forked child introduces itself before its first message
 
     # --- the Sink protocol (training thread; returns at once) ----------------
 
@@ -182,6 +189,12 @@ class ServerSink:
                 if self._closed:
                     self._mailbox.count_drop("closed")
                     return
+                if self._hello_due and kind != "hello":
+                    self._hello_due = False
+                    self._seq += 1
+                    self._mailbox.put(
+                        Outgoing("hello", self._seq, time.time(), self._hello_body, True)
+                    )
                 self._seq += 1
                 message = Outgoing(kind, self._seq, time.time(), body, keep)
                 self._mailbox.put(message)
@@ -223,8 +236,9 @@ class ServerSink:
         self._reset()
         if old is not None:
             old.forget_after_fork()
-        if self._hello is not None and not self._closed:
-            self._submit("hello", self._hello_body, keep=True)  # say who the child is
+        # Lazily: a DataLoader worker that never reports starts no thread, opens
+        # no socket and never shows up at the server.
+        self._hello_due = self._hello is not None
 
     def _log_once(self, exc: BaseException) -> None:
         if not self._warned:

@@ -110,12 +110,12 @@ def test_nothing_listening_keeps_memory_and_disk_within_limits_and_keeps_first_i
     sink.hello({"modules": [{"name": f"layer{i}"} for i in range(20)]})
     sink.event(Event(run="run-t", module="first"), _flight())
     sink.event(Event(run="run-t", module="second"), None)
-    worst = 0.0
+    calls: list[float] = []
     peak = 0
     for step in range(5000):
         t0 = time.perf_counter()
         sink.heartbeat(StepSummary(step=step))
-        worst = max(worst, time.perf_counter() - t0)
+        calls.append(time.perf_counter() - t0)
         peak = max(peak, sink.stats().get("memory_frames", 0), sink.stats()["queued"])
         if step % 500 == 0:
             time.sleep(0.05)  # let the sender spool
@@ -125,7 +125,10 @@ def test_nothing_listening_keeps_memory_and_disk_within_limits_and_keeps_first_i
     t0 = time.monotonic()
     sink.close(0.5)
     assert time.monotonic() - t0 < 1.5
-    assert peak <= 50 and worst < 0.05
+    assert peak <= 50
+    # The training thread only appends: a call is microseconds (the machine is shared,
+    # so single calls can be held up by the scheduler; the median cannot).
+    assert sorted(calls)[len(calls) // 2] < 0.0005 and sum(calls) < 2.0
     lost = sink.dropped()
     assert lost.get("spool_full", 0) + lost.get("queue_full", 0) > 0
     records = sp.read_records(path)
@@ -241,3 +244,24 @@ def test_the_agent_own_errors_never_reach_the_caller(rx, caplog):
     assert rx.all("hello")[0]["body"]["weird"].startswith("<object")
     assert sum("agent bug" in r.getMessage() for r in caplog.records) == 1
     sink.close()
+
+
+def test_a_bad_endpoint_is_a_config_error_at_construction():
+    from nand.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="tcp://host:port"):
+        ServerSink("head-node:5557", ME)
+    with pytest.raises(ConfigError, match="unknown transport setting"):
+        ServerSink("tcp://127.0.0.1:1", ME, queue_maxx=3)
+
+
+def test_a_corrupt_spool_of_this_rank_is_moved_aside_and_a_fresh_one_used(tmp_path):
+    path = sp.spool_path(tmp_path, "run-t", 1)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"this is not a spool at all")
+    sink = ServerSink(_free_endpoint(), ME, spool_dir=tmp_path, **FAST)
+    sink.hello({})
+    time.sleep(0.4)
+    sink.close(0.2)
+    assert path.with_name(path.name + ".corrupt").read_bytes() == b"this is not a spool at all"
+    assert [sp.KIND_NAMES[t & 0x0F] for t, _ in sp.read_records(path)] == ["hello"]

@@ -40,10 +40,12 @@ for i in range(10):
 assert sink.flush(10)
 pid = os.fork()
 if pid == 0:  # the forked child uses the very same sink object
+    import threading
+    lazy = sink._sender is None and threading.active_count() == 1
     for i in range(20):
         sink.heartbeat(StepSummary(step=1000 + i))
     ok = sink.flush(10)
-    report = {"who": "child", "agent": sink.agent, "ok": ok, "pid": os.getpid()}
+    report = {"who": "child", "agent": sink.agent, "ok": ok, "pid": os.getpid(), "lazy": lazy}
     print(json.dumps(report), flush=True)
     sink.close()
     os._exit(0 if ok else 3)
@@ -95,6 +97,7 @@ def test_a_forked_child_gets_its_own_agent_thread_and_socket_and_both_deliver(tm
         parent, child = reports["parent"], reports["child"]
         assert parent["ok"] and child["ok"] and parent["child"] == 0
         assert parent["agent"] != child["agent"]
+        assert child["lazy"]  # no thread, no socket in the child until it reports
         assert rx.seqs(parent["agent"]) == list(range(1, 32))  # hello + 30 heartbeats
         assert rx.seqs(child["agent"]) == list(range(1, 22))  # its own hello + 20
         child_hello = rx.messages[child["agent"]][0]
