@@ -161,6 +161,15 @@ export function lineChart({ title, lines, origin = null, mark = null, log = fals
     ext.lo -= Math.abs(ext.lo) * 0.1 || 1;
   }
   if (ext.s1 === ext.s0) ext.s1 += 1;
+  // A little headroom, so the extremes do not sit on the frame.
+  if (log) {
+    ext.lo /= 1.15;
+    ext.hi *= 1.15;
+  } else {
+    const pad = (ext.hi - ext.lo) * 0.06;
+    ext.hi += pad;
+    ext.lo = ext.lo >= 0 && ext.lo - pad < 0 ? 0 : ext.lo - pad;
+  }
   const x = linear(ext.s0, ext.s1, PAD.left, W - PAD.right);
   const ly = linear(log ? Math.log10(ext.lo) : ext.lo, log ? Math.log10(ext.hi) : ext.hi, H - PAD.bottom, PAD.top);
   const y = log ? (v) => ly(Math.log10(v)) : ly;

@@ -13,14 +13,18 @@ const PAGE_SIZES = [50, 200, 1000, 10000];
 const API_MAX = 1000; // the server's largest page; bigger pages are fetched in parts
 const FILTERS = ["rank", "phase", "module", "step_min", "step_max"];
 
-/** One page of `limit` events from `offset`, in parts of at most API_MAX. */
+/** One page of `limit` events from `offset`, in parts of at most API_MAX:
+ * the first part says the total, so no part past the end is asked for. */
 async function fetchPage(run, filters, offset, limit) {
-  const parts = [];
-  for (let start = offset; start < offset + limit; start += API_MAX) {
-    parts.push(api.events(run, { ...filters, offset: start, limit: Math.min(API_MAX, offset + limit - start) }));
+  const part = (start) =>
+    api.events(run, { ...filters, offset: start, limit: Math.min(API_MAX, offset + limit - start) });
+  const first = await part(offset);
+  const rest = [];
+  for (let start = offset + API_MAX; start < Math.min(offset + limit, first.total); start += API_MAX) {
+    rest.push(part(start));
   }
-  const pages = await Promise.all(parts);
-  return { items: pages.flatMap((p) => p.items), total: pages[0].total, offset, limit };
+  const pages = [first, ...(await Promise.all(rest))];
+  return { items: pages.flatMap((p) => p.items), total: first.total, offset, limit };
 }
 
 function cells(e, originId) {
@@ -82,11 +86,12 @@ export function eventTable(root, { run, ranks, modules, originId, params }) {
   const detail = el("div", { class: "detail-slot" });
   const notice = el("button", { type: "button", class: "notice", hidden: true, onclick: () => load() }, "New events arrived: show them");
 
+  const pager = el("div", { class: "pager" }, prev, status, next);
   root.append(
     el("div", { class: "toolbar filters" }, inputs.rank, inputs.phase, inputs.module, datalist, inputs.step_min, inputs.step_max, sizeSelect),
     notice,
     body,
-    el("div", { class: "pager" }, prev, status, next),
+    pager,
     detail,
   );
 
@@ -178,6 +183,7 @@ export function eventTable(root, { run, ranks, modules, originId, params }) {
     } else clear(body).append(table(page));
     const last = Math.min(page.total, page.offset + page.items.length);
     status.textContent = page.total ? `${count(page.offset + 1)}–${count(last)} of ${count(page.total)}` : "";
+    pager.hidden = page.total === 0;
     prev.disabled = page.offset <= 0;
     next.disabled = last >= page.total;
     // Exposed for the performance test and for anyone profiling a big page.

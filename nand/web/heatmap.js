@@ -86,7 +86,7 @@ function draw(flight, matrix, range, origin, width) {
   probe.font = "12px ui-monospace, SFMono-Regular, Menlo, monospace";
   const labels = rowH >= 9;
   const labelW = labels ? Math.min(240, Math.ceil(Math.max(...flight.modules.map((m) => probe.measureText(m || "(root)").width))) + 12) : 12;
-  const cellW = Math.max(2, Math.min(28, Math.floor((width - labelW) / cols)));
+  const cellW = Math.max(2, Math.min(44, Math.floor((width - labelW) / cols)));
   const plotW = cellW * cols;
   const height = rowH * rows + AXIS;
   const { canvas, ctx } = hiDpiCanvas(labelW + plotW, height, `Heatmap of max |x| for ${rows} layers over ${cols} steps`);

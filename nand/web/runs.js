@@ -46,7 +46,7 @@ function originCell(run) {
     "td",
     { class: "origin-cell" },
     el("span", { class: "mono" }, where(o.module, o.module_type)),
-    el("span", { class: "muted" }, ` · rank ${o.rank} · step ${o.step} · ${o.phase}`),
+    el("span", { class: "muted block" }, `rank ${o.rank} · step ${count(o.step)} · ${o.phase}`),
   );
 }
 
@@ -172,6 +172,7 @@ export function runsPage(main, params) {
     const by = {};
     for (const r of all) by[r.state] = (by[r.state] || 0) + 1;
     clear(counts);
+    if (!all.length) return;
     counts.append(`${count(all.length)} ${all.length === 1 ? "run" : "runs"}`);
     for (const state of RUN_STATES) {
       if (!by[state]) continue;

@@ -151,5 +151,7 @@ def dark_page(browser, errors: PageErrors) -> Iterator[object]:
 def screenshot(page, name: str) -> Path:
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     path = SCREENSHOTS / f"{name}.png"
+    page.evaluate("window.scrollTo(0, 0)")  # else the sticky header lands mid-page
+    page.mouse.move(0, 0)
     page.screenshot(path=str(path), full_page=True)
     return path
