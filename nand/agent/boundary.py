@@ -22,7 +22,7 @@ from nand.agent.identity import Identity
 from nand.agent.probes import ProbeBuffer
 from nand.agent.recorder import FlightRecorder
 from nand.agent.report import build_event
-from nand.agent.step_check import StepScan, first_finding, scan
+from nand.agent.step_check import StepRow, first_finding, is_bad, near_limit
 from nand.events import Event
 
 log = logging.getLogger("nand")
@@ -35,8 +35,8 @@ class Outcome:
     event: Event | None = None  # this window's first verified non-finite entry
     any_rank_bad: bool = False  # agreed across ranks (skip/stop with a process group)
     overflow: bool = False  # an AMP overflow step, skipped by the scaler
-    scan: StepScan | None = None
-    loss: float | None = None
+    row: StepRow | None = None
+    micro_steps: int = 0  # root forward calls in the window
 
 
 class Boundary:
@@ -74,16 +74,19 @@ class Boundary:
     def _check(self, step: int, prev_step: int, prev_micro: int, skipped: bool) -> Outcome:
         extras = self._extras()
         values, any_bad = self.read(extras)
-        out = Outcome(any_rank_bad=any_bad)
+        buf = self.buf
+        out = Outcome(any_rank_bad=any_bad, micro_steps=buf.sites.count(None))
         if values is None:
             return out
         scale, norm_scale, out.overflow = self._amp_figures(values, extras, skipped)
-        out.loss = values[-len(extras)] if self.loss_tensor is not None else None
-        out.scan = scan(self.buf, values, self.n_modules, scale, norm_scale)
-        self.recorder.push(step, out.scan.act, out.scan.grad, out.scan.grad_norm, out.loss)
-        self._headroom(out.scan)
-        if out.scan.bad:
-            finding = first_finding(self.buf, values, self.who.world_size, prev_micro)
+        loss = values[-1] if "loss" in extras else None
+        row = StepRow(step, values, buf.sites[:], buf.norm_sites[:], scale, norm_scale, loss)
+        self.recorder.push(row)
+        out.row = row
+        if not self.warned_headroom:
+            self._headroom(row)
+        if is_bad(values, len(values) - len(extras)):
+            finding = first_finding(buf, values, self.who.world_size, prev_micro)
             if finding is not None:
                 at = prev_step if finding.phase in ("param", "optimizer_state") else step
                 self.seq += 1
@@ -146,22 +149,20 @@ class Boundary:
         norm_scale = scale if self.amp.grads_scaled() else 1.0
         return (scale if scale > 0 else 1.0), (norm_scale if norm_scale > 0 else 1.0), overflow
 
-    def _headroom(self, result: StepScan) -> None:
-        if result.headroom is None or self.warned_headroom:
+    def _headroom(self, row: StepRow) -> None:
+        """Warn once when an activation comes within 2x of its dtype's limit."""
+        found = near_limit(row)
+        if found is None:
             return
         self.warned_headroom = True
-        site = result.headroom
+        site, value = found
         limit = torch.finfo(site.dtype).max if site.dtype is not None else math.inf
         log.warning(
-            "nand: overflow headroom: %s (%s) reached max |x| %.4g, %.0f%% of the %s limit %.4g; "
-            "it is still finite, but close to overflowing",
-            site.module or "<root>",
-            site.module_type,
-            result.headroom_value,
-            100 * result.headroom_value / limit,
-            str(site.dtype).removeprefix("torch."),
-            limit,
-        )
+            "nand: overflow headroom: %s (%s) reached max |x| %.4g at step %d, %.0f%% of the "
+            "%s limit %.4g; still finite, but close to overflowing",
+            site.module or "<root>", site.module_type, value, row.step,
+            100 * value / limit, str(site.dtype).removeprefix("torch."), limit,
+        )  # fmt: skip
 
 
 Callback = Callable[[], None]

@@ -38,6 +38,26 @@ from nand.agent.safety import Guard
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 
+#: Modules whose output (and input gradient) is finite whenever their input
+#: (and output gradient) is: they cannot be the origin of a non-finite value,
+#: so probing them would only repeat their neighbour's probe. Their hook just
+#: keeps track of the last output (and checks for inline code before them).
+FINITE_PRESERVING = (
+    nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU,
+    nn.Mish, nn.Tanh, nn.Sigmoid, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid, nn.Softmax,
+    nn.LogSoftmax, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
+    nn.Identity, nn.Flatten, nn.Unflatten,
+)  # fmt: skip
+
+#: Of those, the ones whose backward zeroes part of the gradient: a non-finite
+#: gradient made by the *next* module can vanish in their backward (ReLU before
+#: ``torch.where(x > 0, log(x), 0)``), so the gradient at their output is
+#: still probed; the forward probe is skipped all the same.
+MASKING = (
+    nn.ReLU, nn.ReLU6, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid, nn.Dropout, nn.Dropout1d,
+    nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
+)  # fmt: skip
+
 
 class HookState:
     """What the hooks share: the buffer, the last recorded output, the guard."""
@@ -60,6 +80,8 @@ class ModuleInfo:
         self.index = index
         self.allow_neginf = allow_neginf
         self.leaf = not any(True for _ in module.children())
+        self.safe = self.leaf and isinstance(module, FINITE_PRESERVING)
+        self.masking = self.safe and isinstance(module, MASKING)
         self.parent: ModuleInfo | None = None  # the module whose forward calls this one
         self._outputs: dict[str, Site] = {}
         self._inline: Site | None = None
@@ -79,17 +101,12 @@ class ModuleInfo:
             self._outputs["input:" + slot] = site
         return site
 
-    def loss_site(self, slot: str, shared: bool) -> Site:
-        """The site of the gradient arriving at the root output ``slot``.
-
-        ``shared``: the output is also the last child's output, whose tensor
-        hook fires first on the same gradient (the analysis needs to know).
-        """
-        kind = "loss_shared" if shared else "loss"
-        site = self._outputs.get(kind + ":" + slot)
+    def loss_site(self, slot: str) -> Site:
+        """The site of the gradient arriving at the root output ``slot``."""
+        site = self._outputs.get("loss:" + slot)
         if site is None:
-            site = Site("loss", self.name, self.type, self.index, slot, kind)
-            self._outputs[kind + ":" + slot] = site
+            site = Site("loss", self.name, self.type, self.index, slot, "loss")
+            self._outputs["loss:" + slot] = site
         return site
 
     def inline_site(self) -> Site:
@@ -124,6 +141,8 @@ class Hooks:
                 continue
             if module is root:
                 self._install_root(module, info)
+            elif info.safe:
+                self.handles.append(module.register_forward_hook(self._safe_hook(info)))
             elif info.leaf:
                 self.handles.append(module.register_forward_hook(self._leaf_hook(info)))
             else:
@@ -172,6 +191,27 @@ class Hooks:
 
         return leaf_hook
 
+    def _safe_hook(self, info: ModuleInfo) -> Callable[..., None]:
+        state = self.state
+        backward = info.output_site("").backward
+        assert backward is not None
+        grad_hook = self._grad_hook(backward) if info.masking else None
+
+        def safe_hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            if state.guard.off:
+                return
+            try:
+                if args:
+                    self._check_inputs(args, output, info)
+                if isinstance(output, Tensor):
+                    if grad_hook is not None and output.requires_grad:
+                        output.register_hook(grad_hook)
+                    state.last = output
+            except Exception as exc:
+                state.guard.failed(exc, f"forward hook of {info.name!r}")
+
+        return safe_hook
+
     def _container_pre(self, info: ModuleInfo) -> Callable[..., None]:
         state = self.state
 
@@ -207,6 +247,7 @@ class Hooks:
 
     def _root_pre(self, info: ModuleInfo) -> Callable[..., None]:
         state, sites = self.state, self.state.buf.sites
+        first = info.input_site("args[0]")
 
         def root_pre(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if state.guard.off:
@@ -216,6 +257,12 @@ class Hooks:
                     state.before_root()
                 sites.append(MICRO)
                 state.last = None
+                if not kwargs and len(args) == 1 and isinstance(args[0], Tensor):
+                    x = args[0]  # the common case, without walking structures
+                    if x.is_floating_point() and x.numel():
+                        self._probe(first, x)
+                        state.last = x
+                    return
                 for path, t in iter_tensors((args, kwargs)):
                     self._probe_input(info, path, t)
             except Exception as exc:
@@ -233,11 +280,13 @@ class Hooks:
                 for slot, t in iter_tensors(output):
                     if not t.is_floating_point() or not t.numel():
                         continue
-                    shared = t is state.last
-                    if not shared:
+                    # Shared with the last child: that child's gradient hook is
+                    # the first to fire in backward; the analysis knows it
+                    # sees the loss gradient there. Otherwise, a hook of its own.
+                    if t is not state.last:
                         self._probe(info.output_site(slot), t)
-                    if t.requires_grad:
-                        t.register_hook(self._grad_hook(info.loss_site(slot, shared)))
+                        if t.requires_grad:
+                            t.register_hook(self._grad_hook(info.loss_site(slot)))
                 state.last = None
             except Exception as exc:
                 state.guard.failed(exc, "forward hook of the root module")

@@ -1,18 +1,19 @@
 """Optimizer step hooks: the step boundary, and grad/param/state checks.
 
 - **pre-hook** (before ``optimizer.step`` applies anything): one
-  ``_foreach_norm`` over the ``.grad`` of every parameter, then the step
-  boundary runs (``Watch._boundary``): the one host read, the policy. Raising
-  here (``raise``/``stop``) leaves the weights untouched.
+  ``_foreach_norm`` over the ``.grad`` of every parameter, *and* over the
+  parameters and float optimizer state (Adam's ``exp_avg``/``exp_avg_sq``;
+  ``step`` counters skipped) as the previous step left them; then the step
+  boundary runs (``Watch._on_step``): the one host read, the policy. Raising
+  here (``raise``/``stop``) leaves the weights untouched. Params and state
+  are labelled with the previous step (phase ``param``/``optimizer_state``
+  come after ``grad`` in the logical order); ``close`` checks the last step's.
 - **skip** drops the step by setting every ``.grad`` to ``None``: optimizers
   skip parameters without a gradient (no update, no weight decay, no step
   count). On a GPU with a fused optimizer the same could be done without a
   host read by setting ``optimizer.found_inf`` to the device-side flag, as
   ``GradScaler`` does; that path is not implemented (no GPU to test it on).
-- **post-hook**: one ``_foreach_norm`` over the parameters and over the float
-  optimizer state (Adam's ``exp_avg``/``exp_avg_sq``; ``step`` counters are
-  skipped). These results are read with the *next* step's boundary (or at
-  close) — never a second read per step.
+- **post-hook**: counts the step. Nothing else: no launch, no read.
 """
 
 from __future__ import annotations
@@ -51,6 +52,11 @@ class OptimizerHooks:
         self.boundary = boundary
         self.after_step = after_step
         self.stepped = False  # set by the pre-hook; AMP reads and clears it
+        self.stepped_once = False  # params/state are checked from the 2nd boundary on
+        self._params_key: tuple[int, int] | None = None
+        self._params: list[Tensor] = []
+        self._state_key: tuple[object, int] | None = None
+        self._state_cache: tuple[list[Tensor], list[Site]] = ([], [])
         self._sites: dict[tuple[int, str, str], Site] = {}
         self.handles: list[RemovableHandle] = [
             optimizer.register_step_pre_hook(self._pre),
@@ -63,7 +69,13 @@ class OptimizerHooks:
         self.handles.clear()
 
     def params(self) -> list[Tensor]:
-        return [p for group in self.optimizer.param_groups for p in group["params"]]
+        """The optimizer's parameters (cached until the param groups change)."""
+        groups = self.optimizer.param_groups
+        key = (len(groups), sum(len(g["params"]) for g in groups))
+        if key != self._params_key:
+            self._params_key = key
+            self._params = [p for g in groups for p in g["params"]]
+        return self._params
 
     def drop_grads(self) -> None:
         """Skip this step: no gradient, no update (see module docstring)."""
@@ -75,7 +87,7 @@ class OptimizerHooks:
             return
         self.stepped = True
         try:
-            self.add_grad_norms()
+            self.add_norms(with_params=self.stepped_once)
         except Exception as exc:
             self.guard.failed(exc, "optimizer pre-step hook")
             return
@@ -84,36 +96,45 @@ class OptimizerHooks:
     def _post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.guard.off:
             return
+        self.stepped_once = True
         try:
             self.after_step()
-            self.add_param_and_state_norms()
         except Exception as exc:
             self.guard.failed(exc, "optimizer post-step hook")
 
-    def add_grad_norms(self) -> None:
-        grads: list[Tensor] = []
+    def add_norms(self, with_params: bool) -> None:
+        """Grads, and (``with_params``) params and state: one foreach launch."""
+        tensors: list[Tensor] = []
         sites: list[Site] = []
         for p in self.params():
             g = p.grad
             if g is not None and _usable(g):
-                grads.append(g)
+                tensors.append(g)
                 sites.append(self._site(p, "grad", ""))
-        self.buf.add_norms(grads, sites)
+        if with_params:
+            more, more_sites = self._params_and_state()
+            tensors += more
+            sites += more_sites
+        self.buf.add_norms(tensors, sites)
 
-    def add_param_and_state_norms(self) -> None:
+    def _params_and_state(self) -> tuple[list[Tensor], list[Site]]:
+        key = (self._params_key, len(self.optimizer.state))
+        if key == self._state_key:
+            return self._state_cache
         tensors, sites = [], []
         for p in self.params():
             if _usable(p):
                 tensors.append(p)
                 sites.append(self._site(p, "param", ""))
         for p in self.params():
-            for key, value in self.optimizer.state.get(p, {}).items():
-                if key != "step" and _usable(value):
+            for name, value in self.optimizer.state.get(p, {}).items():
+                if name != "step" and _usable(value):
                     tensors.append(value)
-                    site = self._site(p, "optimizer_state", str(key))
+                    site = self._site(p, "optimizer_state", str(name))
                     site.param = value
                     sites.append(site)
-        self.buf.add_norms(tensors, sites)
+        self._state_key, self._state_cache = key, (tensors, sites)
+        return tensors, sites
 
     def _site(self, p: Tensor, phase: str, key: str) -> Site:
         site = self._sites.get((id(p), phase, key))

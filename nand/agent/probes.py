@@ -83,17 +83,10 @@ class ProbeBuffer:
             self.norm_sites.extend(sites)
 
     def gather(self) -> Tensor | None:
-        """All results as one 1-d float32 tensor: pairs, then norms, then extras."""
-        parts = []
-        if self.pairs:
-            parts.append(torch.stack(self.pairs).float())
-        if self.norms:
-            parts.append(torch.stack(self.norms).float())
-        if self.extras:
-            parts.append(torch.stack(self.extras).float())
-        if not parts:
-            return None
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        """All results as one 1-d tensor: pairs, then norms, then extras."""
+        everything = self.pairs + self.norms + self.extras
+        # One launch; mixed dtypes promote, NaN and inf survive the promotion.
+        return torch.stack(everything) if everything else None
 
 
 def probe(pairs: list[Tensor], sites: list[Site | None], site: Site, t: Tensor) -> None:

@@ -1,18 +1,19 @@
 """The flight recorder: per-module telemetry of the last N steps, bounded.
 
 Fed by the same device reductions that detect non-finite values (nothing is
-computed for it alone), one row per optimizer step, in a ring buffer. An
-incident ships :meth:`FlightRecorder.window` with its first event, so a
-person can see whether activations or gradients were growing before it.
+computed for it alone): each step's raw figures, as read, go into a ring
+buffer of :class:`~nand.agent.step_check.StepRow`. They are turned into the
+per-module matrices of a :class:`~nand.events.FlightWindow` only when a window
+is asked for (an incident, a server request), so a healthy step pays one
+``deque.append``.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
+from nand.agent.step_check import StepRow, Telemetry, telemetry
 from nand.events import FlightWindow
-
-Row = tuple[int, list[float | None], list[float | None], float | None, float | None]
 
 
 def _finite(value: float | None) -> float | None:
@@ -21,33 +22,30 @@ def _finite(value: float | None) -> float | None:
 
 
 class FlightRecorder:
-    """A ring buffer of (step, act max|x|, grad max|x|, grad norm, loss)."""
+    """A ring buffer of the last ``steps`` step rows."""
 
     def __init__(self, steps: int, modules: list[str]) -> None:
         self.modules = modules
-        self.rows: deque[Row] = deque(maxlen=max(1, steps))
+        self.rows: deque[StepRow] = deque(maxlen=max(1, steps))
         self.dtype = ""
         self.dtype_max: float | None = None
 
-    def push(
-        self,
-        step: int,
-        act: list[float | None],
-        grad: list[float | None],
-        grad_norm: float | None,
-        loss: float | None,
-    ) -> None:
-        self.rows.append((step, act, grad, grad_norm, loss))
+    def push(self, row: StepRow) -> None:
+        self.rows.append(row)
+
+    def last(self) -> Telemetry | None:
+        return telemetry(self.rows[-1], len(self.modules)) if self.rows else None
 
     def window(self) -> FlightWindow:
         rows = list(self.rows)
+        tele = [telemetry(r, len(self.modules)) for r in rows]
         return FlightWindow(
-            steps=[r[0] for r in rows],
+            steps=[r.step for r in rows],
             modules=list(self.modules),
-            act_max_abs=[[_finite(v) for v in r[1]] for r in rows],
-            grad_max_abs=[[_finite(v) for v in r[2]] for r in rows],
-            grad_norm=[_finite(r[3]) for r in rows],
-            loss=[_finite(r[4]) for r in rows],
+            act_max_abs=[[_finite(v) for v in t.act] for t in tele],
+            grad_max_abs=[[_finite(v) for v in t.grad] for t in tele],
+            grad_norm=[_finite(t.grad_norm) for t in tele],
+            loss=[_finite(r.loss) for r in rows],
             dtype=self.dtype,
             dtype_max=self.dtype_max,
         )

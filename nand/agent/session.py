@@ -103,14 +103,14 @@ class Session:
             return
         rate = (watch.step - self._last_step) / (now - self._last_beat)
         self._last_beat, self._last_step = now, watch.step
-        result = outcome.scan
+        tele = watch.recorder.last()
         amp = watch._amp
         summary = StepSummary(
             step=watch.step,
             steps_per_s=rate,
-            loss=outcome.loss,
-            grad_norm=result.grad_norm if result else None,
-            max_activation=result.max_act if result else None,
+            loss=outcome.row.loss if outcome.row else None,
+            grad_norm=tele.grad_norm if tele else None,
+            max_activation=tele.max_act if tele else None,
             amp_skipped=watch.amp_skipped,
             amp_scale=amp.scale if amp is not None else None,
         )

@@ -35,17 +35,87 @@ from nand.events import PHASE_RANK
 _ACT_KINDS = frozenset({"output", "inline"})
 
 
-@dataclasses.dataclass(slots=True)
-class StepScan:
-    """What one step's values say, before any event is built."""
+#: Below this max|x| no activation can be near any float dtype's limit (fp16:
+#: 65504), so the per-site headroom check is skipped.
+HEADROOM_FRACTION = 0.5
+_HEADROOM_FLOOR = HEADROOM_FRACTION * 65504.0
 
-    bad: bool
+
+@dataclasses.dataclass(slots=True)
+class StepRow:
+    """One step's raw figures, as read; the flight recorder keeps these.
+
+    Turning them into per-module telemetry (:func:`telemetry`) happens only
+    when someone looks (an incident, a heartbeat, a flight request), so a
+    healthy step costs a sum, a min and a max over a short list of floats.
+    """
+
+    step: int
+    values: list[float]
+    sites: list[Site | None]
+    norm_sites: list[Site]
+    scale: float = 1.0  # AMP scale of the tensor-hook gradients
+    norm_scale: float = 1.0  # AMP scale still in the .grad norms
+    loss: float | None = None
+
+
+@dataclasses.dataclass(slots=True)
+class Telemetry:
     act: list[float | None]  # per module index: max |activation|
     grad: list[float | None]  # per module index: max |gradient out of it|, unscaled
     grad_norm: float | None
     max_act: float | None
-    headroom: Site | None = None  # first site whose max|x| came near its dtype's limit
-    headroom_value: float = 0.0
+
+
+def is_bad(values: list[float], n_main: int) -> bool:
+    """Anything non-finite among the first ``n_main`` values (no overflow: float64)."""
+    return not math.isfinite(sum(values[:n_main]))
+
+
+def near_limit(row: StepRow) -> tuple[Site, float] | None:
+    """The first forward site whose max|x| exceeds half its dtype's largest value."""
+    n_pairs = 2 * (len(row.sites) - row.sites.count(None))
+    pairs = [v for v in row.values[:n_pairs] if math.isfinite(v)]
+    if not pairs or max(max(pairs), -min(pairs)) < _HEADROOM_FLOOR:
+        return None
+    for site, m in _site_maxima(row):
+        if site.phase == "forward" and site.dtype is not None and math.isfinite(m):
+            if m > HEADROOM_FRACTION * torch.finfo(site.dtype).max:
+                return site, m
+    return None
+
+
+def _site_maxima(row: StepRow) -> list[tuple[Site, float]]:
+    out = []
+    i = 0
+    for site in row.sites:
+        if site is None:
+            continue
+        lo, hi = row.values[i], row.values[i + 1]
+        i += 2
+        out.append((site, hi if hi > -lo else -lo))
+    return out
+
+
+def telemetry(row: StepRow, n_modules: int) -> Telemetry:
+    """Per-module max|x| of activations and (unscaled) gradients, grad norm."""
+    act: list[float | None] = [None] * n_modules
+    grad: list[float | None] = [None] * n_modules
+    for site, m in _site_maxima(row):
+        if site.kind not in _ACT_KINDS or site.index < 0:
+            continue
+        target = act if site.phase == "forward" else grad
+        if site.phase != "forward":
+            m /= row.scale
+        old = target[site.index]
+        if old is None or m > old:
+            target[site.index] = m
+    start = 2 * (len(row.sites) - row.sites.count(None))
+    norms = row.values[start : start + len(row.norm_sites)]
+    squares = [n * n for n, s in zip(norms, row.norm_sites, strict=False) if s.phase == "grad"]
+    grad_norm = math.sqrt(sum(squares)) / row.norm_scale if squares else None
+    max_act = max((a for a in act if a is not None), default=None)
+    return Telemetry(act, grad, grad_norm, max_act)
 
 
 @dataclasses.dataclass(slots=True)
@@ -63,52 +133,6 @@ class Finding:
     hi: float
     cause: str
     tensor: Tensor | None = None  # norm entries: the tensor to count on
-
-
-def scan(
-    buf: ProbeBuffer, values: list[float], n_modules: int, scale: float, norm_scale: float
-) -> StepScan:
-    """Telemetry and the non-finite flag of one step.
-
-    ``scale`` unscales the AMP-scaled gradients seen by tensor hooks,
-    ``norm_scale`` the ``.grad`` norms (1 once the scaler has unscaled them).
-    """
-    n_main = 2 * (len(buf.sites) - buf.sites.count(None)) + len(buf.norms)
-    total = sum(values[:n_main])
-    act: list[float | None] = [None] * n_modules
-    grad: list[float | None] = [None] * n_modules
-    result = StepScan(not math.isfinite(total), act, grad, None, None)
-    i = 0
-    for site in buf.sites:
-        if site is None:
-            continue
-        lo, hi = values[i], values[i + 1]
-        i += 2
-        m = hi if hi > -lo else -lo
-        if site.kind in _ACT_KINDS:
-            target = act if site.phase == "forward" else grad
-            if site.phase != "forward":
-                m /= scale
-            old = target[site.index]
-            if old is None or m > old:
-                target[site.index] = m
-            if site.phase == "forward" and result.headroom is None:
-                _check_headroom(result, site, m)
-    result.grad_norm = _grad_norm(buf, values[i : i + len(buf.norms)], norm_scale)
-    result.max_act = max((a for a in act if a is not None), default=None)
-    return result
-
-
-def _check_headroom(result: StepScan, site: Site, m: float) -> None:
-    dtype = site.dtype
-    limit = torch.finfo(dtype).max if dtype is not None and dtype.is_floating_point else math.inf
-    if math.isfinite(m) and m > 0.5 * limit:
-        result.headroom, result.headroom_value = site, m
-
-
-def _grad_norm(buf: ProbeBuffer, norms: list[float], scale: float) -> float | None:
-    squares = [n * n for n, s in zip(norms, buf.norm_sites, strict=False) if s.phase == "grad"]
-    return math.sqrt(sum(squares)) / scale if squares else None
 
 
 def first_finding(

@@ -176,6 +176,8 @@ class Watch:
             return
         self._closed = True
         try:
+            if not self._guard.off and self._opt is not None and self._opt.stepped_once:
+                self._opt.add_norms(with_params=True)  # the last step's params and state
             if not self._guard.off and len(self._buf):
                 self._report(self._boundary.check(self.step, self.step - 1, self._micro, False))
         except Exception as exc:
@@ -268,7 +270,7 @@ class Watch:
 
     def _report(self, outcome: Outcome) -> None:
         """Record, log and send an incident; one message per incident, no flood."""
-        self._micro = max(self._buf.sites.count(None) - 1, 0)
+        self._micro = max(outcome.micro_steps - 1, 0)
         if outcome.overflow:
             if self._amp is not None and self._amp.collapsing():
                 log.warning(

@@ -93,11 +93,12 @@ def test_a_non_finite_loss_from_finite_outputs_is_reported_as_loss(kind):
 
 
 def test_a_nan_made_only_in_a_custom_backward_is_blamed_on_that_module(kind):
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(inplace=True), BackwardPlant(), nn.Linear(16, 4))
+    layers = [nn.Linear(8, 16), BackwardPlant(), nn.ReLU(inplace=True), nn.Linear(16, 4)]
+    model = nn.Sequential(*layers)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with nand.watch(model, opt) as w:
-        train(model, opt, 5, before=arm_at(model[2], 3, VALUES[kind]))
-    assert where(w.first) == (3, 0, "backward", "2", "produced")
+        train(model, opt, 5, before=arm_at(model[1], 3, VALUES[kind]))
+    assert where(w.first) == (3, 0, "backward", "1", "produced")
     assert w.first.module_type == "BackwardPlant"
 
 
