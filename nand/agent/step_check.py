@@ -79,9 +79,11 @@ def near_limit(row: StepRow) -> tuple[Site, float] | None:
     if not pairs or max(max(pairs), -min(pairs)) < _HEADROOM_FLOOR:
         return None
     for site, m in _site_maxima(row):
-        if site.phase == "forward" and site.dtype is not None and math.isfinite(m):
-            if m > HEADROOM_FRACTION * torch.finfo(site.dtype).max:
-                return site, m
+        dtype = site.dtype
+        if site.phase != "forward" or dtype is None or not math.isfinite(m):
+            continue
+        if m > HEADROOM_FRACTION * torch.finfo(dtype).max:
+            return site, m
     return None
 
 
