@@ -38,13 +38,12 @@ function colourBar(range, flight) {
       svg("text", { x: x(e), y: 17, "text-anchor": e === range.lo ? "start" : "middle" }, e >= -3 && e <= 5 ? num(10 ** e) : `1e${e}`),
     );
   }
-  const parts = [
-    el("span", { class: "bar-label" }, "max |x|"),
-    el("div", { class: "bar-wrap" }, el("div", { class: "bar", style: `background:${COLORMAP_CSS}` }), ticks),
-  ];
+  const bar = el("div", { class: "bar" });
+  bar.style.background = COLORMAP_CSS;
+  const parts = [el("span", { class: "bar-label" }, "max |x|"), el("div", { class: "bar-wrap" }, bar, ticks)];
   if (flight.dtype_max) {
     const px = x(Math.log10(flight.dtype_max));
-    ticks.append(svg("line", { class: "limit", x1: px - 1, x2: px - 1, y1: 0, y2: 30 }));
+    ticks.append(svg("line", { class: "limit", x1: px - 1, x2: px - 1, y1: 0, y2: 8 }));
     parts.push(
       el(
         "span",

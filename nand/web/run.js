@@ -19,6 +19,11 @@ const CURVES = [
   { key: "max_activation", title: "Largest activation |x|", log: true },
 ];
 
+/** The width a drawing may take inside `node` (already in the page). */
+function innerWidth(node) {
+  return Math.max(320, node.clientWidth);
+}
+
 function section(id, title, note, ...content) {
   return el(
     "section",
@@ -62,7 +67,7 @@ function curves(series, origin) {
   return grid;
 }
 
-function flightPanel(run, ranks, origin, width) {
+function flightPanel(run, ranks, origin) {
   const body = el("div", { class: "flight-body" });
   const rankSelect = el(
     "select",
@@ -77,7 +82,7 @@ function flightPanel(run, ranks, origin, width) {
   );
   let flight = null;
   const show = () => {
-    clear(body).append(heatmap(flight, origin, width(), which.value));
+    clear(body).append(heatmap(flight, origin, innerWidth(body), which.value));
   };
   async function load() {
     clear(body).append(stateMessage("loading", "Loading the flight recorder…"));
@@ -133,7 +138,6 @@ export function runPage(main, runId, params) {
   let alive = true;
   let parts = null;
 
-  const width = (node) => () => Math.max(320, (node || main).clientWidth - 32);
 
   async function fetchAll() {
     const [detail, ranks, series] = await Promise.all([api.run(runId), api.ranks(runId), api.series(runId)]);
@@ -156,7 +160,7 @@ export function runPage(main, runId, params) {
       slots.verdict,
       section("ranks", "Ranks over time", "Each row is a rank; the bar marks its first non-finite step. Click a row to list its events.", slots.strip),
     );
-    const flight = flightPanel(runId, ranks, origin, width(main));
+    const flight = flightPanel(runId, ranks, origin);
     main.append(
       flight.node,
       section("training", "Training", "Per rank, from the heartbeats; the dashed line is the first non-finite step.", slots.curves),
@@ -174,7 +178,7 @@ export function runPage(main, runId, params) {
     const strip = healthStrip({
       ranks,
       series,
-      width: width(main)(),
+      width: innerWidth(slots.strip),
       onRank: (rank) => {
         parts.table.setRank(rank);
         document.getElementById("events").scrollIntoView({ behavior: "smooth" });
@@ -212,7 +216,7 @@ export function runPage(main, runId, params) {
       if (next.detail.event_count !== before.event_count) parts.table.changed();
       if (!before.verdict.origin && next.detail.verdict.origin) {
         // It just went non-finite: the flight window is new evidence.
-        const flight = flightPanel(runId, next.ranks, next.detail.verdict.origin, width(main));
+        const flight = flightPanel(runId, next.ranks, next.detail.verdict.origin);
         parts.flight.node.replaceWith(flight.node);
         parts.flight = flight;
       }

@@ -32,9 +32,9 @@ export function stopButton(run, onStopped) {
       {},
       `Every one of the ${count(run.world_size)} ranks stops at the same optimizer-step boundary, so checkpoints stay consistent. This cannot be undone from here.`,
     ),
-    el("label", {}, "Token ", el("span", { class: "muted" }, "(the server's NAND_TOKEN)"), token),
-    el("label", {}, "Reason ", el("span", { class: "muted" }, "(optional)"), reason),
-    el("label", {}, "At step ", el("span", { class: "muted" }, "(optional)"), step),
+    el("label", {}, el("span", {}, "Token ", el("span", { class: "muted" }, "(the server's NAND_TOKEN)")), token),
+    el("label", {}, el("span", {}, "Reason ", el("span", { class: "muted" }, "(optional)")), reason),
+    el("label", {}, el("span", {}, "At step ", el("span", { class: "muted" }, "(optional)")), step),
     error,
     el("div", { class: "actions" }, cancel, submit),
   );
