@@ -20,8 +20,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-#: Consecutive overflow-skipped steps after which the scale "keeps collapsing".
-COLLAPSE_STEPS = 10
+#: Consecutive overflow-skipped steps after which the scale "keeps collapsing"
+#: (halving from 2**16 takes 16 steps to reach 1; more means something is wrong).
+COLLAPSE_STEPS = 50
 #: A loss scale below this means the gradients overflow even unscaled.
 COLLAPSE_SCALE = 1.0
 

@@ -63,15 +63,23 @@ class Boundary:
         self.warned_headroom = False
         self.reads = 0  # host reads done, for tests and the benchmark
 
-    def check(self, step: int, prev_step: int, prev_micro: int, skipped: bool) -> Outcome:
-        """Read the window and analyse it; the buffer is cleared afterwards."""
+    def check(
+        self, step: int, prev_step: int, prev_micro: int, skipped: bool, record: bool = True
+    ) -> Outcome:
+        """Read the window and analyse it; the buffer is cleared afterwards.
+
+        ``record``: keep the step's figures in the flight recorder (not for the
+        last look at ``close``, which holds parameters only).
+        """
         try:
-            return self._check(step, prev_step, prev_micro, skipped)
+            return self._check(step, prev_step, prev_micro, skipped, record)
         finally:
             self.buf.clear()
             self.loss_tensor = None
 
-    def _check(self, step: int, prev_step: int, prev_micro: int, skipped: bool) -> Outcome:
+    def _check(
+        self, step: int, prev_step: int, prev_micro: int, skipped: bool, record: bool
+    ) -> Outcome:
         extras = self._extras()
         values, any_bad = self.read(extras)
         buf = self.buf
@@ -81,7 +89,8 @@ class Boundary:
         scale, norm_scale, out.overflow = self._amp_figures(values, extras, skipped)
         loss = values[-1] if "loss" in extras else None
         row = StepRow(step, values, buf.sites[:], buf.norm_sites[:], scale, norm_scale, loss)
-        self.recorder.push(row)
+        if record:
+            self.recorder.push(row)
         out.row = row
         if not self.warned_headroom:
             self._headroom(row)

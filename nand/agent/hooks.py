@@ -106,6 +106,7 @@ class ModuleInfo:
         site = self._outputs.get("loss:" + slot)
         if site is None:
             site = Site("loss", self.name, self.type, self.index, slot, "loss")
+            site.forward = self.output_site(slot)
             self._outputs["loss:" + slot] = site
         return site
 
@@ -118,6 +119,7 @@ class ModuleInfo:
     def _new_site(self, phase: str, slot: str, kind: str) -> Site:
         site = Site(phase, self.name, self.type, self.index, slot, kind)
         site.backward = Site("backward", self.name, self.type, self.index, slot, kind)
+        site.backward.forward = site
         site.allow_neginf = self.allow_neginf and kind == "output"
         return site
 

@@ -45,6 +45,7 @@ class Site:
     shape: tuple[int, ...] = ()  # of the last probed tensor
     allow_neginf: bool = False  # allow-listed module: -inf is on purpose
     backward: Site | None = None  # the site of this value's gradient
+    forward: Site | None = None  # for a gradient site: the site of the value
     param: Tensor | None = None  # norm sites: the parameter
     state_key: str = ""  # optimizer_state sites: the key in optimizer.state[param]
 

@@ -61,7 +61,7 @@ def _from_minmax(event: Event, finding: Finding, scale: float) -> None:
     # Gradients under AMP are scaled: report what the user would compute.
     div = scale if finding.phase in ("backward", "loss") else 1.0
     event.min, event.max = finding.lo / div, finding.hi / div
-    site = finding.site
+    site = finding.site.forward or finding.site  # a gradient has its value's shape
     event.shape = list(site.shape)
     event.dtype = str(site.dtype).removeprefix("torch.") if site.dtype is not None else ""
 

@@ -179,7 +179,8 @@ class Watch:
             if not self._guard.off and self._opt is not None and self._opt.stepped_once:
                 self._opt.add_norms(with_params=True)  # the last step's params and state
             if not self._guard.off and len(self._buf):
-                self._report(self._boundary.check(self.step, self.step - 1, self._micro, False))
+                outcome = self._boundary.check(self.step, self.step - 1, self._micro, False, False)
+                self._report(outcome, beat=False)
         except Exception as exc:
             self._guard.failed(exc, "close")
         finally:
@@ -268,9 +269,12 @@ class Watch:
             self._guard.failed(exc, "step boundary")
             return None
 
-    def _report(self, outcome: Outcome) -> None:
+    def _report(self, outcome: Outcome, beat: bool = True) -> None:
         """Record, log and send an incident; one message per incident, no flood."""
         self._micro = max(outcome.micro_steps - 1, 0)
+        event = outcome.event
+        if outcome.overflow and event is not None and event.phase in ("input", "forward"):
+            outcome.overflow = False  # the scaler skipped it, but the forward was bad: an incident
         if outcome.overflow:
             if self._amp is not None and self._amp.collapsing():
                 log.warning(
@@ -281,8 +285,8 @@ class Watch:
                     f"; first non-finite: {outcome.event.message}" if outcome.event else "",
                 )
             return
-        self.session.step_done(self, outcome)
-        event = outcome.event
+        if beat:
+            self.session.step_done(self, outcome)
         if event is None:
             self._in_incident = False
             return

@@ -1,0 +1,81 @@
+"""GradScaler: overflow skips are counted, not reported; real faults still are."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import nand
+from tests.agent.models import VALUES, BackwardPlant, mlp
+
+
+def amp_train(model, opt, scaler, steps, inputs=None, factor=1.0):
+    gen = torch.Generator().manual_seed(0)
+    for step in range(steps):
+        x = inputs(step) if inputs else torch.randn(4, 8, generator=gen)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x).float().pow(2).mean() * factor
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+
+
+def test_overflow_steps_skipped_by_the_scaler_are_counted_not_reported(caplog):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127)  # overflows at first
+    caplog.set_level(logging.WARNING, logger="nand")
+    with nand.watch(model, opt, scaler=scaler) as w:
+        amp_train(model, opt, scaler, 30, factor=1e6)
+    assert w.first is None and w.events == []
+    skipped = 30 - w.step
+    assert skipped > 0 and w.amp_skipped == skipped
+    assert scaler.get_scale() < 2.0**127
+    assert not [r for r in caplog.records if r.name == "nand"]
+
+
+@pytest.mark.parametrize("kind", list(VALUES))
+def test_non_finite_data_under_amp_is_still_an_incident(kind):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu")
+
+    def inputs(step):
+        x = torch.randn(4, 8)
+        if step == 5:
+            x[0, 0] = VALUES[kind]
+        return x
+
+    with nand.watch(model, opt, scaler=scaler) as w:
+        amp_train(model, opt, scaler, 8, inputs=inputs)
+    assert (w.first.step, w.first.phase, w.first.cause) == (5, "input", "data")
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_scale_that_keeps_collapsing_is_warned_about_once(caplog):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), BackwardPlant(), torch.nn.Linear(8, 4))
+    model[1].value = float("inf")  # every backward overflows
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu")
+    caplog.set_level(logging.WARNING, logger="nand")
+    with nand.watch(model, opt, scaler=scaler) as w:
+        amp_train(model, opt, scaler, 25)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "nand"]
+    assert len(warnings) == 1 and "keeps collapsing" in warnings[0]
+    assert "backward of 1 (BackwardPlant)" in warnings[0]
+    assert w.amp_skipped == 25 and w.step == 0 and w.first is None
+
+
+def test_gradient_figures_are_reported_unscaled():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    with nand.watch(model, opt, scaler=scaler) as w:
+        amp_train(model, opt, scaler, 3)
+    tele = w.recorder.last()
+    assert tele is not None and tele.grad_norm is not None
+    # unscaled: a plain fp32 gradient norm is of the same order, not 1024x larger
+    assert 0.01 < tele.grad_norm < 100

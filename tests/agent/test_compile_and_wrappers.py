@@ -1,0 +1,90 @@
+"""torch.compile after nand.watch keeps every check; wrapper prefixes are dropped."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import nand
+from nand.agent.names import clean_name, unwrap
+from tests.agent.models import VALUES, BackwardPlant, Plant, mlp, train
+
+
+@pytest.mark.parametrize("kind", list(VALUES))
+def test_a_model_compiled_after_watch_keeps_forward_checks(kind):
+    torch._dynamo.reset()
+    model = mlp(plant_after=2)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with nand.watch(model, opt) as w:
+        compiled = torch.compile(model, backend="aot_eager")
+
+        def before(step, micro):
+            model[3].value = VALUES[kind] if step == 3 else None
+
+        train(compiled, opt, 5, before=before)
+    assert (w.first.step, w.first.phase, w.first.module) == (3, "forward", "3")
+
+
+def test_a_model_compiled_after_watch_keeps_backward_checks():
+    torch._dynamo.reset()
+    model = nn.Sequential(nn.Linear(8, 16), BackwardPlant(), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with nand.watch(model, opt) as w:
+        compiled = torch.compile(model, backend="aot_eager")
+
+        def before(step, micro):
+            model[1].value = float("nan") if step == 2 else None
+
+        train(compiled, opt, 4, before=before)
+    assert (w.first.step, w.first.phase, w.first.module) == (2, "backward", "1")
+
+
+def test_a_watched_compiled_model_reports_names_without_orig_mod():
+    torch._dynamo.reset()
+    model = mlp(plant_after=0)
+    compiled = torch.compile(model, backend="eager")
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with nand.watch(compiled, opt) as w:
+        model[1].value = float("inf")
+        train(compiled, opt, 1)
+    assert w.first.module == "1" and w.first.module_type == "Plant"
+
+
+def test_wrapper_prefixes_are_stripped_from_names():
+    assert clean_name("module._orig_mod.encoder.layers.0.fc1") == "encoder.layers.0.fc1"
+    assert clean_name("_fsdp_wrapped_module.fc._checkpoint_wrapped_module.w") == "fc.w"
+
+    class DistributedDataParallel(nn.Module):  # the shape of DDP: the model in .module
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+        def forward(self, x):
+            return self.module(x)
+
+    inner = nn.Sequential(nn.Linear(8, 4), Plant())
+    root, wrapped = unwrap(DistributedDataParallel(inner))
+    assert root is inner and wrapped
+    opt = torch.optim.SGD(inner.parameters(), lr=1e-2)
+    ddp = DistributedDataParallel(inner)
+    with nand.watch(ddp, opt) as w:
+        inner[1].value = float("nan")
+        train(ddp, opt, 1)
+    assert w.first.module == "1"
+
+
+def test_events_go_to_a_jsonl_file_without_nan_literals(tmp_path):
+    path = tmp_path / "events-{rank}.jsonl"
+    model = mlp(plant_after=0)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with nand.watch(model, opt, events_file=str(path), on_nonfinite="skip"):
+        model[1].value = float("nan")
+        train(model, opt, 2)
+    lines = [json.loads(line) for line in (tmp_path / "events-0.jsonl").read_text().splitlines()]
+    assert [line["type"] for line in lines] == ["hello", "event", "bye"]
+    event = lines[1]["event"]
+    assert (event["step"], event["phase"], event["module"]) == (0, "forward", "1")
+    assert event["min"] is None and lines[1]["flight"]["steps"] == [0]
