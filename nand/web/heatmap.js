@@ -10,6 +10,7 @@ import { colormap, COLORMAP_CSS, linear, logTicks } from "./scale.js";
 import { hideTip, showTip } from "./tooltip.js";
 
 const AXIS = 22;
+const REACH = 1e4; // the dtype limit is on the scale when max |x| is within this factor
 
 function magnitudeRange(matrix, dtypeMax) {
   let lo = Infinity;
@@ -22,9 +23,13 @@ function magnitudeRange(matrix, dtypeMax) {
     }
   }
   if (!Number.isFinite(lo)) return null;
-  const top = dtypeMax ? Math.log10(dtypeMax) : Math.log10(hi);
+  // The scale ends at the dtype's limit when the values come within reach
+  // of it (float16: 65504), so the build-up shows; for float32/bfloat16
+  // (3.4e38) the limit is far away and would squash every colour together.
+  const reach = dtypeMax && hi * REACH >= dtypeMax;
+  const top = reach ? Math.log10(dtypeMax) : Math.max(Math.ceil(Math.log10(hi)), Math.log10(hi));
   const bottom = Math.min(Math.floor(Math.log10(lo)), top - 1);
-  return { lo: bottom, hi: Math.max(top, Math.log10(hi)) };
+  return { lo: bottom, hi: Math.max(top, Math.log10(hi)), limitShown: Boolean(reach) };
 }
 
 /** The colour bar with power-of-ten ticks and the dtype limit marked. */
@@ -41,7 +46,9 @@ function colourBar(range, flight) {
   const bar = el("div", { class: "bar" });
   bar.style.background = COLORMAP_CSS;
   const parts = [el("span", { class: "bar-label" }, "max |x|"), el("div", { class: "bar-wrap" }, bar, ticks)];
-  if (flight.dtype_max) {
+  if (flight.dtype_max && !range.limitShown) {
+    parts.push(el("span", { class: "limit-label" }, `${flight.dtype || "dtype"} limit ${num(flight.dtype_max)}: far above these values`));
+  } else if (flight.dtype_max) {
     const px = x(Math.log10(flight.dtype_max));
     ticks.append(svg("line", { class: "limit", x1: px - 1, x2: px - 1, y1: 0, y2: 8 }));
     parts.push(
@@ -53,13 +60,13 @@ function colourBar(range, flight) {
       ),
     );
   }
-  parts.push(el("span", { class: "none-label" }, el("span", { class: "none-swatch" }), "no finite value"));
+  parts.push(el("span", { class: "none-label" }, el("span", { class: "none-swatch" }), "no value: non-finite, or not recorded"));
   return el("div", { class: "colour-legend" }, parts);
 }
 
 /** The layer that came closest to the dtype limit, in words. */
-function closest(flight, matrix) {
-  if (!flight.dtype_max) return null;
+function closest(flight, matrix, range) {
+  if (!flight.dtype_max || !range.limitShown) return null;
   let best = null;
   matrix.forEach((row, i) =>
     row.forEach((v, j) => {
@@ -132,8 +139,8 @@ function draw(flight, matrix, range, origin, width) {
     const j = Math.floor(p.y / rowH);
     if (i < 0 || i >= cols || j < 0 || j >= rows) return hideTip();
     const v = matrix[i][j];
-    const lines = [flight.modules[j] || "(root module)", ["step", String(flight.steps[i])], ["max |x|", v === null ? "no finite value" : num(v)]];
-    if (v !== null && flight.dtype_max) lines.push([`of ${flight.dtype || "dtype"} max`, `${((100 * v) / flight.dtype_max).toPrecision(2)}%`]);
+    const lines = [flight.modules[j] || "(root module)", ["step", String(flight.steps[i])], ["max |x|", v === null ? "no value (non-finite or not recorded)" : num(v)]];
+    if (v !== null && flight.dtype_max && range.limitShown) lines.push([`of ${flight.dtype || "dtype"} max`, `${((100 * v) / flight.dtype_max).toPrecision(2)}%`]);
     if (i === oi && j === oj) lines.push("first non-finite value here");
     showTip(lines, ev.clientX, ev.clientY);
   });
@@ -161,7 +168,7 @@ export function heatmap(flight, origin, width, which = "act") {
     el("div", { class: "heatmap-scroll" }, draw(flight, matrix, range, origin && origin.rank === flight.rank ? origin : null, width)),
     colourBar(range, flight),
   );
-  const note = closest(flight, matrix);
+  const note = closest(flight, matrix, range);
   if (note) wrap.append(note);
   return wrap;
 }

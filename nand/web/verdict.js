@@ -56,6 +56,15 @@ function fact(label, ...value) {
 
 function headline(verdict, run) {
   const o = verdict.origin;
+  if (o && verdict.simultaneous) {
+    return [
+      `Ranks ${rankList(verdict.ranks_affected)} went non-finite together: `,
+      el("strong", {}, valueKinds(o)),
+      " in ",
+      el("code", { class: "where" }, where(o.module, o.module_type)),
+      ` during ${o.phase} at step ${stepLabel(o.step, o.micro_step)}`,
+    ];
+  }
   if (o) {
     const verb = o.cause === "received" ? "received" : o.cause === "data" ? "got" : "produced";
     return [
