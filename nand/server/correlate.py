@@ -91,7 +91,9 @@ def flight_evidence(flight: dict[str, Any]) -> FlightEvidence:
     )
 
 
-def _finite(values: Sequence[Any]) -> list[float]:
+def _finite(values: Any) -> list[float]:
+    if not isinstance(values, list | tuple):
+        return []
     return [
         float(v)
         for v in values

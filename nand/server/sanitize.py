@@ -2,7 +2,7 @@
 poison a batch: integers within the columns' range, strings without NUL
 (PostgreSQL refuses it) and within the column length, floats finite or None.
 
->>> clean_str("a\\x00b", 10), finite(float("nan")), out_of_range({"seq": 2**70})
+>>> clean_str("a\\x00b", 10), finite(float("nan")), out_of_range({"seq": 2**70, "time": 1.0})
 ('ab', None, 'seq')
 """
 
@@ -44,8 +44,31 @@ def finite(value: Any) -> float | None:
     return number if math.isfinite(number) else None
 
 
+def jsonable(value: Any, depth: int = 0) -> Any:
+    """A JSON-storable copy: finite floats, str keys, no bytes or NUL, bounded depth."""
+    if depth > 32:
+        return None
+    if value is None or isinstance(value, bool | int):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, str):
+        return value.replace("\x00", "")
+    if isinstance(value, dict):
+        return {clean_str(str(k), 256): jsonable(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [jsonable(v, depth + 1) for v in value]
+    return None
+
+
 def out_of_range(message: dict[str, Any]) -> str | None:
-    """The name of the first integer field that does not fit its column, or None."""
+    """The first field that cannot be stored as it is, or None: an integer
+    beyond its column, an identity (agent, run) with NUL, a non-finite time."""
+    for key in ("agent", "run"):
+        if "\x00" in message.get(key, ""):
+            return key
+    if finite(message.get("time")) is None:
+        return "time"
     bad = _check(message, _ENVELOPE_LIMITS)
     body = message.get("body")
     if bad or not isinstance(body, dict):

@@ -33,8 +33,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from nand.events import PHASE_RANK
 from nand.server import correlate
 from nand.server.models import Agent, EventRow, Flight, Heartbeat, Message, Rank, Run
-from nand.server.sanitize import clean_str, finite
-from nand.wire import json_safe
+from nand.server.sanitize import clean_str, finite, jsonable
 
 Key = tuple[str, int]
 
@@ -182,7 +181,7 @@ def _run_info(body: dict[str, Any]) -> dict[str, Any]:
     info: dict[str, Any] = {}
     modules = body.get("modules")
     if isinstance(modules, list) and modules:
-        info["modules"] = json_safe(modules)
+        info["modules"] = jsonable(modules)
     optimizer = body.get("optimizer")
     if isinstance(optimizer, str):
         info["optimizer"] = clean_str(optimizer, 256)
@@ -190,7 +189,9 @@ def _run_info(body: dict[str, Any]) -> dict[str, Any]:
         info["optimizer"] = clean_str(optimizer["type"], 256)
     versions = body.get("versions")
     if isinstance(versions, dict):
-        info["versions"] = {str(k): str(v) for k, v in versions.items()}
+        info["versions"] = {
+            clean_str(str(k), 64): clean_str(str(v), 256) for k, v in versions.items()
+        }
     return info
 
 
@@ -364,7 +365,7 @@ def _store_flights(
     rows = []
     for message in messages:
         body = message["body"]
-        data = json_safe(body["flight"])
+        data = jsonable(body["flight"])
         evidence = correlate.flight_evidence(data)
         rows.append(
             {

@@ -12,6 +12,7 @@ import zmq
 from sqlalchemy import create_engine, func, select
 
 from nand import wire
+from nand.server.ingest import COMMAND_EVERY_S
 from nand.server.models import EventRow, Message
 from tests.server.agents import FakeAgent
 from tests.server.helpers import eventually
@@ -175,6 +176,7 @@ def test_stop_reaches_every_rank_with_one_step(start_server) -> None:
     assert verdict["stop"]["step"] == 112
     ranks[0].bye(110, reason="stopped")
     ranks[0].wait_acked()
+    time.sleep(COMMAND_EVERY_S)  # commands to one connection are spaced by this much
     ranks[1].heartbeat(105)  # still running: told again
     assert ranks[1].wait_for("command", timeout=5)["step"] == 112
     for a in ranks:
@@ -225,4 +227,4 @@ def test_stream_sends_a_run_event_when_a_run_appears_and_diverges(server, agents
     a.wait_acked()
     assert done.wait(10)
     assert seen[-1]["origin"]["phase"] == "backward"
-    assert [s["state"] for s in seen if s["run"] == "live"][0] == "healthy"
+    assert next(s["state"] for s in seen if s["run"] == "live") == "healthy"

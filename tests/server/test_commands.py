@@ -1,0 +1,139 @@
+"""The command line against a real embedded server: runs, verdict, stop, wait."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from nand.server import commands, embedded
+from nand.server.__main__ import main
+from nand.server.embedded import EmbeddedServer
+from nand.server.settings import Settings
+from tests.server.agents import FakeAgent
+
+
+@pytest.fixture
+def srv(tmp_path) -> Iterator[EmbeddedServer]:
+    url = f"sqlite:///{tmp_path / 'cli.db'}"
+    server = embedded.start(url, settings=Settings(db_url=url, token="tok", lost_after_s=1.0))
+    yield server
+    server.stop()
+
+
+def _agent(server: EmbeddedServer, run: str, rank: int = 0) -> FakeAgent:
+    agent = FakeAgent(server.zmq_endpoint, run=run, rank=rank, world_size=2)
+    agent.hello(token="tok")
+    agent.heartbeat(10, steps_per_s=1.0)
+    agent.wait_acked()
+    return agent
+
+
+def test_runs_and_verdict(srv, capsys) -> None:
+    a = _agent(srv, "cli-run")
+    a.event(step=11, phase="forward", module="fc1", module_type="Linear", nan=1)
+    a.wait_acked()
+    assert main(["runs", "--url", srv.http_url]) == 0
+    out = capsys.readouterr().out
+    assert "cli-run" in out and "diverged" in out and "rank 0 forward fc1 step 11" in out
+    assert main(["verdict", "cli-run", "--url", srv.http_url]) == 0
+    assert (
+        "rank 0 produced NaN in fc1 (Linear) during forward at step 11" in capsys.readouterr().out
+    )
+    assert main(["verdict", "cli-run", "--url", srv.http_url, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["origin"]["module"] == "fc1"
+    assert main(["verdict", "nope", "--url", srv.http_url]) == commands.EXIT_ERROR
+    assert "unknown run" in capsys.readouterr().err
+    a.close()
+
+
+def test_stop_with_and_without_token(srv, capsys) -> None:
+    a = _agent(srv, "cli-stop")
+    assert main(["stop", "cli-stop", "--url", srv.http_url]) == commands.EXIT_ERROR
+    assert "valid token" in capsys.readouterr().err
+    assert main(["stop", "cli-stop", "--url", srv.http_url, "--token", "tok"]) == 0
+    assert "every rank stops at step 20 (ranks 0)" in capsys.readouterr().out
+    assert a.wait_for("command")["step"] == 20  # 10 + 2 heartbeats (5 s) x 1 step/s
+    a.close()
+
+
+def _wait_in_thread(args: list[str]) -> tuple[threading.Thread, list[int]]:
+    codes: list[int] = []
+    thread = threading.Thread(target=lambda: codes.append(main(args)), daemon=True)
+    thread.start()
+    return thread, codes
+
+
+def test_wait_until_diverged_returns_0_when_it_diverges(srv) -> None:
+    thread, codes = _wait_in_thread(
+        ["wait", "later", "--until", "diverged", "--interval", "0.1", "--url", srv.http_url]
+    )
+    a = _agent(srv, "later")  # the run did not exist when the wait began
+    a.event(step=12, phase="loss", nan=1)
+    a.wait_acked()
+    thread.join(10)
+    assert codes == [commands.EXIT_OK]
+    a.close()
+
+
+def test_wait_exit_codes_for_other_outcomes(srv) -> None:
+    url = ["--url", srv.http_url, "--interval", "0.1"]
+    bad = _agent(srv, "bad")
+    bad.event(step=12, phase="forward", module="x", nan=1)
+    bad.wait_acked()
+    assert main(["wait", "bad", "--until", "finished", *url]) == commands.EXIT_DIVERGED
+    assert main(["wait", "bad", "--until", "any", *url]) == commands.EXIT_DIVERGED
+    done = _agent(srv, "done")
+    done.bye(10)
+    done.wait_acked()
+    assert main(["wait", "done", "--until", "diverged", *url]) == commands.EXIT_FINISHED
+    assert main(["wait", "done", "--until", "finished", *url]) == commands.EXIT_OK
+    quiet = _agent(srv, "quiet")  # lost after 1 s of silence
+    assert main(["wait", "quiet", "--until", "finished", *url]) == commands.EXIT_LOST
+    assert main(["wait", "ghost", "--timeout", "0.5", *url]) == commands.EXIT_TIMEOUT
+    for agent in (bad, done, quiet):
+        agent.close()
+
+
+def test_wait_gives_up_on_an_unreachable_server() -> None:
+    args = ["wait", "r", "--url", "http://127.0.0.1:1", "--retry-for", "0.3", "--interval", "0.1"]
+    assert main(args) == commands.EXIT_USAGE
+
+
+def test_wait_exit_code_table() -> None:
+    assert commands.wait_exit_code("diverged", "diverged") == 0
+    assert commands.wait_exit_code("finished", "diverged") == 3
+    assert commands.wait_exit_code("any", "finished") == 0
+    assert commands.wait_exit_code("any", "stalled") == 5
+    assert commands.wait_exit_code("diverged", "healthy") is None
+
+
+def test_wait_as_a_real_process_for_job_scripts(srv) -> None:
+    a = _agent(srv, "proc")
+    a.event(step=11, phase="backward", module="fc2", nan=1)
+    a.wait_acked()
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nand.server",
+            "wait",
+            "proc",
+            "--until",
+            "diverged",
+            "--url",
+            srv.http_url,
+            "--timeout",
+            "20",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "proc: diverged"
+    a.close()
