@@ -120,7 +120,12 @@ function legend(lines, origin) {
     origin !== null && origin !== undefined
       ? el("li", {}, el("span", { class: "swatch origin" }), `rank ${origin} (origin)`)
       : null,
-    el("li", {}, el("span", { class: "swatch band" }), `${lines.length - (origin == null ? 0 : 1)} other ranks`),
+    el(
+      "li",
+      {},
+      el("span", { class: "swatch band" }),
+      `${lines.length - (origin == null ? 0 : 1)} other ranks`,
+    ),
   );
 }
 
@@ -138,7 +143,10 @@ function hoverLines(lines, step, tolerance, origin) {
   rows.sort((a, b) => (a[0] === origin ? -1 : b[0] === origin ? 1 : a[0] - b[0]));
   const shown = rows
     .slice(0, 8)
-    .map(([rank, v]) => [`rank ${rank}${rank === origin ? " (origin)" : ""}`, v === null ? "not finite" : num(v)]);
+    .map(([rank, v]) => [
+      `rank ${rank}${rank === origin ? " (origin)" : ""}`,
+      v === null ? "not finite" : num(v),
+    ]);
   if (rows.length > 8) shown.push(`… and ${rows.length - 8} more ranks`);
   return { at, rows: shown };
 }
@@ -171,7 +179,12 @@ export function lineChart({ title, lines, origin = null, mark = null, log = fals
     ext.lo = ext.lo >= 0 && ext.lo - pad < 0 ? 0 : ext.lo - pad;
   }
   const x = linear(ext.s0, ext.s1, PAD.left, W - PAD.right);
-  const ly = linear(log ? Math.log10(ext.lo) : ext.lo, log ? Math.log10(ext.hi) : ext.hi, H - PAD.bottom, PAD.top);
+  const ly = linear(
+    log ? Math.log10(ext.lo) : ext.lo,
+    log ? Math.log10(ext.hi) : ext.hi,
+    H - PAD.bottom,
+    PAD.top,
+  );
   const y = log ? (v) => ly(Math.log10(v)) : ly;
   const safe = log ? (p) => (p.value !== null && p.value <= 0 ? { ...p, value: null } : p) : (p) => p;
 
@@ -182,7 +195,12 @@ export function lineChart({ title, lines, origin = null, mark = null, log = fals
   for (const line of ordered) {
     const d = pathData(thin(line.points.map(safe), x, y), x, y);
     if (!d) continue;
-    const cls = line.rank === origin && many ? "line origin" : many ? "line band" : `line c${line.rank % DISTINCT}${line.rank === origin ? " thick" : ""}`;
+    const cls =
+      line.rank === origin && many
+        ? "line origin"
+        : many
+          ? "line band"
+          : `line c${line.rank % DISTINCT}${line.rank === origin ? " thick" : ""}`;
     plot.append(svg("path", { class: cls, d, dataset: { rank: line.rank } }));
   }
   const chart = svg(
@@ -195,7 +213,11 @@ export function lineChart({ title, lines, origin = null, mark = null, log = fals
     chart.append(
       svg("line", { class: "mark", x1: x(mark), x2: x(mark), y1: PAD.top, y2: H - PAD.bottom }),
       // Above the plot area, so it never sits on top of a line.
-      svg("text", { class: "mark-label", x: x(mark) + 3, y: PAD.top - 8, "text-anchor": "end" }, "first non-finite"),
+      svg(
+        "text",
+        { class: "mark-label", x: x(mark) + 3, y: PAD.top - 8, "text-anchor": "end" },
+        "first non-finite",
+      ),
     );
   }
   const cursor = svg("line", { class: "cursor", y1: PAD.top, y2: H - PAD.bottom, visibility: "hidden" });

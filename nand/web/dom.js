@@ -58,3 +58,23 @@ export function stateMessage(kind, title, ...details) {
 export function cssVar(name, node = document.documentElement) {
   return getComputedStyle(node).getPropertyValue(name).trim();
 }
+
+/** A titled section of a page, with an optional note beside the title. */
+export function panel(id, title, note, ...content) {
+  return el(
+    "section",
+    { class: "panel", id, "aria-labelledby": `${id}-title` },
+    el(
+      "div",
+      { class: "panel-head" },
+      el("h2", { id: `${id}-title` }, title),
+      note ? el("p", { class: "muted" }, note) : null,
+    ),
+    content,
+  );
+}
+
+/** The width a drawing may take inside `node` (already in the page). */
+export function innerWidth(node) {
+  return Math.max(320, node.clientWidth);
+}

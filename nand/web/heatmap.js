@@ -36,18 +36,34 @@ function magnitudeRange(matrix, dtypeMax) {
 function colourBar(range, flight) {
   const width = 320;
   const x = linear(range.lo, range.hi, 0, width);
-  const ticks = svg("svg", { class: "bar-ticks", viewBox: `0 0 ${width} 30`, width, height: 30, "aria-hidden": "true" });
+  const ticks = svg("svg", {
+    class: "bar-ticks",
+    viewBox: `0 0 ${width} 30`,
+    width,
+    height: 30,
+    "aria-hidden": "true",
+  });
   for (const e of logTicks(range.lo, range.hi, 7)) {
     ticks.append(
       svg("line", { x1: x(e), x2: x(e), y1: 0, y2: 5 }),
-      svg("text", { x: x(e), y: 17, "text-anchor": e === range.lo ? "start" : "middle" }, e >= -3 && e <= 5 ? num(10 ** e) : `1e${e}`),
+      svg(
+        "text",
+        { x: x(e), y: 17, "text-anchor": e === range.lo ? "start" : "middle" },
+        e >= -3 && e <= 5 ? num(10 ** e) : `1e${e}`,
+      ),
     );
   }
   const bar = el("div", { class: "bar" });
   bar.style.background = COLORMAP_CSS;
   const parts = [el("span", { class: "bar-label" }, "max |x|"), el("div", { class: "bar-wrap" }, bar, ticks)];
   if (flight.dtype_max && !range.limitShown) {
-    parts.push(el("span", { class: "limit-label" }, `${flight.dtype || "dtype"} limit ${num(flight.dtype_max)}: far above these values`));
+    parts.push(
+      el(
+        "span",
+        { class: "limit-label" },
+        `${flight.dtype || "dtype"} limit ${num(flight.dtype_max)}: far above these values`,
+      ),
+    );
   } else if (flight.dtype_max) {
     const px = x(Math.log10(flight.dtype_max));
     ticks.append(svg("line", { class: "limit", x1: px - 1, x2: px - 1, y1: 0, y2: 8 }));
@@ -60,7 +76,14 @@ function colourBar(range, flight) {
       ),
     );
   }
-  parts.push(el("span", { class: "none-label" }, el("span", { class: "none-swatch" }), "no value: non-finite, or not recorded"));
+  parts.push(
+    el(
+      "span",
+      { class: "none-label" },
+      el("span", { class: "none-swatch" }),
+      "no value: non-finite, or not recorded",
+    ),
+  );
   return el("div", { class: "colour-legend" }, parts);
 }
 
@@ -91,11 +114,20 @@ function draw(flight, matrix, range, origin, width) {
   const probe = hiDpiCanvas(1, 1, "").ctx;
   probe.font = "12px ui-monospace, SFMono-Regular, Menlo, monospace";
   const labels = rowH >= 9;
-  const labelW = labels ? Math.min(240, Math.ceil(Math.max(...flight.modules.map((m) => probe.measureText(m || "(root)").width))) + 12) : 12;
+  const labelW = labels
+    ? Math.min(
+        240,
+        Math.ceil(Math.max(...flight.modules.map((m) => probe.measureText(m || "(root)").width))) + 12,
+      )
+    : 12;
   const cellW = Math.max(2, Math.min(44, Math.floor((width - labelW) / cols)));
   const plotW = cellW * cols;
   const height = rowH * rows + AXIS;
-  const { canvas, ctx } = hiDpiCanvas(labelW + plotW, height, `Heatmap of max |x| for ${rows} layers over ${cols} steps`);
+  const { canvas, ctx } = hiDpiCanvas(
+    labelW + plotW,
+    height,
+    `Heatmap of max |x| for ${rows} layers over ${cols} steps`,
+  );
   const fg = cssVar("--fg");
   const muted = cssVar("--muted");
   const none = cssVar("--none");
@@ -104,7 +136,8 @@ function draw(flight, matrix, range, origin, width) {
   for (let i = 0; i < cols; i++) {
     for (let j = 0; j < rows; j++) {
       const v = matrix[i][j];
-      ctx.fillStyle = v === null ? none : `rgb(${colormap(scale(Math.log10(Math.max(v, 10 ** range.lo)))).join(",")})`;
+      ctx.fillStyle =
+        v === null ? none : `rgb(${colormap(scale(Math.log10(Math.max(v, 10 ** range.lo)))).join(",")})`;
       ctx.fillRect(labelW + i * cellW, j * rowH, cellW - (cellW > 4 ? 1 : 0), rowH - (rowH > 4 ? 1 : 0));
     }
   }
@@ -122,7 +155,8 @@ function draw(flight, matrix, range, origin, width) {
   ctx.fillStyle = muted;
   ctx.font = "11px system-ui, sans-serif";
   const every = Math.max(1, Math.ceil(60 / cellW));
-  for (let i = 0; i < cols; i += every) ctx.fillText(String(flight.steps[i]), labelW + i * cellW + cellW / 2, rows * rowH + 12);
+  for (let i = 0; i < cols; i += every)
+    ctx.fillText(String(flight.steps[i]), labelW + i * cellW + cellW / 2, rows * rowH + 12);
 
   // Ring the origin cell: where the build-up ended.
   const oi = origin ? flight.steps.indexOf(origin.step) : -1;
@@ -139,8 +173,13 @@ function draw(flight, matrix, range, origin, width) {
     const j = Math.floor(p.y / rowH);
     if (i < 0 || i >= cols || j < 0 || j >= rows) return hideTip();
     const v = matrix[i][j];
-    const lines = [flight.modules[j] || "(root module)", ["step", String(flight.steps[i])], ["max |x|", v === null ? "no value (non-finite or not recorded)" : num(v)]];
-    if (v !== null && flight.dtype_max && range.limitShown) lines.push([`of ${flight.dtype || "dtype"} max`, `${((100 * v) / flight.dtype_max).toPrecision(2)}%`]);
+    const lines = [
+      flight.modules[j] || "(root module)",
+      ["step", String(flight.steps[i])],
+      ["max |x|", v === null ? "no value (non-finite or not recorded)" : num(v)],
+    ];
+    if (v !== null && flight.dtype_max && range.limitShown)
+      lines.push([`of ${flight.dtype || "dtype"} max`, `${((100 * v) / flight.dtype_max).toPrecision(2)}%`]);
     if (i === oi && j === oj) lines.push("first non-finite value here");
     showTip(lines, ev.clientX, ev.clientY);
   });
@@ -165,7 +204,11 @@ export function heatmap(flight, origin, width, which = "act") {
     return wrap;
   }
   wrap.append(
-    el("div", { class: "heatmap-scroll" }, draw(flight, matrix, range, origin && origin.rank === flight.rank ? origin : null, width)),
+    el(
+      "div",
+      { class: "heatmap-scroll" },
+      draw(flight, matrix, range, origin && origin.rank === flight.rank ? origin : null, width),
+    ),
     colourBar(range, flight),
   );
   const note = closest(flight, matrix, range);

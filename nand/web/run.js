@@ -4,10 +4,10 @@
 import { api, onRunChange } from "./api.js";
 import { badge } from "./badges.js";
 import { lineChart } from "./charts.js";
-import { clear, el, stateMessage } from "./dom.js";
+import { clear, el, innerWidth, panel, stateMessage } from "./dom.js";
 import { eventTable } from "./events.js";
 import { age, count, datetime } from "./format.js";
-import { heatmap } from "./heatmap.js";
+import { flightPanel } from "./flight.js";
 import { stopButton } from "./stop.js";
 import { healthStrip } from "./strip.js";
 import { verdictCard } from "./verdict.js";
@@ -19,20 +19,6 @@ const CURVES = [
   { key: "max_activation", title: "Largest activation |x|", log: true },
 ];
 
-/** The width a drawing may take inside `node` (already in the page). */
-function innerWidth(node) {
-  return Math.max(320, node.clientWidth);
-}
-
-function section(id, title, note, ...content) {
-  return el(
-    "section",
-    { class: "panel", id, "aria-labelledby": `${id}-title` },
-    el("div", { class: "panel-head" }, el("h2", { id: `${id}-title` }, title), note ? el("p", { class: "muted" }, note) : null),
-    content,
-  );
-}
-
 function header(run, onStopped) {
   const bits = [
     `${count(run.world_size)} ${run.world_size === 1 ? "rank" : "ranks"}`,
@@ -43,7 +29,9 @@ function header(run, onStopped) {
   ];
   if (run.ranks_seen !== run.world_size) bits.splice(1, 0, `${run.ranks_seen} reported`);
   if (run.optimizer) bits.push(run.optimizer);
-  const versions = Object.entries(run.versions || {}).map(([k, v]) => `${k} ${v}`).join(" · ");
+  const versions = Object.entries(run.versions || {})
+    .map(([k, v]) => `${k} ${v}`)
+    .join(" · ");
   return el(
     "div",
     { class: "page-head run-head" },
@@ -61,75 +49,21 @@ function header(run, onStopped) {
 function curves(series, origin) {
   const grid = el("div", { class: "charts" });
   for (const c of CURVES) {
-    const lines = series.map((s) => ({ rank: s.rank, points: s.points.map((p) => ({ step: p.step, value: p[c.key] ?? null })) }));
-    grid.append(lineChart({ title: c.title, lines, origin: origin ? origin.rank : null, mark: origin ? origin.step : null, log: c.log }));
+    const lines = series.map((s) => ({
+      rank: s.rank,
+      points: s.points.map((p) => ({ step: p.step, value: p[c.key] ?? null })),
+    }));
+    grid.append(
+      lineChart({
+        title: c.title,
+        lines,
+        origin: origin ? origin.rank : null,
+        mark: origin ? origin.step : null,
+        log: c.log,
+      }),
+    );
   }
   return grid;
-}
-
-function flightPanel(run, ranks, origin) {
-  const body = el("div", { class: "flight-body" });
-  const rankSelect = el(
-    "select",
-    { "aria-label": "Flight recorder of rank" },
-    ranks.map((r) => el("option", { value: r.rank }, `rank ${r.rank}${origin && r.rank === origin.rank ? " (origin)" : ""}`)),
-  );
-  const which = el(
-    "select",
-    { "aria-label": "Values shown" },
-    el("option", { value: "act" }, "layer outputs (forward)"),
-    el("option", { value: "grad" }, "gradients (backward)"),
-  );
-  let flight = null;
-  const show = () => {
-    clear(body).append(heatmap(flight, origin, innerWidth(body), which.value));
-  };
-  async function load() {
-    clear(body).append(stateMessage("loading", "Loading the flight recorder…"));
-    try {
-      flight = await api.flight(run, rankSelect.value);
-      show();
-    } catch (err) {
-      flight = null;
-      clear(body).append(
-        err.status === 404
-          ? stateMessage(
-              "empty",
-              `No flight-recorder window from rank ${rankSelect.value}.`,
-              el("p", {}, "A rank sends the last steps of per-layer values when it goes non-finite, or when the server asks for them."),
-            )
-          : stateMessage("error", "Could not load the flight recorder.", el("p", {}, `The server said: ${err.message}.`)),
-      );
-    }
-  }
-  rankSelect.addEventListener("change", load);
-  which.addEventListener("change", () => flight && show());
-  if (origin) {
-    rankSelect.value = String(origin.rank);
-    load();
-  } else {
-    // Ranks send a window when they go non-finite; before that there is
-    // nothing to fetch unless the user picks a rank.
-    body.append(
-      stateMessage(
-        "empty",
-        "No incident, so no flight-recorder window yet.",
-        el("p", {}, "A rank sends its last steps of per-layer values when it goes non-finite. Pick a rank above to look for one."),
-      ),
-    );
-    rankSelect.prepend(el("option", { value: "", disabled: true }, "choose a rank"));
-    rankSelect.value = "";
-  }
-  return {
-    node: section(
-      "flight",
-      "Flight recorder",
-      "max |x| per layer over the last steps before the incident, log colour scale; the top of the scale is the dtype's limit.",
-      el("div", { class: "toolbar" }, rankSelect, which),
-      body,
-    ),
-    redraw: () => flight && show(),
-  };
 }
 
 export function runPage(main, runId, params) {
@@ -137,7 +71,6 @@ export function runPage(main, runId, params) {
   main.append(stateMessage("loading", `Loading run ${runId}…`));
   let alive = true;
   let parts = null;
-
 
   async function fetchAll() {
     const [detail, ranks, series] = await Promise.all([api.run(runId), api.ranks(runId), api.series(runId)]);
@@ -158,15 +91,31 @@ export function runPage(main, runId, params) {
     main.append(
       slots.head,
       slots.verdict,
-      section("ranks", "Ranks over time", "Each row is a rank; the bar marks its first non-finite step. Click a row to list its events.", slots.strip),
+      panel(
+        "ranks",
+        "Ranks over time",
+        "Each row is a rank; the bar marks its first non-finite step. Click a row to list its events.",
+        slots.strip,
+      ),
     );
     const flight = flightPanel(runId, ranks, origin);
     main.append(
       flight.node,
-      section("training", "Training", "Per rank, from the heartbeats; the dashed line is the first non-finite step.", slots.curves),
-      section("events", "Events", "Every non-finite value seen, in logical order.", events),
+      panel(
+        "training",
+        "Training",
+        "Per rank, from the heartbeats; the dashed line is the first non-finite step.",
+        slots.curves,
+      ),
+      panel("events", "Events", "Every non-finite value seen, in logical order.", events),
     );
-    const table = eventTable(events, { run: runId, ranks, modules: detail.modules, originId: origin ? origin.event_id : null, params });
+    const table = eventTable(events, {
+      run: runId,
+      ranks,
+      modules: detail.modules,
+      originId: origin ? origin.event_id : null,
+      params,
+    });
     parts = { slots, flight, table, detail, ranks, series };
     drawVisuals();
     main.dataset.renderMs = (performance.now() - started).toFixed(1);
@@ -233,8 +182,28 @@ export function runPage(main, runId, params) {
       if (!alive) return;
       clear(main).append(
         err.status === 404
-          ? stateMessage("empty", `There is no run called “${runId}”.`, el("p", {}, "It may have been pruned, or the link has a typo. "), el("p", {}, el("a", { href: "#/" }, "See all runs")))
-          : stateMessage("error", `Could not load run ${runId}.`, el("p", {}, `The server said: ${err.message}.`), el("button", { type: "button", onclick: () => { clear(main).append(stateMessage("loading", "Loading…")); load(); } }, "Try again")),
+          ? stateMessage(
+              "empty",
+              `There is no run called “${runId}”.`,
+              el("p", {}, "It may have been pruned, or the link has a typo. "),
+              el("p", {}, el("a", { href: "#/" }, "See all runs")),
+            )
+          : stateMessage(
+              "error",
+              `Could not load run ${runId}.`,
+              el("p", {}, `The server said: ${err.message}.`),
+              el(
+                "button",
+                {
+                  type: "button",
+                  onclick: () => {
+                    clear(main).append(stateMessage("loading", "Loading…"));
+                    load();
+                  },
+                },
+                "Try again",
+              ),
+            ),
       );
     }
   }

@@ -7,7 +7,8 @@ import { el } from "./dom.js";
 import { count, rankList } from "./format.js";
 
 function explain(err) {
-  if (err.status === 401) return `The server refused this token: use the NAND_TOKEN it was started with (${err.message}).`;
+  if (err.status === 401)
+    return `The server refused this token: use the NAND_TOKEN it was started with (${err.message}).`;
   if (err.status === 403) return `Stopping is turned off on this server (${err.message}).`;
   if (err.status === 404) return `The server does not know this run (${err.message}).`;
   if (err.status === 409) return `The run cannot be stopped now (${err.message}).`;
@@ -16,9 +17,25 @@ function explain(err) {
 
 /** stopButton(run, onStopped) -> the button; onStopped(StopResponse) after success. */
 export function stopButton(run, onStopped) {
-  const token = el("input", { type: "password", name: "token", required: true, autocomplete: "off", spellcheck: "false" });
-  const reason = el("input", { type: "text", name: "reason", maxlength: 500, placeholder: "e.g. diverged at step 4711" });
-  const step = el("input", { type: "number", name: "step", min: 0, placeholder: "next step every rank can reach" });
+  const token = el("input", {
+    type: "password",
+    name: "token",
+    required: true,
+    autocomplete: "off",
+    spellcheck: "false",
+  });
+  const reason = el("input", {
+    type: "text",
+    name: "reason",
+    maxlength: 500,
+    placeholder: "e.g. diverged at step 4711",
+  });
+  const step = el("input", {
+    type: "number",
+    name: "step",
+    min: 0,
+    placeholder: "next step every rank can reach",
+  });
   const error = el("p", { class: "form-error", role: "alert", hidden: true });
   const result = el("div", { class: "stop-result", role: "status", "aria-live": "polite" });
   const submit = el("button", { type: "submit", class: "danger" }, "Stop the run");
@@ -32,7 +49,12 @@ export function stopButton(run, onStopped) {
       {},
       `Every one of the ${count(run.world_size)} ranks stops at the same optimizer-step boundary, so checkpoints stay consistent. This cannot be undone from here.`,
     ),
-    el("label", {}, el("span", {}, "Token ", el("span", { class: "muted" }, "(the server's NAND_TOKEN)")), token),
+    el(
+      "label",
+      {},
+      el("span", {}, "Token ", el("span", { class: "muted" }, "(the server's NAND_TOKEN)")),
+      token,
+    ),
     el("label", {}, el("span", {}, "Reason ", el("span", { class: "muted" }, "(optional)")), reason),
     el("label", {}, el("span", {}, "At step ", el("span", { class: "muted" }, "(optional)")), step),
     error,
@@ -65,9 +87,23 @@ export function stopButton(run, onStopped) {
       form.hidden = true;
       result.replaceChildren(
         el("h2", {}, "Stop agreed"),
-        el("p", { class: "agreed" }, `Ranks ${rankList(agreed.ranks)} will stop at step `, el("strong", { class: "agreed-step" }, count(agreed.step)), "."),
-        el("p", { class: "muted" }, "Each rank stops when it reaches that step boundary; the dashboard shows it when they report."),
-        el("div", { class: "actions" }, el("button", { type: "button", onclick: () => dialog.close() }, "Close")),
+        el(
+          "p",
+          { class: "agreed" },
+          `Ranks ${rankList(agreed.ranks)} will stop at step `,
+          el("strong", { class: "agreed-step" }, count(agreed.step)),
+          ".",
+        ),
+        el(
+          "p",
+          { class: "muted" },
+          "Each rank stops when it reaches that step boundary; the dashboard shows it when they report.",
+        ),
+        el(
+          "div",
+          { class: "actions" },
+          el("button", { type: "button", onclick: () => dialog.close() }, "Close"),
+        ),
       );
       result.querySelector("button").focus();
       onStopped(agreed);

@@ -77,7 +77,11 @@ export function healthStrip({ ranks, series, width, onRank }) {
   const per = steps / bins;
   const rowH = Math.max(2, Math.min(16, Math.floor(420 / rows.length)));
   const gap = rowH >= 8 ? 2 : 0;
-  const { canvas, ctx } = hiDpiCanvas(LABEL_W + plotW, TOP + rows.length * rowH + AXIS_H, `Health of ${rows.length} ranks over steps ${s0} to ${end}`);
+  const { canvas, ctx } = hiDpiCanvas(
+    LABEL_W + plotW,
+    TOP + rows.length * rowH + AXIS_H,
+    `Health of ${rows.length} ranks over steps ${s0} to ${end}`,
+  );
   const c = colours();
   const x = linear(s0, end + 1, LABEL_W, LABEL_W + plotW);
 
@@ -95,7 +99,12 @@ export function healthStrip({ ranks, series, width, onRank }) {
       // The first non-finite point: a bar across the row, taller for the origin.
       ctx.fillStyle = c.mark;
       const px = x(span.bad);
-      ctx.fillRect(px - 1, y - (span.relation === "origin" && gap ? 1 : 0), 3, rowH - gap + (span.relation === "origin" && gap ? 2 : 0));
+      ctx.fillRect(
+        px - 1,
+        y - (span.relation === "origin" && gap ? 1 : 0),
+        3,
+        rowH - gap + (span.relation === "origin" && gap ? 2 : 0),
+      );
     }
   });
 
@@ -126,9 +135,14 @@ export function healthStrip({ ranks, series, width, onRank }) {
     const span = rows[j];
     const step = Math.floor(x.invert(p.x));
     let state = "finite";
-    if (step < span.from || step > span.to) state = span.state === "lost" || span.state === "stalled" ? span.state : "no report";
+    if (step < span.from || step > span.to)
+      state = span.state === "lost" || span.state === "stalled" ? span.state : "no report";
     else if (span.bad !== null && step >= span.bad) state = "non-finite";
-    const lines = [`rank ${span.rank} · step ${count(step)}`, ["state here", state], ["rank now", span.state]];
+    const lines = [
+      `rank ${span.rank} · step ${count(step)}`,
+      ["state here", state],
+      ["rank now", span.state],
+    ];
     if (span.bad !== null) lines.push(["first non-finite", `step ${count(span.bad)}`]);
     if (span.relation) lines.push(RELATION_WORDS[span.relation]);
     showTip(lines, ev.clientX, ev.clientY);
@@ -148,8 +162,12 @@ export function healthStrip({ ranks, series, width, onRank }) {
       el("li", {}, el("span", { class: "swatch bad" }), "non-finite (origin or produced)"),
       el("li", {}, el("span", { class: "swatch received" }), "non-finite, received"),
       el("li", {}, el("span", { class: "swatch mark" }), "first non-finite step"),
-      rows.some((r) => r.state === "lost") ? el("li", {}, el("span", { class: "swatch lost" }), "lost") : null,
-      rows.some((r) => r.state === "stalled") ? el("li", {}, el("span", { class: "swatch stalled" }), "stalled") : null,
+      rows.some((r) => r.state === "lost")
+        ? el("li", {}, el("span", { class: "swatch lost" }), "lost")
+        : null,
+      rows.some((r) => r.state === "stalled")
+        ? el("li", {}, el("span", { class: "swatch stalled" }), "stalled")
+        : null,
     ),
   );
   return wrap;

@@ -92,16 +92,29 @@ function originFacts(verdict, ranks) {
   const facts = [
     fact("Origin rank", el("span", { class: "big" }, String(o.rank))),
     fact("Step", el("span", { class: "big" }, stepLabel(o.step, o.micro_step))),
-    fact(o.phase === "grad" || o.phase === "param" || o.phase === "optimizer_state" ? "Parameter" : "Layer",
-      el("code", {}, o.module || "(root module)"), o.module_type ? el("span", { class: "muted" }, ` ${o.module_type}`) : null),
+    fact(
+      o.phase === "grad" || o.phase === "param" || o.phase === "optimizer_state" ? "Parameter" : "Layer",
+      el("code", {}, o.module || "(root module)"),
+      o.module_type ? el("span", { class: "muted" }, ` ${o.module_type}`) : null,
+    ),
     fact("Phase", el("span", {}, o.phase), el("span", { class: "muted block" }, PHASE_WORDS[o.phase] || "")),
     fact("How", `rank ${o.rank} ${CAUSE_WORDS[o.cause] || o.cause}`),
-    fact("Tensor", `${valueKinds(o)} in ${tensorLabel(o)}`, o.max_abs != null ? el("span", { class: "muted block" }, `largest finite |x| ${num(o.max_abs)}`) : null),
+    fact(
+      "Tensor",
+      `${valueKinds(o)} in ${tensorLabel(o)}`,
+      o.max_abs != null ? el("span", { class: "muted block" }, `largest finite |x| ${num(o.max_abs)}`) : null,
+    ),
   ];
   const spread = [];
-  if (verdict.simultaneous) spread.push(`ranks ${rankList(verdict.ranks_affected)} went non-finite at the same point: the model itself is unstable, not one rank`);
+  if (verdict.simultaneous)
+    spread.push(
+      `ranks ${rankList(verdict.ranks_affected)} went non-finite at the same point: the model itself is unstable, not one rank`,
+    );
   else {
-    if (received.length) spread.push(`${received.length === ranks - 1 ? "every other rank" : `ranks ${rankList(received)}`} received it through a collective`);
+    if (received.length)
+      spread.push(
+        `${received.length === ranks - 1 ? "every other rank" : `ranks ${rankList(received)}`} received it through a collective`,
+      );
     if (produced.length) spread.push(`ranks ${rankList(produced)} produced their own later`);
     if (!others.length) spread.push(ranks > 1 ? "no other rank has gone non-finite" : "single-process run");
   }
@@ -130,7 +143,13 @@ export function verdictCard(verdict, run) {
       ),
     );
   } else if (verdict.hint) {
-    card.append(el("div", { class: "hint", role: "note" }, el("span", { class: "hint-label" }, `Likely cause: ${verdict.hint}`)));
+    card.append(
+      el(
+        "div",
+        { class: "hint", role: "note" },
+        el("span", { class: "hint-label" }, `Likely cause: ${verdict.hint}`),
+      ),
+    );
   }
   if (verdict.stop) {
     const s = verdict.stop;
