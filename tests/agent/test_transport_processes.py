@@ -147,19 +147,10 @@ def test_kill_9_leaves_a_spool_that_the_next_agent_of_the_rank_replays(tmp_path)
         assert not path.exists()  # replayed, acknowledged, gone
 
 
-REPLAY_CLI = """
-import argparse, sys
-from nand.agent import commands
-parser = argparse.ArgumentParser(prog="nand")
-commands.register(parser.add_subparsers(dest="command"))
-args = parser.parse_args(sys.argv[1:])
-sys.exit(args.func(args))
-"""
+NAND = [sys.executable, "-m", "nand"]  # the real command line
 
 
 def test_kill_9_spool_is_replayed_by_nand_spool_replay(tmp_path):
-    cli = tmp_path / "cli.py"
-    cli.write_text(REPLAY_CLI)
     with Receiver() as rx:
         rx.stop()
         dead_agent, path = _run_and_kill(tmp_path, rx.endpoint)
@@ -169,14 +160,14 @@ def test_kill_9_spool_is_replayed_by_nand_spool_replay(tmp_path):
         count = len(sp.read_records(path))
         rx.start()
         show = subprocess.run(
-            [sys.executable, str(cli), "spool", "show", str(kept)],
+            [*NAND, "spool", "show", str(kept)],
             env=_env(tmp_path),
             capture_output=True,
             text=True,
             timeout=60,
         )
         assert f"{count} records" in show.stdout and "hello" in show.stdout
-        replay = [sys.executable, str(cli), "spool", "replay", str(kept), "--server", rx.endpoint]
+        replay = [*NAND, "spool", "replay", str(kept), "--server", rx.endpoint]
         out = subprocess.run(replay, env=_env(tmp_path), capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stdout + out.stderr
         assert f"{count}/{count} acknowledged, done" in out.stdout
@@ -189,12 +180,10 @@ def test_kill_9_spool_is_replayed_by_nand_spool_replay(tmp_path):
 
 
 def test_nand_spool_replay_skips_a_live_agents_file_and_needs_a_server(tmp_path):
-    cli = tmp_path / "cli.py"
-    cli.write_text(REPLAY_CLI)
     live = sp.Spool(tmp_path / "rank-0.spool", max_bytes=1 << 20)
     live.append(b"\x80", kind="heartbeat")
     env = _env(tmp_path)
-    args = [sys.executable, str(cli), "spool", "replay", str(tmp_path)]
+    args = [*NAND, "spool", "replay", str(tmp_path)]
     out = subprocess.run(args, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "no server" in out.stdout
     with Receiver() as rx:
