@@ -19,6 +19,9 @@ relies on (see :mod:`nand.wire` for the messages):
   the agent makes up.
 
 Losses are counted by reason and sent as ``dropped`` in every heartbeat.
+At a normal interpreter exit without ``bye``, the sink says ``bye`` itself
+(reason ``exit``, the last step it saw); after an unhandled exception it does
+not, so the server sees the rank as crashed.
 A forked child gets a fresh agent id, no thread and no socket; they are
 re-created on its first message, which is preceded by a hello with its pid.
 ``close()`` and interpreter exit flush within ``NAND_CLOSE_TIMEOUT_S``
@@ -40,6 +43,7 @@ import contextlib
 import logging
 import os
 import re
+import sys
 import time
 import uuid
 import weakref
@@ -74,6 +78,8 @@ class ServerSink:
         self.settings = TransportSettings.resolve(**overrides)
         self._closed = False
         self._hello: dict[str, Any] | None = None
+        self._said_bye = False
+        self._last_step = 0
         self._reset()
         _LIVE.add(self)
 
@@ -98,12 +104,14 @@ class ServerSink:
         with self._guard():
             first = not self._first_event_sent
             self._first_event_sent = True
+            self._last_step = max(self._last_step, int(event.step))
             body = {"event": event.to_dict(), "flight": None}
             self._submit("event", _with_flight(body, flight), keep=first)
 
     def heartbeat(self, summary: StepSummary) -> None:
         with self._guard():
             body = summary.to_dict()
+            self._last_step = max(self._last_step, int(summary.step))
             lost = self.dropped()
             if lost:
                 body["dropped"] = lost
@@ -122,7 +130,18 @@ class ServerSink:
 
     def bye(self, step: int, reason: str) -> None:
         with self._guard():
+            self._said_bye = True
             self._submit("bye", {"step": int(step), "reason": reason}, keep=True)
+
+    def _bye_at_exit(self) -> None:
+        """The interpreter exits normally and nobody said bye: say it (last step known).
+
+        Not after an unhandled exception (``sys.last_value`` is set then): no
+        bye is how the server tells a crashed rank from a finished one.
+        """
+        crashed = getattr(sys, "last_value", None) is not None
+        if self._hello is not None and not self._said_bye and not crashed:
+            self.bye(self._last_step, "exit")
 
     def close(self, timeout: float | None = None) -> None:
         """Flush for at most ``timeout`` seconds (default ``NAND_CLOSE_TIMEOUT_S``)."""
@@ -261,6 +280,7 @@ def _close_all_at_exit() -> None:
     timeout = config.get_float(config.NAND_CLOSE_TIMEOUT_S, 2.0)
     deadline = time.monotonic() + timeout
     for sink in list(_LIVE):
+        sink._bye_at_exit()
         sink.close(max(0.0, deadline - time.monotonic()))
 
 

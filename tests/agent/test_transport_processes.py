@@ -191,3 +191,31 @@ def test_nand_spool_replay_skips_a_live_agents_file_and_needs_a_server(tmp_path)
         out = subprocess.run(args, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and "skipped: a running agent owns it" in out.stdout
     live.close()
+
+
+EXITING = """
+sink.hello({})
+sink.heartbeat(StepSummary(step=7))
+if sys.argv[3] == "raise":
+    raise RuntimeError("training crashed")
+"""
+
+
+@pytest.mark.parametrize("how", ["normal", "raise"])
+def test_at_exit_the_sink_flushes_and_says_bye_only_if_the_process_did_not_crash(tmp_path, how):
+    script = _script(tmp_path, "exiting.py", EXITING)
+    with Receiver() as rx:
+        out = subprocess.run(
+            [sys.executable, str(script), rx.endpoint, "run-exit", how],
+            env=_env(tmp_path),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == (0 if how == "normal" else 1), out.stderr
+        kinds = [m["kind"] for m in rx.all()]
+    if how == "normal":
+        assert kinds == ["hello", "heartbeat", "bye"]
+        assert rx.all("bye")[0]["body"] == {"step": 7, "reason": "exit"}
+    else:
+        assert kinds == ["hello", "heartbeat"]  # flushed, but no bye: the server sees a crash
