@@ -68,7 +68,11 @@ class PageErrors:
 @pytest.fixture(scope="session")
 def dashboard(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Dashboard]:
     db = tmp_path_factory.mktemp("web") / "nand.db"
-    settings = Settings(db_url=f"sqlite:///{db}", token=TOKEN)
+    # Runs stay "healthy" however long the session takes: no rank turns lost or
+    # stalled because a slow CI machine took a minute between two tests.
+    settings = Settings(
+        db_url=f"sqlite:///{db}", token=TOKEN, lost_after_s=3600, stalled_after_s=3600
+    )
     server = embedded.start(settings=settings)
     runs = Dashboard(
         server,

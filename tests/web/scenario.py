@@ -312,6 +312,20 @@ def wide_run(run: str = "perf-256-ranks", world_size: int = 256, steps: int = 60
     )
 
 
+def split_before_first_event(scenario: Scenario) -> tuple[Scenario, Scenario]:
+    """The run up to its first event, and the rest: to watch it go bad live."""
+    cut = min(
+        (m["time"] for msgs in scenario.messages.values() for m in msgs if m["kind"] == "event"),
+        default=float("inf"),
+    )
+    before = Scenario(scenario.run, scenario.world_size, planted=scenario.planted)
+    after = Scenario(scenario.run, scenario.world_size, planted=scenario.planted)
+    for agent, messages in scenario.messages.items():
+        before.messages[agent] = [m for m in messages if m["time"] < cut]
+        after.messages[agent] = [m for m in messages if m["time"] >= cut]
+    return before, after
+
+
 def replay(
     endpoint: str, scenario: Scenario, *, token: str | None = None, timeout: float = 60.0
 ) -> None:

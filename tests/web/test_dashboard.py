@@ -51,20 +51,35 @@ def test_runs_page_lists_the_diverged_run_with_its_origin_and_makes_it_stand_out
     assert runs.index(planted.run) < runs.index(dashboard.healthy.run)
 
 
-def test_runs_page_filters_by_state_and_text_and_sorts(page, dashboard: Dashboard) -> None:
+def test_runs_page_filters_by_state_and_text_and_sorts_and_keeps_them_in_the_url(
+    page, dashboard: Dashboard
+) -> None:
+    # Other tests add runs to the shared server: compare with what it says now.
+    runs = httpx.get(f"{dashboard.url}/api/runs").json()
+    healthy = sorted(r["run"] for r in runs if r["state"] == "healthy")
+    fc2 = [r["run"] for r in runs if r["origin"] and "mlp.fc2" in r["origin"]["module"]]
     page.goto(dashboard.url)
-    expect(page.locator("tbody tr")).to_have_count(4)
+    rows = page.locator("tbody tr")
+    expect(rows).to_have_count(len(runs))
     page.get_by_label("Show runs in state").select_option("healthy")
-    expect(page.locator("tbody tr")).to_have_count(1)
-    expect(page.locator("tbody tr")).to_have_attribute("data-run", dashboard.healthy.run)
+    expect(rows).to_have_count(len(healthy))
+    assert sorted(rows.evaluate_all("rs => rs.map(r => r.dataset.run)")) == healthy
+    assert "state=healthy" in page.url
     page.get_by_label("Show runs in state").select_option("")
     page.get_by_label("Filter runs by id or module").fill("mlp.fc2")
-    expect(page.locator("tbody tr")).to_have_count(2)  # the two runs whose origin is fc2
+    expect(rows).to_have_count(len(fc2))
+    page.reload()  # the filter is part of the address
+    expect(rows).to_have_count(len(fc2))
+    expect(page.get_by_label("Filter runs by id or module")).to_have_value("mlp.fc2")
     page.get_by_label("Filter runs by id or module").fill("")
     page.get_by_role("button", name="Ranks").click()
+    expect(page.locator('th[aria-sort="ascending"]')).to_contain_text("Ranks")
     ranks = page.locator("tbody tr td:nth-child(3)").all_inner_texts()
     assert ranks == sorted(ranks, key=lambda t: int(t.replace(",", "")))
-    expect(page.locator('th[aria-sort="ascending"]')).to_contain_text("Ranks")
+    page.get_by_role("button", name="Ranks").click()
+    expect(page.locator('th[aria-sort="descending"]')).to_contain_text("Ranks")
+    ranks = page.locator("tbody tr td:nth-child(3)").all_inner_texts()
+    assert ranks == sorted(ranks, key=lambda t: -int(t.replace(",", "")))
 
 
 def test_verdict_card_names_the_planted_rank_layer_step_and_phase(
@@ -167,6 +182,22 @@ def test_live_stream_adds_a_new_run_without_a_reload(page, dashboard: Dashboard)
     row = page.locator('tr[data-run="late-arrival"]')
     expect(row).to_be_visible(timeout=10_000)
     expect(row.locator(".badge")).to_have_text("diverged")
+    assert page.evaluate("window.__notReloaded") is True
+
+
+def test_an_open_run_page_shows_the_incident_when_it_arrives(page, dashboard: Dashboard) -> None:
+    run = scenario.diverged_run(run="goes-bad-live", world_size=2, origin_rank=0, bad_step=8)
+    before, after = scenario.split_before_first_event(run)
+    scenario.replay(dashboard.server.zmq_endpoint, before, token=dashboard.token)
+    open_run(page, dashboard, run.run)
+    expect(page.locator(".verdict-title")).to_contain_text("All finite so far")
+    page.evaluate("window.__notReloaded = true")
+    scenario.replay(dashboard.server.zmq_endpoint, after, token=dashboard.token)
+    expect(page.locator(".verdict-title")).to_contain_text("Rank 0 produced", timeout=10_000)
+    expect(page.locator(".run-head .badge")).to_have_text("diverged")
+    expect(page.locator("#flight canvas")).to_be_visible()
+    page.get_by_role("button", name="New events arrived: show them").click()
+    expect(page.locator("#events tbody tr")).to_have_count(2)
     assert page.evaluate("window.__notReloaded") is True
 
 
