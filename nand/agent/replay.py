@@ -27,6 +27,7 @@ import msgpack
 import zmq
 
 from nand import wire
+from nand.agent import connection
 from nand.agent.spool import read_records
 from nand.errors import WireError
 
@@ -92,12 +93,7 @@ def _key(payload: bytes) -> tuple[str, int]:
 class _Connection:
     def __init__(self, endpoint: str, curve_server_key: str | None) -> None:
         self.ctx: zmq.Context[Any] = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        if curve_server_key:
-            public, secret = zmq.curve_keypair()
-            self.sock.curve_publickey, self.sock.curve_secretkey = public, secret
-            self.sock.curve_serverkey = curve_server_key.encode()
+        self.sock = connection.dealer(self.ctx, endpoint, curve_server_key=curve_server_key)
         self.sock.connect(endpoint)
 
     def __enter__(self) -> _Connection:

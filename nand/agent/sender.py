@@ -39,10 +39,12 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from nand import wire
+from nand.agent import connection
 from nand.agent import spool as spool_mod
+from nand.agent.backlog import Backlog
 from nand.agent.mailbox import Mailbox, Outgoing
 from nand.agent.transport_settings import TransportSettings
-from nand.errors import SpoolCorruptError, WireError
+from nand.errors import WireError
 
 log = logging.getLogger("nand.agent.transport")
 _MAX_BACKOFF_S = 60.0
@@ -97,8 +99,10 @@ class Sender(threading.Thread):
         self._stop_at: float | None = None
         self._queue: deque[Frame] = deque()
         self._inflight: OrderedDict[tuple[str, int], Frame] = OrderedDict()
-        self._spool: spool_mod.Spool | None = None
-        self._spool_failed = False
+        self._warned: set[str] = set()
+        self.backlog = Backlog(
+            spool_path, envelope.agent, settings.spool_max_bytes, mailbox, self._warn
+        )
         self._cursor: int | None = None
         self._failures = 0
         self._retry_at = 0.0
@@ -106,7 +110,6 @@ class Sender(threading.Thread):
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        self._warned: set[str] = set()
         self.ctx: zmq.Context[Any] | None = None
 
     # --- called from other threads ------------------------------------------
@@ -124,8 +127,7 @@ class Sender(threading.Thread):
         for fd in (self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
                 os.close(fd)
-        if self._spool is not None:
-            self._spool.forget_after_fork()
+        self.backlog.forget_after_fork()
 
     @property
     def memory_frames(self) -> int:
@@ -151,30 +153,21 @@ class Sender(threading.Thread):
 
     def _setup(self) -> None:
         self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        for option, value in (
-            (zmq.LINGER, 0),
-            (zmq.IMMEDIATE, 1),
-            (zmq.SNDHWM, self.settings.window * 2),
-            (zmq.RCVHWM, 10_000),
-            (zmq.RECONNECT_IVL, 100),
-            (zmq.RECONNECT_IVL_MAX, 2000),
-            (zmq.HEARTBEAT_IVL, 2000),
-            (zmq.HEARTBEAT_TIMEOUT, 6000),
-        ):
-            self.sock.setsockopt(option, value)
-        if self.settings.curve_server_key:
-            public, secret = zmq.curve_keypair()
-            self.sock.curve_publickey = public
-            self.sock.curve_secretkey = secret
-            self.sock.curve_serverkey = self.settings.curve_server_key.encode()
+        self.sock = connection.dealer(
+            self.ctx,
+            self.endpoint,
+            curve_server_key=self.settings.curve_server_key,
+            immediate=True,
+            sndhwm=self.settings.window * 2,
+        )
         self.monitor = self.sock.get_monitor_socket(_UP_EVENTS | _DOWN_EVENTS | _FAIL_EVENTS)
         self.sock.connect(self.endpoint)
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self.monitor, zmq.POLLIN)
         self.poller.register(self._wake_r, zmq.POLLIN)
-        self._adopt_orphans()
+        if self.backlog.adopt_orphans(self.envelope.rank):
+            self.mode = "spool"
 
     def _step(self) -> bool:
         """One turn of the loop; True when the thread should end."""
@@ -289,63 +282,10 @@ class Sender(threading.Thread):
             self._append_to_spool(frame)
 
     def _append_to_spool(self, frame: Frame) -> None:
-        spool = self._open_spool()
-        if spool is None:
-            self.mailbox.drop("spool_error")
-            return
-        if not spool.append(frame.data, kind=frame.kind, keep=frame.keep):
-            lost = spool.compact(spool.max_bytes // 2)
-            self.mailbox.drop("spool_full", sum(lost.values()))
-            self._cursor = None  # offsets moved: replay from the start
+        if self.backlog.append(frame.data, frame.kind, frame.keep):
+            self._cursor = None  # a compaction moved the records: replay from the start
             self._inflight.clear()
-            if not spool.append(frame.data, kind=frame.kind, keep=frame.keep):
-                self.mailbox.drop("spool_full")
-                return
         self.stats["spooled"] += 1
-
-    def _open_spool(self) -> spool_mod.Spool | None:
-        if self._spool is None and not self._spool_failed:
-            try:
-                self._spool = self._claim_spool()
-            except Exception as exc:
-                self._spool_failed = True
-                self._warn("spool", f"nand: cannot write the spool in {self.spool_path}: {exc}")
-        return self._spool
-
-    def _claim_spool(self) -> spool_mod.Spool:
-        limit = self.settings.spool_max_bytes
-        try:
-            return spool_mod.Spool(self.spool_path, max_bytes=limit)
-        except SpoolCorruptError as exc:  # keep the evidence aside, start afresh
-            self._warn("corrupt", f"nand: {exc}; moved aside as .corrupt")
-            self.spool_path.rename(self.spool_path.with_name(self.spool_path.name + ".corrupt"))
-            return spool_mod.Spool(self.spool_path, max_bytes=limit)
-        except BlockingIOError:  # another live agent of this rank (e.g. a forked child)
-            alt = self.spool_path.with_name(
-                self.spool_path.name.replace(".spool", f".{self.envelope.agent[:12]}.spool")
-            )
-            return spool_mod.Spool(alt, max_bytes=limit)
-
-    def _adopt_orphans(self) -> None:
-        """Take over the spools that dead agents of this run and rank left behind."""
-        found = spool_mod.orphans(self.spool_path.parent, self.envelope.rank)
-        if not found:
-            return
-        spool = self._open_spool()
-        if spool is None:
-            return
-        for path in found:
-            if path == spool.path:
-                continue  # our own file now: its records stay in place
-            try:
-                spool.absorb(path)
-            except Exception as exc:
-                self._warn("orphan", f"nand: cannot replay the spool {path}: {exc}")
-                with contextlib.suppress(OSError):
-                    path.rename(path.with_name(path.name + ".corrupt"))
-        if len(spool):
-            self.mode = "spool"
-            log.info("nand: replaying %d bytes spooled by an earlier agent", len(spool))
 
     # --- sending --------------------------------------------------------------
 
@@ -395,7 +335,7 @@ class Sender(threading.Thread):
         return True
 
     def _replay(self) -> None:
-        spool = self._spool
+        spool = self.backlog.spool
         if spool is None:
             self.mode = "direct"
             return
@@ -439,13 +379,11 @@ class Sender(threading.Thread):
         self._release()
 
     def has_unacked(self) -> bool:
-        spooled = self.mode == "spool" and self._spool is not None and len(self._spool) > 0
+        spooled = self.mode == "spool" and len(self.backlog) > 0
         return bool(self._queue or self._inflight or spooled)
 
     def _release(self) -> None:
-        if self._spool is not None:
-            with contextlib.suppress(Exception):
-                self._spool.close()
+        self.backlog.close()
         with contextlib.suppress(Exception):
             self.sock.disable_monitor()
             self.monitor.close(0)
