@@ -140,7 +140,9 @@ export function runsPage(main, params) {
     const focus = focused();
     const all = [...runs.values()];
     clear(counts).append(
-      ...stateCounts(all, view, (state) => update({ state: view.state === state ? "" : state })).flat(),
+      ...stateCounts(all, view, (state) => update({ state: view.state === state ? "" : state })).flat(
+        Infinity,
+      ),
     );
     const shown = sortRuns(
       all.filter((r) => matches(r, view)),

@@ -159,9 +159,16 @@ export function healthStrip({ ranks, series, width, onRank }) {
       "ul",
       { class: "legend" },
       el("li", {}, el("span", { class: "swatch ok" }), "finite"),
-      el("li", {}, el("span", { class: "swatch bad" }), "non-finite (origin or produced)"),
-      el("li", {}, el("span", { class: "swatch received" }), "non-finite, received"),
-      el("li", {}, el("span", { class: "swatch mark" }), "first non-finite step"),
+      // Only the colours this strip uses.
+      rows.some((r) => r.bad !== null && r.relation !== "received")
+        ? el("li", {}, el("span", { class: "swatch bad" }), "non-finite (origin or produced)")
+        : null,
+      rows.some((r) => r.relation === "received")
+        ? el("li", {}, el("span", { class: "swatch received" }), "non-finite, received")
+        : null,
+      rows.some((r) => r.bad !== null)
+        ? el("li", {}, el("span", { class: "swatch mark" }), "first non-finite step")
+        : null,
       rows.some((r) => r.state === "lost")
         ? el("li", {}, el("span", { class: "swatch lost" }), "lost")
         : null,

@@ -66,6 +66,15 @@ def test_runs_page_filters_by_state_and_text_and_sorts_and_keeps_them_in_the_url
     assert sorted(rows.evaluate_all("rs => rs.map(r => r.dataset.run)")) == healthy
     assert "state=healthy" in page.url
     page.get_by_label("Show runs in state").select_option("")
+    # The counts line has a chip per state that toggles the same filter.
+    counts = page.locator(".counts")
+    expect(counts).to_contain_text(f"{len(runs)} runs")
+    counts.get_by_role("button", name=f"{len(healthy)} healthy").click()
+    expect(rows).to_have_count(len(healthy))
+    expect(page.get_by_label("Show runs in state")).to_have_value("healthy")
+    counts.get_by_role("button", name=f"{len(healthy)} healthy").click()
+    expect(rows).to_have_count(len(runs))
+    assert "object" not in counts.inner_text()
     page.get_by_label("Filter runs by id or module").fill("mlp.fc2")
     expect(rows).to_have_count(len(fc2))
     page.reload()  # the filter is part of the address
