@@ -38,10 +38,15 @@ def clean_str(value: Any, limit: int) -> str:
 
 
 def finite(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    number = float(value)
-    return number if math.isfinite(number) else None
+    kind = type(value)
+    if kind is float:
+        return value if math.isfinite(value) else None
+    if kind is int:
+        number = float(value) if -(2**1023) < value < 2**1023 else math.inf
+        return number if math.isfinite(number) else None
+    if isinstance(value, float):  # a float subclass
+        return finite(float(value))
+    return None
 
 
 def jsonable(value: Any, depth: int = 0) -> Any:

@@ -22,6 +22,7 @@ from sqlalchemy import (
     and_,
     bindparam,
     case,
+    func,
     insert,
     or_,
     select,
@@ -29,6 +30,7 @@ from sqlalchemy import (
 )
 from sqlalchemy import update as sql_update
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.exc import IntegrityError
 
 from nand.events import PHASE_RANK
 from nand.server import correlate
@@ -53,6 +55,15 @@ class BatchResult:
 
 def write_batch(engine: Engine, messages: list[dict[str, Any]], now: float) -> BatchResult:
     """Store ``messages`` (decoded and validated) and commit; see the module doc."""
+    try:
+        return _write_batch(engine, messages, now)
+    except IntegrityError:
+        # Another server committed one of these messages between our lookup and
+        # our insert: a second pass sees it and skips it.
+        return _write_batch(engine, messages, now)
+
+
+def _write_batch(engine: Engine, messages: list[dict[str, Any]], now: float) -> BatchResult:
     unique: dict[Key, dict[str, Any]] = {}
     for message in messages:
         unique.setdefault((message["agent"], message["seq"]), message)
@@ -63,7 +74,8 @@ def write_batch(engine: Engine, messages: list[dict[str, Any]], now: float) -> B
         result.duplicates = len(messages) - len(fresh)
         result.stored = len(fresh)
         if fresh:
-            result.events = _store(conn, fresh, run_ids, now)
+            _store(conn, fresh, run_ids, now)
+            result.events = sum(1 for m in fresh if m["kind"] == "event")
             result.runs = {m["run"] for m in fresh}
             result.kinds = Counter(m["kind"] for m in fresh)
     return result
@@ -86,11 +98,60 @@ def _ensure_runs(conn: Connection, names: set[str], now: float) -> dict[str, int
 def _claim(
     conn: Connection, unique: dict[Key, dict[str, Any]], run_ids: dict[str, int]
 ) -> list[dict[str, Any]]:
-    """Insert the dedup keys; only the messages whose key was new are returned."""
-    rows = [{"agent": a, "seq": s, "run_id": run_ids[m["run"]]} for (a, s), m in unique.items()]
-    statement = _insert(conn, Message).returning(Message.agent, Message.seq)
-    new = {(a, s) for a, s in conn.execute(statement, rows)}
-    return [m for key, m in unique.items() if key in new]
+    """Insert the dedup keys of the messages not stored before; return those messages.
+
+    An agent numbers its messages upwards, so a key above the agent's highest
+    stored ``seq`` is new without a lookup (one index probe per agent); only
+    resends at or below it are looked up. The insert then fails on the primary
+    key only if another server stored the same message in the meantime, and
+    :func:`write_batch` retries.
+    """
+    by_agent: dict[str, list[int]] = defaultdict(list)
+    for agent, seq in unique:
+        by_agent[agent].append(seq)
+    seen: set[Key] = set()
+    for agent, seqs in by_agent.items():
+        highest = conn.execute(_HIGHEST, {"agent": agent}).scalar()
+        if highest is None:
+            continue
+        old = [seq for seq in seqs if seq <= highest]
+        for start in range(0, len(old), _CHUNK):
+            found = conn.execute(
+                select(Message.seq).where(
+                    Message.agent == agent, Message.seq.in_(old[start : start + _CHUNK])
+                )
+            )
+            seen.update((agent, seq) for (seq,) in found)
+    fresh = [m for key, m in unique.items() if key not in seen]
+    if fresh:
+        rows = [{"agent": m["agent"], "seq": m["seq"], "run_id": run_ids[m["run"]]} for m in fresh]
+        _bulk_insert(conn, Message, rows)
+    return fresh
+
+
+_HIGHEST = select(func.max(Message.seq)).where(Message.agent == bindparam("agent"))
+
+#: Keys per lookup query (well under SQLite's limit of bound parameters).
+_CHUNK = 500
+
+
+def _bulk_insert(conn: Connection, table: Any, rows: list[dict[str, Any]]) -> None:
+    """A fast executemany: on SQLite straight to the driver (no per-row
+    SQLAlchemy parameter processing: the columns here need none); elsewhere
+    SQLAlchemy's batched multi-row INSERT."""
+    if conn.dialect.name != "sqlite":
+        conn.execute(insert(table), rows)
+        return
+    columns = list(rows[0])
+    sql = (
+        f"INSERT INTO {table.__tablename__} ({', '.join(columns)}) "
+        f"VALUES ({', '.join('?' for _ in columns)})"
+    )
+    conn.exec_driver_sql(sql, [tuple(row[c] for c in columns) for row in rows])
+
+
+#: Keys per lookup query (well under SQLite's limit of bound parameters).
+_CHUNK = 400
 
 
 def _store(
@@ -102,8 +163,8 @@ def _store(
     rank_ids = _ensure_ranks(conn, fresh, run_ids, now)
     _store_hellos(conn, by_kind["hello"], run_ids, rank_ids)
     _store_heartbeats(conn, by_kind["heartbeat"], run_ids, rank_ids, now)
-    _store_events(conn, by_kind["event"], run_ids, rank_ids, now)
-    _store_flights(conn, by_kind["flight"], run_ids, None)
+    _store_events(conn, by_kind["event"], run_ids, rank_ids)
+    _store_flights(conn, by_kind["flight"], run_ids)
     _store_byes(conn, by_kind["bye"], run_ids, rank_ids, now)
     _touch_runs(conn, fresh, run_ids, now)
     return len(by_kind["event"])
@@ -205,7 +266,7 @@ def _store_heartbeats(
     if not beats:
         return
     rows = [_heartbeat_row(m, run_ids) for m in beats]
-    conn.execute(insert(Heartbeat), rows)
+    _bulk_insert(conn, Heartbeat, rows)
     latest: dict[int, dict[str, Any]] = {}
     for message, row in zip(beats, rows, strict=True):
         rank_id = rank_ids[_rank_key(message, run_ids)]
@@ -264,22 +325,42 @@ def _store_events(
     messages: list[dict[str, Any]],
     run_ids: dict[str, int],
     rank_ids: dict[tuple[int, int], int],
-    now: float,
 ) -> None:
     if not messages:
         return
     rows = [_event_row(m, run_ids) for m in messages]
-    statement = insert(EventRow).returning(EventRow.id, sort_by_parameter_order=True)
-    ids = [row_id for (row_id,) in conn.execute(statement, rows)]
-    firsts: dict[int, tuple[tuple[int, int, int, int], int]] = {}
-    for message, row, event_id in zip(messages, rows, ids, strict=True):
-        key = (row["step"], row["micro_step"], row["phase_rank"], row["ord"])
+    conn.execute(insert(EventRow), rows)  # a plain executemany: no RETURNING
+    firsts: dict[int, dict[str, Any]] = {}
+    for message, row in zip(messages, rows, strict=True):
         rank_id = rank_ids[_rank_key(message, run_ids)]
-        if rank_id not in firsts or key < firsts[rank_id][0]:
-            firsts[rank_id] = (key, event_id)
-    _update_firsts(conn, firsts)
-    with_flight = [(m, i) for m, i in zip(messages, ids, strict=True) if m["body"].get("flight")]
-    _store_flights(conn, [m for m, _ in with_flight], run_ids, [i for _, i in with_flight])
+        if rank_id not in firsts or _key(row) < _key(firsts[rank_id]):
+            firsts[rank_id] = row
+    _update_firsts(
+        conn, {rank_id: (_key(row), _event_id(conn, row)) for rank_id, row in firsts.items()}
+    )
+    _store_flights(conn, [m for m in messages if m["body"].get("flight")], run_ids)
+
+
+def _key(row: dict[str, Any]) -> tuple[int, int, int, int]:
+    return (row["step"], row["micro_step"], row["phase_rank"], row["ord"])
+
+
+def _event_id(conn: Connection, row: dict[str, Any]) -> int:
+    """The id of a just-inserted event row, found by its rank and logical key."""
+    statement = (
+        select(EventRow.id)
+        .where(
+            EventRow.run_id == row["run_id"],
+            EventRow.rank == row["rank"],
+            EventRow.step == row["step"],
+            EventRow.micro_step == row["micro_step"],
+            EventRow.phase_rank == row["phase_rank"],
+            EventRow.ord == row["ord"],
+        )
+        .order_by(EventRow.id)
+        .limit(1)
+    )
+    return int(conn.execute(statement).scalar_one())
 
 
 def _event_row(message: dict[str, Any], run_ids: dict[str, int]) -> dict[str, Any]:
@@ -355,11 +436,9 @@ def _update_firsts(
 
 
 def _store_flights(
-    conn: Connection,
-    messages: list[dict[str, Any]],
-    run_ids: dict[str, int],
-    event_ids: list[int] | None,
+    conn: Connection, messages: list[dict[str, Any]], run_ids: dict[str, int]
 ) -> None:
+    """Flight windows, alone or attached to an event (they belong to the rank)."""
     if not messages:
         return
     rows = []
@@ -380,7 +459,6 @@ def _store_flights(
             }
         )
     conn.execute(insert(Flight), rows)
-    del event_ids  # the window belongs to the rank; the event is its trigger
 
 
 def _store_byes(

@@ -55,6 +55,13 @@ class ServerProcess:
                 break
         raise RuntimeError(f"server did not start (exit {self.proc.poll()})")
 
+    def cpu_seconds(self) -> float:
+        """User + system CPU time of the server process so far (Linux /proc)."""
+        assert self.proc is not None
+        with open(f"/proc/{self.proc.pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def kill9(self) -> None:
         assert self.proc is not None
         os.kill(self.proc.pid, signal.SIGKILL)
