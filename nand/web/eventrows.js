@@ -23,10 +23,10 @@ export async function fetchPage(run, filters, offset, limit) {
   return { items: pages.flatMap((p) => p.items), total: first.total, offset, limit };
 }
 
-function cells(e, originId) {
+function cells(e, originId, first) {
   return el(
     "tr",
-    { tabindex: "0", class: e.id === originId ? "origin-row" : "", dataset: { id: e.id } },
+    { tabindex: first ? "0" : "-1", class: e.id === originId ? "origin-row" : "", dataset: { id: e.id } },
     el("td", { class: "num" }, stepLabel(e.step, e.micro_step)),
     el("td", { class: "num" }, String(e.rank)),
     el("td", {}, e.phase),
@@ -64,13 +64,24 @@ function details(e) {
   );
 }
 
-/** Arrow keys move between rows; Enter or Space shows the row's details. */
+/** One Tab stop for the whole table (a "roving" tabindex), so the keyboard
+ * does not have to walk through 10,000 rows to reach the pager: the arrow keys
+ * move between rows, Home/End jump, Enter or Space shows the row's details. */
 function onKey(ev, select) {
   const tr = ev.target.closest("tr");
-  const to = { ArrowDown: tr.nextElementSibling, ArrowUp: tr.previousElementSibling }[ev.key];
+  const body = tr.parentElement;
+  const to = {
+    ArrowDown: tr.nextElementSibling,
+    ArrowUp: tr.previousElementSibling,
+    Home: body.firstElementChild,
+    End: body.lastElementChild,
+  }[ev.key];
   if (ev.key === "Enter" || ev.key === " ") select(tr);
-  else if (to) to.focus();
-  else return;
+  else if (to) {
+    tr.tabIndex = -1;
+    to.tabIndex = 0;
+    to.focus();
+  } else return;
   ev.preventDefault();
 }
 
@@ -79,14 +90,16 @@ export function eventRows(page, originId, detail) {
   const rows = el(
     "tbody",
     {},
-    page.items.map((e) => cells(e, originId)),
+    page.items.map((e, i) => cells(e, originId, i === 0)),
   );
   const byId = new Map(page.items.map((e) => [String(e.id), e]));
   const select = (tr) => {
     const e = tr && byId.get(tr.dataset.id);
     if (!e) return;
     for (const old of rows.querySelectorAll("tr[aria-selected]")) old.removeAttribute("aria-selected");
+    for (const old of rows.querySelectorAll('tr[tabindex="0"]')) old.tabIndex = -1;
     tr.setAttribute("aria-selected", "true");
+    tr.tabIndex = 0;
     clear(detail).append(details(e));
   };
   rows.addEventListener("click", (ev) => select(ev.target.closest("tr")));

@@ -271,11 +271,17 @@ def test_keyboard_reaches_a_run_and_the_event_rows(page, dashboard: Dashboard) -
         pytest.fail("Tab never reached the run's link")
     page.keyboard.press("Enter")
     expect(page.locator(".verdict")).to_be_visible()
-    first_row = page.locator("#events tbody tr").first
-    first_row.focus()
+    # The event table is one Tab stop; the arrow keys move between its rows.
+    rows = page.locator("#events tbody tr")
+    expect(rows.first).to_have_attribute("tabindex", "0")
+    expect(page.locator('#events tbody tr[tabindex="0"]')).to_have_count(1)
+    rows.first.focus()
     page.keyboard.press("ArrowDown")
+    expect(rows.nth(1)).to_be_focused()
     page.keyboard.press("Enter")
-    expect(page.locator(".event-detail")).to_be_visible()
+    expect(page.locator(".event-detail")).to_contain_text("rank 0")
+    page.keyboard.press("Tab")  # leaves the table for the pager, not the next row
+    assert page.evaluate("document.activeElement.closest('tbody') === null")
 
 
 def test_path_links_open_the_same_run_page(page, dashboard: Dashboard) -> None:
