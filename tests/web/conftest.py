@@ -5,6 +5,11 @@ a temporary SQLite file) is filled through its ZeroMQ socket with the runs of
 :mod:`tests.web.scenario`; Debian's Chromium (``/usr/bin/chromium``, installed
 by ``scripts/test``) loads the dashboard from it. Screenshots go to
 ``artifacts/screenshots/``.
+
+The planted run (``Dashboard.diverged``) is synthetic; a recording of a real
+torchrun job can take its place: ``scenario.Scenario.recorded(receiver.messages,
+scenario.Planted(...))`` in :func:`dashboard`, the tests read what to expect
+from ``.planted``.
 """
 
 from __future__ import annotations

@@ -53,6 +53,21 @@ class Scenario:
     def count(self) -> int:
         return sum(len(m) for m in self.messages.values())
 
+    @classmethod
+    def recorded(
+        cls, messages: dict[str, list[dict[str, Any]]], planted: Planted | None = None
+    ) -> Scenario:
+        """A run captured from real agents, e.g. ``nand.testing.Receiver.messages``
+        after a torchrun job pointed at the receiver; ``planted`` is the fault the
+        job was told to make."""
+        hello = next(m for msgs in messages.values() for m in msgs if m["kind"] == "hello")
+        return cls(
+            run=hello["run"],
+            world_size=hello["body"]["world_size"],
+            messages={agent: list(msgs) for agent, msgs in messages.items()},
+            planted=planted,
+        )
+
 
 def model_modules(layers: int = 6) -> list[dict[str, Any]]:
     """A small transformer's modules in execution order, as a hello lists them."""
