@@ -16,6 +16,22 @@ the standard library only.
 6     the run finished without diverging (while waiting for ``diverged``)
 124   ``--timeout`` passed first (an unknown run is waited for, too)
 ====  =================================================================
+
+A Slurm job script that stops the job as soon as it goes non-finite::
+
+    export NAND_SERVER=tcp://head-node:5557 NAND_RUN=$SLURM_JOB_ID
+    srun python train.py &
+    nand wait "$SLURM_JOB_ID" --until diverged --url http://head-node:8080
+    case $? in
+      0) nand verdict "$SLURM_JOB_ID"; scancel "$SLURM_JOB_ID" ;;  # diverged: stop paying
+      6) wait ;;                                                   # finished cleanly
+    esac
+
+On Kubernetes the same ``nand wait`` runs as a sidecar container of the
+trainer's pod (or a Job watching it); exit 0 with ``--until diverged`` means
+"delete the training Job", e.g. ``nand wait "$RUN" --until diverged && kubectl
+delete job "$JOB"``. For a graceful stop at one step on every rank instead of
+a kill, use ``nand stop RUN`` (needs ``NAND_TOKEN``).
 """
 
 from __future__ import annotations
@@ -47,6 +63,9 @@ EXIT_TIMEOUT = 124
 STATE_EXIT = {"diverged": EXIT_DIVERGED, "lost": EXIT_LOST, "stalled": EXIT_STALLED}
 
 
+_WAIT_HELP = (__doc__ or "").split("(for job scripts):", 1)[-1].split("A Slurm", 1)[0]
+
+
 def register(subparsers: Any) -> None:
     _server_parser(subparsers)
     url_help = "REST API base URL (default: NAND_URL or http://127.0.0.1:8080)"
@@ -74,7 +93,7 @@ def register(subparsers: Any) -> None:
     wait = subparsers.add_parser(
         "wait",
         help="block until a run diverges / finishes; distinct exit codes for job scripts",
-        description=__doc__.split("``nand wait", 1)[1].split("\n", 1)[1] if __doc__ else None,
+        description=_WAIT_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     wait.add_argument("run")

@@ -18,9 +18,10 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """``python -m nand.server server`` on ``db_url``; ``http_url`` once started."""
+    """``python -m nand.server server`` (or ``-m nand``) on ``db_url``, ``http_url`` once up."""
 
-    def __init__(self, db_url: str, zmq_port: int, **env: str) -> None:
+    def __init__(self, db_url: str, zmq_port: int, module: str = "nand.server", **env: str) -> None:
+        self.module = module
         self.db_url = db_url
         self.zmq_endpoint = f"tcp://127.0.0.1:{zmq_port}"
         self.env = {**os.environ, **env}

@@ -137,3 +137,18 @@ def test_wait_as_a_real_process_for_job_scripts(srv) -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "proc: diverged"
     a.close()
+
+
+def test_nand_server_command_serves_rest_and_ingest(tmp_path) -> None:
+    from tests.server.processes import ServerProcess, free_port
+
+    server = ServerProcess(f"sqlite:///{tmp_path / 's.db'}", free_port(), module="nand").start()
+    try:
+        agent = FakeAgent(server.zmq_endpoint, run="via-cli")
+        agent.heartbeat(1)
+        agent.wait_acked()
+        assert main(["verdict", "via-cli", "--url", server.http_url]) == 0
+        agent.close()
+    finally:
+        server.stop()
+    assert server.proc is not None and server.proc.returncode == 0  # SIGTERM: clean exit
