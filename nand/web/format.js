@@ -77,7 +77,3 @@ export function rankList(ranks) {
   }
   return out.join(", ");
 }
-
-export function plural(n, word, many = `${word}s`) {
-  return `${count(n)} ${n === 1 ? word : many}`;
-}

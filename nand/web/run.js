@@ -137,21 +137,19 @@ export function runPage(main, runId, params) {
     clear(slots.curves).append(curves(series, origin));
   }
 
-  // At most one refresh per 2 s; a change during the pause is fetched after it.
-  let pending = null;
+  // Live refresh: one at a time, then a pause of at least 2 s or five times
+  // what the last one cost (a 256-rank run's series is megabytes), so a busy
+  // run keeps neither the browser nor the server busy. A change that comes
+  // during the pause is fetched after it.
+  let busy = false;
   let again = false;
   async function refresh() {
-    if (pending) {
+    if (busy) {
       again = true;
       return;
     }
-    pending = setTimeout(() => {
-      pending = null;
-      if (again && alive) {
-        again = false;
-        refresh();
-      }
-    }, 2000);
+    busy = true;
+    const started = performance.now();
     try {
       const next = await fetchAll();
       if (!alive || !parts) return;
@@ -172,6 +170,16 @@ export function runPage(main, runId, params) {
     } catch {
       /* the live view keeps what it has; the stream status shows the outage */
     }
+    setTimeout(
+      () => {
+        busy = false;
+        if (again && alive) {
+          again = false;
+          refresh();
+        }
+      },
+      Math.max(2000, 5 * (performance.now() - started)),
+    );
   }
 
   async function load() {

@@ -7,7 +7,7 @@ import { age, count, datetime, where } from "./format.js";
 // Diverged runs first, then the ones that need a look, then the quiet ones.
 const ATTENTION = { diverged: 0, stalled: 1, lost: 2, healthy: 3, finished: 4 };
 
-export const COLUMNS = [
+const COLUMNS = [
   { key: "run", label: "Run", value: (r) => r.run },
   { key: "state", label: "State", value: (r) => ATTENTION[r.state] ?? 9 },
   { key: "ranks", label: "Ranks", value: (r) => r.world_size, numeric: true },
