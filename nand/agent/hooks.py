@@ -49,14 +49,13 @@ FINITE_PRESERVING = (
     nn.Identity, nn.Flatten, nn.Unflatten,
 )  # fmt: skip
 
-#: Of those, the ones whose backward zeroes part of the gradient: a non-finite
-#: gradient made by the *next* module can vanish in their backward (ReLU before
-#: ``torch.where(x > 0, log(x), 0)``), so the gradient at their output is
-#: still probed; the forward probe is skipped all the same.
-MASKING = (
-    nn.ReLU, nn.ReLU6, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid, nn.Dropout, nn.Dropout1d,
-    nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
-)  # fmt: skip
+#: Of those, the ones whose backward zeroes the gradient exactly where their
+#: input was cut: a non-finite gradient made by the *next* module can vanish
+#: in their backward (ReLU before ``torch.where(x > 0, log(x), 0)``: the NaN
+#: sits where x == 0), so the gradient at their output is still probed; the
+#: forward probe is skipped all the same. Dropout masks at random places, so a
+#: non-finite gradient mostly passes it and is seen at the next probe.
+MASKING = (nn.ReLU, nn.ReLU6, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid)
 
 
 class HookState:
@@ -174,7 +173,7 @@ class Hooks:
             if state.guard.off:
                 return
             try:
-                if args:
+                if args and (len(args) > 1 or args[0] is not state.last):
                     self._check_inputs(args, output, info)
                 if isinstance(output, Tensor):
                     if allow:
@@ -203,7 +202,7 @@ class Hooks:
             if state.guard.off:
                 return
             try:
-                if args:
+                if args and (len(args) > 1 or args[0] is not state.last):
                     self._check_inputs(args, output, info)
                 if isinstance(output, Tensor):
                     if grad_hook is not None and output.requires_grad:
@@ -279,6 +278,9 @@ class Hooks:
             if state.guard.off:
                 return
             try:
+                if output is state.last:  # Sequential-like: the last child's output
+                    state.last = None
+                    return
                 for slot, t in iter_tensors(output):
                     if not t.is_floating_point() or not t.numel():
                         continue
@@ -361,9 +363,10 @@ def _make_grad_hook(state: HookState, site: Site) -> Callable[[Tensor], None]:
         if state.guard.off:
             return
         try:
-            if grad.is_floating_point() and grad.numel():
-                pairs.extend(torch.aminmax(grad.detach()))
-                sites.append(site)
+            # The gradient of a probed float output: float and non-empty too;
+            # it does not require grad (no create_graph), so no detach.
+            pairs.extend(torch.aminmax(grad))
+            sites.append(site)
         except Exception as exc:
             state.guard.failed(exc, f"gradient hook of {site.module!r}")
 

@@ -55,6 +55,7 @@ class OptimizerHooks:
         self.stepped_once = False  # params/state are checked from the 2nd boundary on
         self._params_key: tuple[int, int] | None = None
         self._params: list[Tensor] = []
+        self._grad_sites: list[Site] = []
         self._state_key: tuple[object, int] | None = None
         self._state_cache: tuple[list[Tensor], list[Site]] = ([], [])
         self._sites: dict[tuple[int, str, str], Site] = {}
@@ -75,6 +76,7 @@ class OptimizerHooks:
         if key != self._params_key:
             self._params_key = key
             self._params = [p for g in groups for p in g["params"]]
+            self._grad_sites = []
         return self._params
 
     def drop_grads(self) -> None:
@@ -106,11 +108,14 @@ class OptimizerHooks:
         """Grads, and (``with_params``) params and state: one foreach launch."""
         tensors: list[Tensor] = []
         sites: list[Site] = []
-        for p in self.params():
+        params = self.params()
+        if len(self._grad_sites) != len(params):
+            self._grad_sites = [self._site(p, "grad", "") for p in params]
+        for p, site in zip(params, self._grad_sites, strict=True):
             g = p.grad
-            if g is not None and _usable(g):
+            if g is not None and not g.is_sparse and g.is_floating_point():
                 tensors.append(g)
-                sites.append(self._site(p, "grad", ""))
+                sites.append(site)
         if with_params:
             more, more_sites = self._params_and_state()
             tensors += more

@@ -83,7 +83,7 @@ def describe(event: Event, finding: Finding) -> str:
     if kinds:
         text = text.replace("non-finite value", kinds, 1)
     extra = []
-    if finding.site.kind == "inline":
+    if finding.site.kind == "inline" and finding.phase == "forward":
         extra.append(f"made by code inline in the forward of {event.module or '<root>'}")
     if finding.site.kind == "input":
         extra.append(f"input argument {finding.site.slot}")

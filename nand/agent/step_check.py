@@ -74,8 +74,9 @@ def is_bad(values: list[float], n_main: int) -> bool:
 
 def near_limit(row: StepRow) -> tuple[Site, float] | None:
     """The first forward site whose max|x| exceeds half its dtype's largest value."""
-    n_pairs = 2 * (len(row.sites) - row.sites.count(None))
-    pairs = [v for v in row.values[:n_pairs] if math.isfinite(v)]
+    pairs = row.values[: 2 * (len(row.sites) - row.sites.count(None))]
+    # Fast exit for the healthy common case (NaN makes max/min unreliable, but
+    # then the detailed loop below runs, which skips non-finite figures).
     if not pairs or max(max(pairs), -min(pairs)) < _HEADROOM_FLOOR:
         return None
     for site, m in _site_maxima(row):
@@ -95,7 +96,7 @@ def _site_maxima(row: StepRow) -> list[tuple[Site, float]]:
             continue
         lo, hi = row.values[i], row.values[i + 1]
         i += 2
-        out.append((site, hi if hi > -lo else -lo))
+        out.append((site, (hi if hi > -lo else -lo) + 0.0))  # + 0.0: no "-0"
     return out
 
 

@@ -247,13 +247,13 @@ class Watch:
 
     def _before_root(self) -> None:
         """Root pre-hook: without an optimizer, each root call is a step."""
-        if self._opt is None and len(self._buf):
+        if self._opt is None and self._buf.sites:
             outcome = self._guarded_check(skipped=False)
             self.step += 1
             event = outcome.event if outcome is not None else None
             if event is not None and self.policy in ("raise", "stop"):
                 raise NonFiniteError(event)
-        elif len(self._buf) > MAX_WINDOW:
+        elif len(self._buf.sites) > MAX_WINDOW:
             self._guarded_check(skipped=False)
 
     def _guarded_check(self, skipped: bool) -> Outcome | None:
