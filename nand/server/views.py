@@ -11,7 +11,8 @@ from collections.abc import Sequence
 from sqlalchemy.orm import Session
 
 from nand.events import Event
-from nand.server import correlate, store
+from nand.server import correlate, store, summary
+from nand.server.evidence import FlightEvidence
 from nand.server.models import EventRow, Rank, Run
 from nand.server.schemas import (
     EventOut,
@@ -148,13 +149,11 @@ def verdict(session: Session, run: Run, ranks: RankRows, settings: Settings, now
     head_row = _origin_row(ranks)
     if head_row is None:
         steps = [(r.rank, states[r.rank], r.step) for r, _ in ranks]
-        summary = correlate.calm_summary(
-            state, steps, settings.lost_after_s, settings.stalled_after_s
-        )
-        return Verdict(run=run.name, state=state, summary=summary, stop=stop)  # type: ignore[arg-type]
+        text = summary.calm_summary(state, steps, settings.lost_after_s, settings.stalled_after_s)
+        return Verdict(run=run.name, state=state, summary=text, stop=stop)  # type: ignore[arg-type]
     head = to_event(head_row)
     found = store.flight_evidence_row(session, run.id, head.rank)
-    evidence = correlate.FlightEvidence(*found) if found else None
+    evidence = FlightEvidence(*found) if found else None
     hint = correlate.hint(head, evidence)
     relations = correlate.relations(firsts)
     world = max(run.world_size, len(ranks))
@@ -166,7 +165,7 @@ def verdict(session: Session, run: Run, ranks: RankRows, settings: Settings, now
         ranks_received=sorted(r for r, k in relations.items() if k == "received"),
         simultaneous=any(k == "simultaneous" for k in relations.values()),
         hint=hint,
-        summary=correlate.diverged_summary(firsts, world, hint, evidence),
+        summary=summary.diverged_summary(firsts, world, hint, evidence),
         since=head.time,
         stop=stop,
     )

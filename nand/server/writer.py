@@ -32,10 +32,9 @@ from sqlalchemy import update as sql_update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 
-from nand.events import PHASE_RANK
-from nand.server import correlate
+from nand.server import rows as build
 from nand.server.models import Agent, EventRow, Flight, Heartbeat, Message, Rank, Run
-from nand.server.sanitize import clean_str, finite, jsonable
+from nand.server.sanitize import clean_str
 
 Key = tuple[str, int]
 
@@ -150,10 +149,6 @@ def _bulk_insert(conn: Connection, table: Any, rows: list[dict[str, Any]]) -> No
     conn.exec_driver_sql(sql, [tuple(row[c] for c in columns) for row in rows])
 
 
-#: Keys per lookup query (well under SQLite's limit of bound parameters).
-_CHUNK = 400
-
-
 def _store(
     conn: Connection, fresh: list[dict[str, Any]], run_ids: dict[str, int], now: float
 ) -> int:
@@ -222,38 +217,10 @@ def _store_hellos(
                 world_size=body["world_size"],
             )
         )
-        conn.execute(_insert(conn, Agent), [_agent_row(message, run_id)])
-        info = _run_info(body)
+        conn.execute(_insert(conn, Agent), [build.agent_row(message, run_id)])
+        info = build.run_info(body)
         if info:
             conn.execute(sql_update(Run).where(Run.id == run_id).values(**info))
-
-
-def _agent_row(message: dict[str, Any], run_id: int) -> dict[str, Any]:
-    return {
-        "agent": message["agent"],
-        "run_id": run_id,
-        "rank": message["rank"],
-        "hello_at": message["time"],
-    }
-
-
-def _run_info(body: dict[str, Any]) -> dict[str, Any]:
-    """Run-level facts a hello carries (the last hello wins; ranks agree on them)."""
-    info: dict[str, Any] = {}
-    modules = body.get("modules")
-    if isinstance(modules, list) and modules:
-        info["modules"] = jsonable(modules)
-    optimizer = body.get("optimizer")
-    if isinstance(optimizer, str):
-        info["optimizer"] = clean_str(optimizer, 256)
-    elif isinstance(optimizer, dict) and isinstance(optimizer.get("type"), str):
-        info["optimizer"] = clean_str(optimizer["type"], 256)
-    versions = body.get("versions")
-    if isinstance(versions, dict):
-        info["versions"] = {
-            clean_str(str(k), 64): clean_str(str(v), 256) for k, v in versions.items()
-        }
-    return info
 
 
 def _store_heartbeats(
@@ -265,42 +232,14 @@ def _store_heartbeats(
 ) -> None:
     if not beats:
         return
-    rows = [_heartbeat_row(m, run_ids) for m in beats]
+    rows = [build.heartbeat_row(m, run_ids) for m in beats]
     _bulk_insert(conn, Heartbeat, rows)
     latest: dict[int, dict[str, Any]] = {}
     for message, row in zip(beats, rows, strict=True):
         rank_id = rank_ids[_rank_key(message, run_ids)]
         if rank_id not in latest or latest[rank_id]["step"] <= row["step"]:
             latest[rank_id] = {**row, "amp_skipped": message["body"].get("amp_skipped")}
-    conn.execute(_RANK_PROGRESS, [_progress_params(r, row, now) for r, row in latest.items()])
-
-
-def _heartbeat_row(message: dict[str, Any], run_ids: dict[str, int]) -> dict[str, Any]:
-    body = message["body"]
-    return {
-        "run_id": run_ids[message["run"]],
-        "rank": message["rank"],
-        "time": message["time"],
-        "step": body["step"],
-        "loss": finite(body.get("loss")),
-        "grad_norm": finite(body.get("grad_norm")),
-        "steps_per_s": finite(body.get("steps_per_s")),
-        "max_activation": finite(body.get("max_activation")),
-    }
-
-
-def _progress_params(rank_id: int, row: dict[str, Any], now: float) -> dict[str, Any]:
-    skipped = row["amp_skipped"]
-    return {
-        "rid": rank_id,
-        "now": now,
-        "hb_step": row["step"],
-        "hb_sps": row["steps_per_s"],
-        "hb_loss": row["loss"],
-        "hb_gn": row["grad_norm"],
-        "hb_act": row["max_activation"],
-        "hb_amp": skipped if isinstance(skipped, int) and not isinstance(skipped, bool) else 0,
-    }
+    conn.execute(_RANK_PROGRESS, [build.progress_params(r, row, now) for r, row in latest.items()])
 
 
 _RANK_PROGRESS = (
@@ -328,21 +267,21 @@ def _store_events(
 ) -> None:
     if not messages:
         return
-    rows = [_event_row(m, run_ids) for m in messages]
+    rows = [build.event_row(m, run_ids) for m in messages]
     conn.execute(insert(EventRow), rows)  # a plain executemany: no RETURNING
     firsts: dict[int, dict[str, Any]] = {}
     for message, row in zip(messages, rows, strict=True):
         rank_id = rank_ids[_rank_key(message, run_ids)]
-        if rank_id not in firsts or _key(row) < _key(firsts[rank_id]):
+        if rank_id not in firsts or build.logical_key(row) < build.logical_key(firsts[rank_id]):
             firsts[rank_id] = row
     _update_firsts(
-        conn, {rank_id: (_key(row), _event_id(conn, row)) for rank_id, row in firsts.items()}
+        conn,
+        {
+            rank_id: (build.logical_key(row), _event_id(conn, row))
+            for rank_id, row in firsts.items()
+        },
     )
     _store_flights(conn, [m for m in messages if m["body"].get("flight")], run_ids)
-
-
-def _key(row: dict[str, Any]) -> tuple[int, int, int, int]:
-    return (row["step"], row["micro_step"], row["phase_rank"], row["ord"])
 
 
 def _event_id(conn: Connection, row: dict[str, Any]) -> int:
@@ -361,46 +300,6 @@ def _event_id(conn: Connection, row: dict[str, Any]) -> int:
         .limit(1)
     )
     return int(conn.execute(statement).scalar_one())
-
-
-def _event_row(message: dict[str, Any], run_ids: dict[str, int]) -> dict[str, Any]:
-    event = message["body"]["event"]
-    return {
-        "run_id": run_ids[message["run"]],
-        "rank": message["rank"],
-        "world_size": _int(event.get("world_size")),
-        "host": clean_str(event.get("host"), 256),
-        "pid": _int(event.get("pid")),
-        "step": event["step"],
-        "micro_step": event["micro_step"],
-        "phase": event["phase"],
-        "phase_rank": PHASE_RANK[event["phase"]],
-        "module": clean_str(event["module"], 512),
-        "module_type": clean_str(event.get("module_type"), 256),
-        "ord": event["order"],
-        "cause": clean_str(event["cause"], 32),
-        "call": _int(event.get("call")),
-        "nan": event.get("nan"),
-        "posinf": event.get("posinf"),
-        "neginf": event.get("neginf"),
-        "min": finite(event.get("min")),
-        "max": finite(event.get("max")),
-        "max_abs": finite(event.get("max_abs")),
-        "shape": event.get("shape") or [],
-        "dtype": clean_str(event.get("dtype"), 64),
-        "time": _float(event.get("time"), message["time"]),
-        "seq": _int(event.get("seq")),
-        "message": clean_str(event.get("message"), 2000),
-    }
-
-
-def _int(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) else 0
-
-
-def _float(value: Any, default: float) -> float:
-    number = finite(value)
-    return default if number is None else number
 
 
 def _update_firsts(
@@ -439,26 +338,8 @@ def _store_flights(
     conn: Connection, messages: list[dict[str, Any]], run_ids: dict[str, int]
 ) -> None:
     """Flight windows, alone or attached to an event (they belong to the rank)."""
-    if not messages:
-        return
-    rows = []
-    for message in messages:
-        body = message["body"]
-        data = jsonable(body["flight"])
-        evidence = correlate.flight_evidence(data)
-        rows.append(
-            {
-                "run_id": run_ids[message["run"]],
-                "rank": message["rank"],
-                "time": message["time"],
-                "reason": clean_str(body.get("reason"), 500),
-                "data": data,
-                "overflow": evidence.overflow,
-                "grad_rising": evidence.grad_rising,
-                "evidence": clean_str(evidence.text, 500),
-            }
-        )
-    conn.execute(insert(Flight), rows)
+    if messages:
+        conn.execute(insert(Flight), [build.flight_row(m, run_ids) for m in messages])
 
 
 def _store_byes(
@@ -496,7 +377,7 @@ def _touch_runs(
             entry["step"] = max(entry["step"], body["step"])
         elif kind == "event":
             entry["n"] += 1
-            entry["ws"] = max(entry["ws"], _int(body["event"].get("world_size")))
+            entry["ws"] = max(entry["ws"], build.int_or_zero(body["event"].get("world_size")))
         elif kind == "hello":
             entry["ws"] = max(entry["ws"], body["world_size"])
         entry["ws"] = max(entry["ws"], message["rank"] + 1)

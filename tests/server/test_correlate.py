@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from nand.events import Event, FlightWindow
-from nand.server import correlate
-from nand.server.correlate import FlightEvidence
+from nand.server import correlate, summary
+from nand.server.evidence import FlightEvidence, flight_evidence
 
 
 def ev(rank: int, step: int, phase: str, module: str = "", **kw: object) -> Event:
@@ -21,7 +21,7 @@ def test_single_origin_in_forward_others_received_through_grad_all_reduce() -> N
     assert rel[3] == "origin"
     assert {rel[r] for r in (0, 1, 2, 4, 5, 6, 7)} == {"received"}
     hint = correlate.hint(correlate.origin(firsts))
-    text = correlate.diverged_summary(firsts, 8, hint)
+    text = summary.diverged_summary(firsts, 8, hint)
     assert text.startswith(
         "rank 3 produced +inf in enc.layers.5.mlp.fc2 (Linear) during forward at step 4711; "
         "the other 7 ranks received it through the gradient all-reduce."
@@ -35,7 +35,7 @@ def test_all_ranks_same_step_and_layer_is_simultaneous_not_one_gpu() -> None:
     rel = correlate.relations(firsts)
     assert rel[0] == "origin"
     assert {rel[r] for r in range(1, 8)} == {"simultaneous"}
-    text = correlate.diverged_summary(firsts, 8, "produced_in_layer")
+    text = summary.diverged_summary(firsts, 8, "produced_in_layer")
     assert text.startswith("all 8 ranks went non-finite at the same point")
     assert "not one faulty GPU" in text
     assert "suspect its data" not in text
@@ -52,7 +52,7 @@ def test_bad_data_on_one_rank_points_at_its_input() -> None:
     head = correlate.origin(firsts)
     assert head is not None and head.rank == 5
     assert correlate.hint(head) == "input_data"
-    text = correlate.diverged_summary(firsts, 8, "input_data")
+    text = summary.diverged_summary(firsts, 8, "input_data")
     assert text.startswith("rank 5 got NaN in its input data at step 90")
     assert "check the data pipeline" in text
 
@@ -64,7 +64,7 @@ def test_fsdp_bad_shard_arrives_in_next_step_forward_on_every_rank() -> None:
     assert rel == {2: "origin", 0: "received", 1: "received", 3: "received"}
     hint = correlate.hint(correlate.origin(firsts))
     assert hint == "optimizer_update"
-    text = correlate.diverged_summary(firsts, 4, hint)
+    text = summary.diverged_summary(firsts, 4, hint)
     assert "the other 3 ranks received it through the parameter all-gather of the next step" in text
 
 
@@ -81,7 +81,7 @@ def test_agent_cause_received_is_trusted() -> None:
 def test_loss_went_non_finite() -> None:
     firsts = [ev(0, 7, "loss", "", nan=1), ev(1, 7, "grad", "fc.weight", nan=1)]
     assert correlate.hint(correlate.origin(firsts)) == "loss"
-    text = correlate.diverged_summary(firsts, 2, "loss")
+    text = summary.diverged_summary(firsts, 2, "loss")
     assert "in the loss gradient at step 7" in text
     assert "loss went non-finite while the model's outputs were finite" in text
 
@@ -101,7 +101,7 @@ def test_overflow_from_a_flight_window_growing_towards_the_dtype_limit() -> None
         dtype="float16",
         dtype_max=65504.0,
     ).to_dict()
-    evidence = correlate.flight_evidence(window)
+    evidence = flight_evidence(window)
     assert evidence.overflow and not evidence.grad_rising
     assert "float16 limit 65504" in evidence.text
     assert correlate.hint(ev(0, 4, "forward", "fc2"), evidence) == "overflow"
@@ -109,18 +109,18 @@ def test_overflow_from_a_flight_window_growing_towards_the_dtype_limit() -> None
 
 def test_no_overflow_far_below_the_limit_or_when_not_growing() -> None:
     calm = FlightWindow(steps=[1, 2], modules=["a"], act_max_abs=[[1.0], [1.5]], dtype_max=65504.0)
-    assert not correlate.flight_evidence(calm.to_dict()).overflow
+    assert not flight_evidence(calm.to_dict()).overflow
     flat = FlightWindow(steps=[1, 2], modules=["a"], act_max_abs=[[9e3], [8e3]], dtype_max=65504.0)
-    assert not correlate.flight_evidence(flat.to_dict()).overflow
+    assert not flight_evidence(flat.to_dict()).overflow
 
 
 def test_gradient_explosion_from_a_rising_grad_norm() -> None:
     window = FlightWindow(steps=[1, 2, 3, 4, 5], grad_norm=[1.0, 3.0, 20.0, 150.0, None])
-    evidence = correlate.flight_evidence(window.to_dict())
+    evidence = flight_evidence(window.to_dict())
     assert evidence.grad_rising
     assert correlate.hint(ev(0, 5, "backward", "fc"), evidence) == "gradient_explosion"
     noisy = FlightWindow(steps=[1, 2, 3, 4], grad_norm=[1.0, 0.5, 1.2, 0.8])
-    assert not correlate.flight_evidence(noisy.to_dict()).grad_rising
+    assert not flight_evidence(noisy.to_dict()).grad_rising
 
 
 def test_phase_evidence_wins_over_the_flight_window() -> None:
@@ -134,7 +134,7 @@ def test_malformed_flight_windows_give_no_evidence_and_no_error() -> None:
         {"steps": "x", "act_max_abs": [1, "a"], "dtype_max": "big"},
         {"grad_norm": [None, None], "act_max_abs": [[None]], "dtype_max": -1},
     ):
-        assert correlate.flight_evidence(window) == FlightEvidence()
+        assert flight_evidence(window) == FlightEvidence()
 
 
 def test_rank_states_in_priority_order() -> None:
@@ -161,10 +161,10 @@ def test_run_state_is_diverged_then_lost_then_stalled_then_finished_then_healthy
 
 
 def test_calm_summaries_name_the_lost_and_stalled_ranks() -> None:
-    assert correlate.calm_summary("lost", [(0, "running", 5), (3, "lost", 4)], 60, 300).startswith(
+    assert summary.calm_summary("lost", [(0, "running", 5), (3, "lost", 4)], 60, 300).startswith(
         "rank 3 lost"
     )
-    assert "stalled" in correlate.calm_summary("stalled", [(1, "stalled", 9)], 60, 300)
-    assert correlate.calm_summary("finished", [(0, "finished", 9)], 60, 300).startswith(
+    assert "stalled" in summary.calm_summary("stalled", [(1, "stalled", 9)], 60, 300)
+    assert summary.calm_summary("finished", [(0, "finished", 9)], 60, 300).startswith(
         "Finished at step 9"
     )

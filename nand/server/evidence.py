@@ -1,0 +1,92 @@
+"""What a flight-recorder window says: overflow and gradient explosion.
+
+Computed once at ingest (stored with the window in ``flights``) so the verdict
+reads three small columns, never the window itself.
+
+>>> w = {"steps": [1, 2, 3], "act_max_abs": [[2.0], [900.0], [3e4]], "dtype_max": 65504.0}
+>>> flight_evidence(w).overflow
+True
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+#: Overflow: the window's largest finite max|x| reached this share of the dtype's limit.
+OVERFLOW_SHARE = 0.1
+#: Gradient explosion: the grad norm grew at least this much over the window...
+EXPLOSION_FACTOR = 10.0
+#: ...rising on at least this share of consecutive steps.
+EXPLOSION_RISING_SHARE = 2 / 3
+
+
+@dataclass(frozen=True)
+class FlightEvidence:
+    overflow: bool = False
+    grad_rising: bool = False
+    #: One phrase for the summary, e.g. "max |x| rose from 3 to 6.1e+04 (float16 limit 65504)".
+    text: str = ""
+
+
+def flight_evidence(flight: dict[str, Any]) -> FlightEvidence:
+    """What a flight-recorder window says about overflow and gradient growth."""
+    steps = [s for s in flight.get("steps") or [] if isinstance(s, int)]
+    overflow_text = _overflow(flight, steps)
+    rising_text = _grad_rising(flight.get("grad_norm") or [], steps)
+    return FlightEvidence(
+        overflow=bool(overflow_text),
+        grad_rising=bool(rising_text),
+        text=overflow_text or rising_text,
+    )
+
+
+def _finite(values: Any) -> list[float]:
+    if not isinstance(values, list | tuple):
+        return []
+    return [
+        float(v)
+        for v in values
+        if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+    ]
+
+
+def _span(steps: list[int]) -> str:
+    return f" over steps {steps[0]}-{steps[-1]}" if len(steps) > 1 else ""
+
+
+def _overflow(flight: dict[str, Any], steps: list[int]) -> str:
+    """Peak finite max|x| per step (activations and gradients) near the dtype's limit."""
+    limit = flight.get("dtype_max")
+    if not isinstance(limit, int | float) or not math.isfinite(limit) or limit <= 0:
+        return ""
+    act = _rows(flight.get("act_max_abs"))
+    grad = _rows(flight.get("grad_max_abs"))
+    n = max(len(act), len(grad))
+    act, grad = act + [[]] * (n - len(act)), grad + [[]] * (n - len(grad))
+    peaks = [max(_finite(a) + _finite(g), default=0.0) for a, g in zip(act, grad, strict=True)]
+    peaks = [p for p in peaks if p > 0]
+    if not peaks or max(peaks) < OVERFLOW_SHARE * limit or max(peaks) <= peaks[0]:
+        return ""
+    dtype = flight.get("dtype") or "dtype"
+    return (
+        f"max |x| rose from {peaks[0]:.3g} to {max(peaks):.3g} "
+        f"({dtype} limit {limit:.6g}){_span(steps)}"
+    )
+
+
+def _rows(rows: Any) -> list[list[Any]]:
+    return [r if isinstance(r, list) else [] for r in rows] if isinstance(rows, list) else []
+
+
+def _grad_rising(grad_norm: Sequence[Any], steps: list[int]) -> str:
+    values = _finite(grad_norm)
+    if len(values) < 3 or values[0] <= 0 or values[-1] < EXPLOSION_FACTOR * values[0]:
+        return ""
+    ups = sum(b > a for a, b in itertools.pairwise(values))
+    if ups < EXPLOSION_RISING_SHARE * (len(values) - 1):
+        return ""
+    return f"gradient norm rose from {values[0]:.3g} to {values[-1]:.3g}{_span(steps)}"

@@ -1,0 +1,132 @@
+"""Table rows from validated wire messages: pure functions, no database.
+
+Values are made storable here (:mod:`nand.server.sanitize`): strings cut to
+their column and without NUL, non-finite floats as None (the counts say what
+they were), odd types as defaults.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nand.events import PHASE_RANK
+from nand.server.evidence import flight_evidence
+from nand.server.sanitize import clean_str, finite, jsonable
+
+
+def logical_key(row: dict[str, Any]) -> tuple[int, int, int, int]:
+    """(step, micro_step, phase, order) of an event row: the order of DESIGN.md."""
+    return (row["step"], row["micro_step"], row["phase_rank"], row["ord"])
+
+
+def agent_row(message: dict[str, Any], run_id: int) -> dict[str, Any]:
+    return {
+        "agent": message["agent"],
+        "run_id": run_id,
+        "rank": message["rank"],
+        "hello_at": message["time"],
+    }
+
+
+def run_info(body: dict[str, Any]) -> dict[str, Any]:
+    """Run-level facts a hello carries (the last hello wins; ranks agree on them)."""
+    info: dict[str, Any] = {}
+    modules = body.get("modules")
+    if isinstance(modules, list) and modules:
+        info["modules"] = jsonable(modules)
+    optimizer = body.get("optimizer")
+    if isinstance(optimizer, str):
+        info["optimizer"] = clean_str(optimizer, 256)
+    elif isinstance(optimizer, dict) and isinstance(optimizer.get("type"), str):
+        info["optimizer"] = clean_str(optimizer["type"], 256)
+    versions = body.get("versions")
+    if isinstance(versions, dict):
+        info["versions"] = {
+            clean_str(str(k), 64): clean_str(str(v), 256) for k, v in versions.items()
+        }
+    return info
+
+
+def heartbeat_row(message: dict[str, Any], run_ids: dict[str, int]) -> dict[str, Any]:
+    body = message["body"]
+    return {
+        "run_id": run_ids[message["run"]],
+        "rank": message["rank"],
+        "time": message["time"],
+        "step": body["step"],
+        "loss": finite(body.get("loss")),
+        "grad_norm": finite(body.get("grad_norm")),
+        "steps_per_s": finite(body.get("steps_per_s")),
+        "max_activation": finite(body.get("max_activation")),
+    }
+
+
+def progress_params(rank_id: int, row: dict[str, Any], now: float) -> dict[str, Any]:
+    skipped = row["amp_skipped"]
+    return {
+        "rid": rank_id,
+        "now": now,
+        "hb_step": row["step"],
+        "hb_sps": row["steps_per_s"],
+        "hb_loss": row["loss"],
+        "hb_gn": row["grad_norm"],
+        "hb_act": row["max_activation"],
+        "hb_amp": skipped if isinstance(skipped, int) and not isinstance(skipped, bool) else 0,
+    }
+
+
+def event_row(message: dict[str, Any], run_ids: dict[str, int]) -> dict[str, Any]:
+    event = message["body"]["event"]
+    return {
+        "run_id": run_ids[message["run"]],
+        "rank": message["rank"],
+        "world_size": int_or_zero(event.get("world_size")),
+        "host": clean_str(event.get("host"), 256),
+        "pid": int_or_zero(event.get("pid")),
+        "step": event["step"],
+        "micro_step": event["micro_step"],
+        "phase": event["phase"],
+        "phase_rank": PHASE_RANK[event["phase"]],
+        "module": clean_str(event["module"], 512),
+        "module_type": clean_str(event.get("module_type"), 256),
+        "ord": event["order"],
+        "cause": clean_str(event["cause"], 32),
+        "call": int_or_zero(event.get("call")),
+        "nan": event.get("nan"),
+        "posinf": event.get("posinf"),
+        "neginf": event.get("neginf"),
+        "min": finite(event.get("min")),
+        "max": finite(event.get("max")),
+        "max_abs": finite(event.get("max_abs")),
+        "shape": event.get("shape") or [],
+        "dtype": clean_str(event.get("dtype"), 64),
+        "time": _float(event.get("time"), message["time"]),
+        "seq": int_or_zero(event.get("seq")),
+        "message": clean_str(event.get("message"), 2000),
+    }
+
+
+def int_or_zero(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _float(value: Any, default: float) -> float:
+    number = finite(value)
+    return default if number is None else number
+
+
+def flight_row(message: dict[str, Any], run_ids: dict[str, int]) -> dict[str, Any]:
+    """A flight window (JSON-safe) with its evidence precomputed for the verdict."""
+    body = message["body"]
+    data = jsonable(body["flight"])
+    evidence = flight_evidence(data if isinstance(data, dict) else {})
+    return {
+        "run_id": run_ids[message["run"]],
+        "rank": message["rank"],
+        "time": message["time"],
+        "reason": clean_str(body.get("reason"), 500),
+        "data": data,
+        "overflow": evidence.overflow,
+        "grad_rising": evidence.grad_rising,
+        "evidence": clean_str(evidence.text, 500),
+    }

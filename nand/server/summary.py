@@ -1,0 +1,148 @@
+"""The sentences a person reads: what went non-finite where, and who got it how.
+
+>>> from nand.events import Event
+>>> firsts = [Event(rank=1, step=5, phase="forward", module="fc", module_type="Linear", nan=1),
+...           Event(rank=0, step=5, phase="grad", module="fc.weight", nan=2)]
+>>> print(diverged_summary(firsts, 2, ""))  # doctest: +NORMALIZE_WHITESPACE
+rank 1 produced NaN in fc (Linear) during forward at step 5; rank 0 received it
+through the gradient all-reduce. Only rank 1 produced it: suspect its data or its GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from nand.events import Event
+from nand.server.correlate import origin, relation
+from nand.server.evidence import FlightEvidence
+
+
+def value_kinds(event: Event) -> str:
+    parts = []
+    for count, name in ((event.nan, "NaN"), (event.posinf, "+inf"), (event.neginf, "-inf")):
+        if count:
+            parts.append(name)
+    return " and ".join(parts) if parts else "a non-finite value"
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    ordered = sorted(ranks)
+    return f"rank {ordered[0]}" if len(ordered) == 1 else "ranks " + ", ".join(map(str, ordered))
+
+
+def _where(event: Event) -> str:
+    name = event.module or "<root>"
+    where = f"{name} ({event.module_type})" if event.module_type else name
+    step = f"step {event.step}" + (f" (micro-step {event.micro_step})" if event.micro_step else "")
+    return {
+        "input": f"in its input data at {step}",
+        "loss": f"in the loss gradient at {step}",
+        "forward": f"in {where} during forward at {step}",
+        "backward": f"in {where} during backward at {step}",
+        "grad": f"in the gradient of {where} at {step}",
+        "param": f"in parameter {where} after the optimizer step at {step}",
+        "optimizer_state": f"in optimizer state {where} at {step}",
+    }.get(event.phase, f"in {where} during {event.phase} at {step}")
+
+
+_HINT_TEXT = {
+    "input_data": "the input batch already held it: check the data pipeline of that rank",
+    "loss": "the loss went non-finite while the model's outputs were finite",
+    "optimizer_update": (
+        "the optimizer step turned finite gradients into non-finite parameters: "
+        "check the learning rate and the optimizer state"
+    ),
+    "produced_in_layer": "the layer made it from finite inputs",
+}
+
+
+def _hint_sentence(hint_name: str, evidence: FlightEvidence | None) -> str:
+    if hint_name in ("overflow", "gradient_explosion"):
+        label = "overflow" if hint_name == "overflow" else "gradient explosion"
+        detail = evidence.text if evidence is not None else ""
+        return f"Hint: {label}" + (f": {detail}." if detail else ".")
+    text = _HINT_TEXT.get(hint_name)
+    return f"Hint: {text}." if text else ""
+
+
+def _channel(event: Event) -> str:
+    if event.phase == "grad":
+        return "the gradient all-reduce"
+    if event.phase == "forward":
+        return "the parameter all-gather of the next step"
+    return "a collective"
+
+
+def diverged_summary(
+    firsts: Sequence[Event],
+    world_size: int,
+    hint_name: str,
+    evidence: FlightEvidence | None = None,
+) -> str:
+    """The sentence for a run that went non-finite."""
+    head = origin(firsts)
+    if head is None:
+        return ""
+    rel = {e.rank: relation(e, head) for e in firsts}
+    together = [r for r, k in rel.items() if k in ("origin", "simultaneous")]
+    world = max(world_size, len(rel))
+    parts = [_opening(head, together, world)]
+    parts.extend(_followers(firsts, rel, head, world, len(together)))
+    sentence = "; ".join(parts) + "."
+    if len(together) == 1 and world > 1 and head.phase != "loss":
+        sentence += f" Only rank {head.rank} produced it: suspect its data or its GPU."
+    extra = _hint_sentence(hint_name, evidence)
+    return f"{sentence} {extra}" if extra else sentence
+
+
+def _opening(head: Event, together: list[int], world: int) -> str:
+    what = f"{value_kinds(head)} {_where(head)}"
+    if len(together) > 1:
+        who = f"all {world} ranks" if len(together) >= world else _ranks(together)
+        return (
+            f"{who} went non-finite at the same point, {what}: a numerical problem of the "
+            "model or its hyper-parameters, not one faulty GPU"
+        )
+    verb = "got" if head.phase == "input" or head.cause == "data" else "produced"
+    return f"rank {head.rank} {verb} {what}"
+
+
+def _followers(
+    firsts: Sequence[Event], rel: dict[int, str], head: Event, world: int, n_together: int
+) -> list[str]:
+    by_channel: dict[str, list[int]] = {}
+    for event in firsts:
+        if rel[event.rank] == "received":
+            by_channel.setdefault(_channel(event), []).append(event.rank)
+    parts = []
+    for channel, ranks in by_channel.items():
+        others = world - n_together
+        who = f"the other {others} ranks" if len(ranks) == others and others > 1 else _ranks(ranks)
+        parts.append(f"{who} received it through {channel}")
+    later = [e.rank for e in firsts if rel[e.rank] == "produced"]
+    if later:
+        parts.append(f"{_ranks(later)} went non-finite later on their own")
+    return parts
+
+
+def calm_summary(
+    state: str, ranks: Sequence[tuple[int, str, int]], lost_s: float, stall_s: float
+) -> str:
+    """The sentence for a run with no non-finite value; ``ranks`` = (rank, state, step)."""
+    latest = max((step for _, _, step in ranks), default=0)
+    n = len(ranks)
+    if state == "lost":
+        lost = [r for r, s, _ in ranks if s == "lost"]
+        return f"{_ranks(lost)} lost: no message for more than {lost_s:g} s (latest step {latest})."
+    if state == "stalled":
+        stalled = [r for r, s, _ in ranks if s == "stalled"]
+        return (
+            f"{_ranks(stalled)} stalled: heartbeats but no step progress for more than "
+            f"{stall_s:g} s (latest step {latest})."
+        )
+    if state == "finished":
+        plural = "s" if n != 1 else ""
+        return f"Finished at step {latest} on {n} rank{plural}; no non-finite value seen."
+    return (
+        f"{n} rank{'s' if n != 1 else ''} running, latest step {latest}; no non-finite value seen."
+    )
