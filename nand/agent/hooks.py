@@ -25,37 +25,16 @@ the first compiled call; tensor hooks cause graph breaks (see ``watch.py``).
 
 from __future__ import annotations
 
-import fnmatch
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from nand.agent.modules import CONTAINERS, ModuleInfo
 from nand.agent.probes import MICRO, ProbeBuffer, Site, iter_tensors
 from nand.agent.safety import Guard
-
-_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
-
-#: Modules whose output (and input gradient) is finite whenever their input
-#: (and output gradient) is: they cannot be the origin of a non-finite value,
-#: so probing them would only repeat their neighbour's probe. Their hook just
-#: keeps track of the last output (and checks for inline code before them).
-FINITE_PRESERVING = (
-    nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU,
-    nn.Mish, nn.Tanh, nn.Sigmoid, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid, nn.Softmax,
-    nn.LogSoftmax, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
-    nn.Identity, nn.Flatten, nn.Unflatten,
-)  # fmt: skip
-
-#: Of those, the ones whose backward zeroes the gradient exactly where their
-#: input was cut: a non-finite gradient made by the *next* module can vanish
-#: in their backward (ReLU before ``torch.where(x > 0, log(x), 0)``: the NaN
-#: sits where x == 0), so the gradient at their output is still probed; the
-#: forward probe is skipped all the same. Dropout masks at random places, so a
-#: non-finite gradient mostly passes it and is seen at the next probe.
-MASKING = (nn.ReLU, nn.ReLU6, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid)
 
 
 class HookState:
@@ -70,64 +49,6 @@ class HookState:
         self.before_root: Callable[[], None] | None = None  # a step boundary, if any
 
 
-class ModuleInfo:
-    """One hooked module: its sites (cached, so hooks allocate nothing new)."""
-
-    def __init__(self, name: str, module: nn.Module, index: int, allow_neginf: bool) -> None:
-        self.name = name
-        self.type = type(module).__name__
-        self.index = index
-        self.allow_neginf = allow_neginf
-        self.leaf = not any(True for _ in module.children())
-        self.safe = self.leaf and isinstance(module, FINITE_PRESERVING)
-        self.masking = self.safe and isinstance(module, MASKING)
-        self.parent: ModuleInfo | None = None  # the module whose forward calls this one
-        self._outputs: dict[str, Site] = {}
-        self._inline: Site | None = None
-
-    def output_site(self, slot: str) -> Site:
-        site = self._outputs.get(slot)
-        if site is None:
-            site = self._new_site("forward", slot, "output")
-            self._outputs[slot] = site
-        return site
-
-    def input_site(self, slot: str) -> Site:
-        """The site of the root's input data at ``slot`` (argument path)."""
-        site = self._outputs.get("input:" + slot)
-        if site is None:
-            site = Site("input", self.name, self.type, self.index, slot, "input")
-            self._outputs["input:" + slot] = site
-        return site
-
-    def loss_site(self, slot: str) -> Site:
-        """The site of the gradient arriving at the root output ``slot``."""
-        site = self._outputs.get("loss:" + slot)
-        if site is None:
-            site = Site("loss", self.name, self.type, self.index, slot, "loss")
-            site.forward = self.output_site(slot)
-            self._outputs["loss:" + slot] = site
-        return site
-
-    def inline_site(self) -> Site:
-        """The site of a value computed inline in this module's forward."""
-        if self._inline is None:
-            self._inline = self._new_site("forward", "", "inline")
-        return self._inline
-
-    def _new_site(self, phase: str, slot: str, kind: str) -> Site:
-        site = Site(phase, self.name, self.type, self.index, slot, kind)
-        site.backward = Site("backward", self.name, self.type, self.index, slot, kind)
-        site.backward.forward = site
-        site.allow_neginf = self.allow_neginf and kind == "output"
-        return site
-
-
-def is_allowed(name: str, type_name: str, patterns: Iterable[str]) -> bool:
-    """Whether a module may emit -inf on purpose (glob on name or type name)."""
-    return any(fnmatch.fnmatchcase(name, p) or p == type_name for p in patterns)
-
-
 class Hooks:
     """Installs and removes every module hook of one watch."""
 
@@ -138,7 +59,7 @@ class Hooks:
 
     def install(self, root: nn.Module, infos: dict[nn.Module, ModuleInfo]) -> None:
         for module, info in infos.items():
-            if isinstance(module, _CONTAINERS):
+            if isinstance(module, CONTAINERS):
                 continue
             if module is root:
                 self._install_root(module, info)

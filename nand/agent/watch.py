@@ -35,22 +35,44 @@ Arguments (each defaults to its ``NAND_*`` variable, see ``nand.config``):
   ``-inf`` on purpose (attention masks); NaN and +inf are still caught there.
 - ``server`` / ``run`` / ``events_file`` / ``flight_steps`` / ``max_events``.
 
-Cost: every hook launches one ``aminmax`` and keeps the 0-d results on the
-device; parameters, gradients and optimizer state get one ``_foreach_norm``
-each; the host reads everything once per optimizer step. Param and
-optimizer-state results are read with the next step (or at ``close``), so a
-non-finite *update* from finite gradients is reported one step late, and
+Attributes: ``first`` (the first :class:`nand.Event` on this rank), ``events``
+(incidents, bounded, the first always kept), ``step``, ``nonfinite_steps``,
+``amp_skipped``, ``host_reads``; ``loss(t)`` records the loss for telemetry
+without a sync; ``flight_window()`` returns the flight recorder's window;
+``close()`` removes every hook (also on leaving the ``with`` block).
+
+One incident, one log line (``nand`` logger, WARNING), e.g.::
+
+    nand: rank 0: NaN in forward of attn (Attention) at step 40 [16x10x32 float32];
+    it was produced here from finite inputs; made by code inline in the forward of attn
+
+Steps that stay non-finite afterwards are counted, not logged, until a finite
+step ends the incident.
+
+Cost: every probed value gets one ``aminmax`` (detection and max|x| in one
+pass), kept on the device; gradients, parameters and optimizer state get one
+``_foreach_norm`` per step; the host reads everything once per optimizer step
+(one ``torch.stack`` + one ``tolist``). Modules that cannot make a finite value
+non-finite (ReLU, GELU, Dropout, Softmax, ...) are not probed in forward (their
+neighbours are); ReLU-like ones keep a gradient probe, since their backward can
+hide a NaN the next module made. Param and optimizer-state results are read
+with the next step's boundary (or at ``close``), so a non-finite *update* from
+finite gradients is reported with its step but found one step later, and
 ``raise`` cannot prevent that one.
 
 Limits: ``torch.compile`` — call ``nand.watch`` *before* compiling or before
 the first compiled call; hooks added later are ignored by dynamo. Tensor hooks
 make graph breaks, so compiled models run in several graphs (checks intact,
-some speed lost). Only positional inputs of submodules are compared for the
-inline-code check. Backward blame follows the order gradients arrive in; with
-branches (residuals) it names the module whose backward ran just before the
-first non-finite gradient. On a GPU the one read per step is a sync; reading
-one step late through pinned memory, and ``found_inf`` for a free "skip" with
-fused optimizers, are designed for (see ``boundary.py``) but not implemented.
+some speed lost; tested with ``backend="aot_eager"``). Only positional inputs
+of submodules are compared for the inline-code check, and a value changed
+in place by inline code is not told from the child's output. Backward blame
+follows the order gradients arrive in: it names the module whose gradient
+fired just before the first non-finite one; with branches (residuals) that is
+a good guess, not a proof. A NaN gradient that a following Dropout zeroes
+everywhere is harmless and may go unreported. On a GPU the one read per step
+is a sync; reading one step late through a non-blocking copy into pinned
+memory, and ``found_inf`` for a free "skip" with fused optimizers, are
+designed for (see ``boundary.py``, ``optimizer.py``) but not implemented.
 """
 
 from __future__ import annotations
@@ -66,8 +88,9 @@ from torch import Tensor, nn
 from nand import config
 from nand.agent.amp import AmpWatch
 from nand.agent.boundary import Boundary, Outcome
-from nand.agent.hooks import Hooks, HookState, ModuleInfo, is_allowed
-from nand.agent.names import module_names, param_names, unwrap
+from nand.agent.hooks import Hooks, HookState
+from nand.agent.modules import module_table
+from nand.agent.names import param_names, unwrap
 from nand.agent.optimizer import OptimizerHooks
 from nand.agent.probes import ProbeBuffer
 from nand.agent.recorder import FlightRecorder
@@ -120,7 +143,7 @@ class Watch:
         self._guard = Guard()
         self._buf = ProbeBuffer()
         self._root, wrapped = unwrap(model)
-        self._infos = self._module_infos(self._root, wrapped, allow_nonfinite)
+        self._infos = module_table(self._root, wrapped, allow_nonfinite)
         names = [info.name for info in self._infos.values()]
         self.recorder = FlightRecorder(flight_steps, names)
         state = HookState(self._buf, self._guard)
@@ -301,21 +324,6 @@ class Watch:
 
     # --- setup ------------------------------------------------------------------
 
-    @staticmethod
-    def _module_infos(
-        root: nn.Module, wrapped: bool, allow: tuple[str, ...]
-    ) -> dict[nn.Module, ModuleInfo]:
-        names = module_names(root, wrapped)
-        infos: dict[nn.Module, ModuleInfo] = {}
-        by_name: dict[str, ModuleInfo] = {}
-        for index, (module, name) in enumerate(names.items()):
-            info = ModuleInfo(name, module, index, is_allowed(name, type(module).__name__, allow))
-            infos[module] = by_name[name] = info
-        for module, info in infos.items():
-            if module is not root:
-                info.parent = _caller(info.name, by_name, infos[root], names)
-        return infos
-
     def _hook_optimizer(self, optimizer: torch.optim.Optimizer, wrapped: bool) -> OptimizerHooks:
         owners = {m: info for m, info in self._infos.items()}
         names: dict[Any, tuple[str, str]] = {}
@@ -333,20 +341,6 @@ class Watch:
         if p is not None:
             self.recorder.dtype = str(p.dtype).removeprefix("torch.")
             self.recorder.dtype_max = float(torch.finfo(p.dtype).max)
-
-
-def _caller(
-    name: str, by_name: dict[str, ModuleInfo], root: ModuleInfo, names: dict[nn.Module, str]
-) -> ModuleInfo:
-    """The nearest ancestor with a forward of its own (skips ModuleList/Dict)."""
-    containers = {n for m, n in names.items() if isinstance(m, (nn.ModuleList, nn.ModuleDict))}
-    parts = name.split(".")
-    while len(parts) > 1:
-        parts.pop()
-        parent = ".".join(parts)
-        if parent in by_name and parent not in containers:
-            return by_name[parent]
-    return root
 
 
 def _dist_up() -> bool:
