@@ -19,7 +19,7 @@ const CURVES = [
   { key: "max_activation", title: "Largest activation |x|", log: true },
 ];
 
-function header(run, onStopped) {
+function header(run) {
   const bits = [
     `${count(run.world_size)} ${run.world_size === 1 ? "rank" : "ranks"}`,
     `step ${count(run.latest_step)}`,
@@ -34,15 +34,10 @@ function header(run, onStopped) {
     .join(" · ");
   return el(
     "div",
-    { class: "page-head run-head" },
-    el(
-      "div",
-      {},
-      el("nav", { class: "crumbs", "aria-label": "Breadcrumb" }, el("a", { href: "#/" }, "Runs"), " / "),
-      el("h1", {}, el("span", { class: "run-id" }, run.run), " ", badge(run.state)),
-      el("p", { class: "meta", title: versions }, bits.join(" · ")),
-    ),
-    stopButton(run, onStopped),
+    {},
+    el("nav", { class: "crumbs", "aria-label": "Breadcrumb" }, el("a", { href: "#/" }, "Runs"), " / "),
+    el("h1", {}, el("span", { class: "run-id" }, run.run), " ", badge(run.state)),
+    el("p", { class: "meta", title: versions }, bits.join(" · ")),
   );
 }
 
@@ -81,15 +76,16 @@ export function runPage(main, runId, params) {
     const started = performance.now();
     clear(main);
     const origin = detail.verdict.origin;
+    const stop = stopButton(detail, refresh);
     const slots = {
-      head: el("div", {}, header(detail, refresh)),
+      head: el("div", {}, header(detail)),
       verdict: el("div", {}, verdictCard(detail.verdict, detail)),
       strip: el("div", {}),
       curves: el("div", {}),
     };
     const events = el("div", { class: "events-root" });
     main.append(
-      slots.head,
+      el("div", { class: "page-head run-head" }, slots.head, stop.node),
       slots.verdict,
       panel(
         "ranks",
@@ -116,7 +112,7 @@ export function runPage(main, runId, params) {
       originId: origin ? origin.event_id : null,
       params,
     });
-    parts = { slots, flight, table, detail, ranks, series };
+    parts = { slots, stop, flight, table, detail, ranks, series };
     drawVisuals();
     main.dataset.renderMs = (performance.now() - started).toFixed(1);
   }
@@ -157,7 +153,8 @@ export function runPage(main, runId, params) {
       parts.detail = next.detail;
       parts.ranks = next.ranks;
       parts.series = next.series;
-      clear(parts.slots.head).append(header(next.detail, refresh));
+      clear(parts.slots.head).append(header(next.detail));
+      parts.stop.sync(next.detail);
       clear(parts.slots.verdict).append(verdictCard(next.detail.verdict, next.detail));
       drawVisuals();
       if (next.detail.event_count !== before.event_count) parts.table.changed();

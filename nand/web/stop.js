@@ -15,7 +15,9 @@ function explain(err) {
   return `The stop request failed: ${err.message}.`;
 }
 
-/** stopButton(run, onStopped) -> the button; onStopped(StopResponse) after success. */
+/** stopButton(run, onStopped) -> {node, sync(run)}; onStopped(StopResponse) after
+ * success. The page keeps one for its whole life and calls sync() on live
+ * updates: rebuilding it would close a dialog someone is typing a token into. */
 export function stopButton(run, onStopped) {
   const token = el("input", {
     type: "password",
@@ -138,9 +140,10 @@ export function stopButton(run, onStopped) {
     },
     "Stop run…",
   );
-  if (run.state === "finished") {
-    button.disabled = true;
-    button.title = "This run has finished";
-  }
-  return el("span", { class: "stop" }, button, dialog);
+  const sync = (latest) => {
+    button.disabled = latest.state === "finished";
+    button.title = button.disabled ? "This run has finished" : "";
+  };
+  sync(run);
+  return { node: el("span", { class: "stop" }, button, dialog), sync };
 }

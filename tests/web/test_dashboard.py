@@ -224,11 +224,13 @@ def test_stop_asks_for_the_token_confirms_and_shows_the_agreed_step(
     dialog.get_by_role("button", name="Stop the run").click()
     dialog.get_by_role("button", name=f"Yes, stop {run.run}").click()
     expect(dialog.locator(".form-error")).to_contain_text("refused this token")
+    screenshot(page, "stop-refused-light")
     dialog.get_by_label("Token").fill(dashboard.token)
     dialog.get_by_label("Reason").fill("diverged; see nand")
     dialog.get_by_role("button", name="Stop the run").click()
     dialog.get_by_role("button", name=f"Yes, stop {run.run}").click()
     expect(dialog.locator(".agreed")).to_be_visible()
+    screenshot(page, "stop-agreed-light")
     verdict = httpx.get(f"{dashboard.url}/api/runs/{run.run}/verdict").json()
     step = verdict["stop"]["step"]
     expect(dialog.locator(".agreed-step")).to_have_text(f"{step:,}")
@@ -236,11 +238,26 @@ def test_stop_asks_for_the_token_confirms_and_shows_the_agreed_step(
     expect(page.locator(".stop-note")).to_contain_text(f"every rank stops at step {step:,}")
 
 
-def test_an_empty_server_says_how_to_send_it_a_run(page, empty_server) -> None:
-    page.goto(empty_server.http_url)
-    expect(page.locator(".state-msg")).to_contain_text("No runs yet.")
-    expect(page.locator(".state-msg")).to_contain_text("NAND_SERVER=tcp://")
-    screenshot(page, "runs-empty-light")
+def test_a_live_update_does_not_close_the_stop_dialog(page, dashboard: Dashboard) -> None:
+    run = scenario.diverged_run(run="typing-a-token", world_size=2, origin_rank=1, bad_step=6)
+    before, after = scenario.split_before_first_event(run)
+    scenario.replay(dashboard.server.zmq_endpoint, before, token=dashboard.token)
+    open_run(page, dashboard, run.run)
+    page.get_by_role("button", name="Stop run…").click()
+    dialog = page.locator("dialog.stop-dialog")
+    dialog.get_by_label("Token").fill("half-typed")
+    scenario.replay(dashboard.server.zmq_endpoint, after, token=dashboard.token)
+    expect(page.locator(".run-head .badge")).to_have_text("diverged", timeout=10_000)
+    expect(dialog).to_be_visible()
+    expect(dialog.get_by_label("Token")).to_have_value("half-typed")
+
+
+def test_an_empty_server_says_how_to_send_it_a_run(page, dark_page, empty_server) -> None:
+    for theme, p in (("light", page), ("dark", dark_page)):
+        p.goto(empty_server.http_url)
+        expect(p.locator(".state-msg")).to_contain_text("No runs yet.")
+        expect(p.locator(".state-msg")).to_contain_text("NAND_SERVER=tcp://")
+        screenshot(p, f"runs-empty-{theme}")
 
 
 def test_unreachable_api_and_unknown_run_say_what_to_do(
