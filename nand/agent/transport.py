@@ -3,8 +3,11 @@
 The training thread only appends to a bounded mailbox under a lock
 (:mod:`nand.agent.mailbox`); a named daemon thread (:mod:`nand.agent.sender`)
 owns the ZeroMQ DEALER socket, encodes, sends, resends, spools to disk
-(:mod:`nand.agent.spool`) and reads acks and commands. Semantics the server
-relies on (see :mod:`nand.wire` for the messages):
+(:mod:`nand.agent.spool`) and reads acks and commands. Files: ``transport``
+(this API) → ``mailbox`` (hand-off) → ``sender`` (the thread) → ``connection``
+(socket options) and ``backlog`` → ``spool`` (disk).
+
+Semantics the server relies on (see :mod:`nand.wire` for the messages):
 
 - each ``ServerSink`` is one agent: a random ``agent`` id, ``seq`` 1, 2, 3...
   assigned when a message is submitted; a resent or replayed frame is the same
@@ -18,18 +21,19 @@ relies on (see :mod:`nand.wire` for the messages):
   ``NAND_CURVE_SERVER_KEY`` the connection is CURVE-encrypted with a key pair
   the agent makes up.
 
-Losses are counted by reason and sent as ``dropped`` in every heartbeat.
-At a normal interpreter exit without ``bye``, the sink says ``bye`` itself
+Losses are counted by reason and sent, cumulative, as ``dropped`` in every
+heartbeat (``{"queue_full": n, "spool_full": n, ...}``; reasons in
+:mod:`nand.agent.mailbox`). At a normal interpreter exit without ``bye``, the sink says ``bye`` itself
 (reason ``exit``, the last step it saw); after an unhandled exception it does
-not, so the server sees the rank as crashed.
-A forked child gets a fresh agent id, no thread and no socket; they are
+not, so the server sees the rank as crashed. A forked child gets a fresh agent id, no thread and no socket; they are
 re-created on its first message, which is preceded by a hello with its pid.
 ``close()`` and interpreter exit flush within ``NAND_CLOSE_TIMEOUT_S``
 (default 2 s) and never hang.
 
+>>> import tempfile
 >>> from nand.agent.identity import Identity
 >>> me = Identity(run="r1", rank=0, local_rank=0, world_size=1, host="h", pid=1)
->>> sink = ServerSink("tcp://127.0.0.1:1", me, connect_grace_s=0.1)
+>>> sink = ServerSink("tcp://127.0.0.1:1", me, spool_dir=tempfile.mkdtemp())
 >>> sink.heartbeat(StepSummary(step=1))
 >>> sink.close(timeout=1.0)
 >>> sink.dropped()
@@ -48,7 +52,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nand import config
 from nand.agent.identity import Identity
@@ -263,6 +267,13 @@ class ServerSink:
         if not self._warned:
             self._warned = True
             log.warning("nand: transport error (ignored, training goes on): %r", exc)
+
+
+if TYPE_CHECKING:
+    from nand.agent.sink import Sink
+
+    def _implements_sink(sink: ServerSink) -> Sink:
+        return sink  # mypy checks that ServerSink has every method of the Sink protocol
 
 
 def _with_flight(body: dict[str, Any], flight: FlightWindow | None) -> Any:
