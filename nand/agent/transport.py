@@ -23,12 +23,14 @@ Semantics the server relies on (see :mod:`nand.wire` for the messages):
 
 Losses are counted by reason and sent, cumulative, as ``dropped`` in every
 heartbeat (``{"queue_full": n, "spool_full": n, ...}``; reasons in
-:mod:`nand.agent.mailbox`). At a normal interpreter exit without ``bye``, the sink says ``bye`` itself
+:mod:`nand.agent.mailbox`).
+
+At a normal interpreter exit without ``bye``, the sink says ``bye`` itself
 (reason ``exit``, the last step it saw); after an unhandled exception it does
-not, so the server sees the rank as crashed. A forked child gets a fresh agent id, no thread and no socket; they are
-re-created on its first message, which is preceded by a hello with its pid.
-``close()`` and interpreter exit flush within ``NAND_CLOSE_TIMEOUT_S``
-(default 2 s) and never hang.
+not, so the server sees the rank as crashed. ``close()`` and interpreter exit
+flush within ``NAND_CLOSE_TIMEOUT_S`` (default 2 s) and never hang. A forked
+child gets a fresh agent id, no thread and no socket; they are re-created on
+its first message, which is preceded by a hello with its pid.
 
 >>> import tempfile
 >>> from nand.agent.identity import Identity
