@@ -14,11 +14,7 @@ sharing the database. Other messages from unknown agents get
 ``{"kind": "reject", "reason": "unauthenticated"}``. With a CURVE secret key,
 the socket is a CURVE server and only encrypted peers connect.
 
-Stop: when a run has a stop step recorded (``POST /api/runs/{run}/stop`` on
-any server), every message from an agent of that run whose rank has not said
-``bye`` is answered with ``{"kind": "command", "command": "stop", "step": S}``
-(at most once per second per connection); agents known to be connected here
-are also told within ``poll_s`` of the request.
+Commands to agents (``stop``, ``send_flight``): :mod:`nand.server.commander`.
 """
 
 from __future__ import annotations
@@ -28,7 +24,6 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -37,27 +32,14 @@ from sqlalchemy.orm import Session
 
 from nand import wire
 from nand.errors import WireError
-from nand.server import store
+from nand.server.commander import Commander
 from nand.server.metrics import Metrics
-from nand.server.models import Agent, Rank, Run
+from nand.server.models import Agent
 from nand.server.sanitize import out_of_range
 from nand.server.settings import Settings
 from nand.server.writer import write_batch
 
 log = logging.getLogger("nand.server.ingest")
-
-#: Seconds between two stop commands to one connection.
-COMMAND_EVERY_S = 1.0
-
-
-@dataclass
-class Peer:
-    """A connection seen recently (a cache: the database is the truth)."""
-
-    run: str
-    rank: int
-    seen: float
-    commanded: float = 0.0
 
 
 class Ingest:
@@ -81,9 +63,9 @@ class Ingest:
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
-        self._peers: dict[bytes, Peer] = {}
         self._authed: set[str] = set()
-        self._last_stop_poll = time.time()
+        self._sock: zmq.Socket | None = None
+        self.commander = Commander(engine, settings, metrics, self._reply)
 
     def start(self, timeout: float = 10.0) -> str:
         self._thread = threading.Thread(target=self._run, name="nand-ingest", daemon=True)
@@ -110,6 +92,7 @@ class Ingest:
             self._ready.set()
             context.term()
             return
+        self._sock = sock
         self._ready.set()
         try:
             self._loop(sock)
@@ -142,8 +125,8 @@ class Ingest:
                     self._handle(sock, frames)
                 except Exception:  # never let one batch kill the loop
                     log.exception("ingest batch failed; its messages will be resent")
-            if time.time() - self._last_stop_poll >= self.settings.poll_s:
-                self._push_new_stops(sock)
+            if self.commander.due():
+                self.commander.poll()
 
     def _drain(self, sock: zmq.Socket) -> list[tuple[bytes, bytes]]:
         frames: list[tuple[bytes, bytes]] = []
@@ -164,16 +147,10 @@ class Ingest:
         accepted = self._authorised(sock, decoded)
         if not accepted:
             return
-        now = time.time()
-        for ident, message in accepted:
-            peer = self._peers.get(ident)
-            if peer is None:
-                self._peers[ident] = Peer(message["run"], message["rank"], now)
-            else:
-                peer.seen = now
+        self.commander.seen(accepted, time.time())
         acked = self._write(accepted)
         self._ack(sock, accepted, acked)
-        self._command(sock, accepted)
+        self.commander.after_batch(accepted)
 
     def _decode(self, frame: tuple[bytes, bytes]) -> tuple[bytes, dict[str, Any] | None]:
         ident, payload = frame
@@ -286,66 +263,13 @@ class Ingest:
         for ident, seqs in per_peer.items():
             self._send(sock, ident, {"kind": "ack", "seqs": seqs})
 
+    def _reply(self, ident: bytes, message: dict[str, Any]) -> None:
+        """Send on the ingest socket (the commander runs on this same thread)."""
+        if self._sock is not None:
+            self._send(self._sock, ident, message)
+
     def _send(self, sock: zmq.Socket, ident: bytes, message: dict[str, Any]) -> None:
         try:
             sock.send_multipart([ident, wire.encode(message)], zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # peer gone or its queue full: it will resend
             log.debug("could not reply to a peer: %s", exc)
-
-    # --- stop commands ------------------------------------------------------
-
-    def _command(self, sock: zmq.Socket, accepted: list[tuple[bytes, dict[str, Any]]]) -> None:
-        runs = {m["run"] for _, m in accepted}
-        stops = self._pending_stops(runs)
-        if not stops:
-            return
-        now = time.time()
-        for ident in {ident for ident, m in accepted if (m["run"], m["rank"]) in stops}:
-            peer = self._peers.get(ident)
-            if peer is None or now - peer.commanded < COMMAND_EVERY_S:
-                continue
-            step, reason = stops[(peer.run, peer.rank)]
-            self._send_stop(sock, ident, peer, step, reason, now)
-
-    def _send_stop(
-        self, sock: zmq.Socket, ident: bytes, peer: Peer, step: int, reason: str, now: float
-    ) -> None:
-        command = {"kind": "command", "command": "stop", "step": step, "reason": reason}
-        self._send(sock, ident, command)
-        peer.commanded = now
-        self.metrics.command_sent()
-
-    def _pending_stops(self, runs: set[str]) -> dict[tuple[str, int], tuple[int, str]]:
-        """(run, rank) → (stop step, reason) for ranks of these runs that have not said bye."""
-        if not runs:
-            return {}
-        statement = (
-            select(Run.name, Rank.rank, Run.stop_step, Run.stop_reason)
-            .join(Rank, Rank.run_id == Run.id)
-            .where(Run.name.in_(runs), Run.stop_step.is_not(None), Rank.finished_at.is_(None))
-        )
-        with Session(self.engine) as session:
-            rows = session.execute(statement).all()
-        return {(name, rank): (int(step or 0), reason) for name, rank, step, reason in rows}
-
-    def _push_new_stops(self, sock: zmq.Socket) -> None:
-        """Tell the agents connected here about stops recorded since the last look."""
-        now = time.time()
-        since, self._last_stop_poll = self._last_stop_poll - 1.0, now
-        self._forget_old_peers(now)
-        try:
-            with Session(self.engine) as session:
-                new = store.stops_requested_since(session, since)
-            stops = self._pending_stops({name for name, _, _ in new}) if new else {}
-        except Exception:
-            log.warning("could not look for stop requests", exc_info=True)
-            return
-        for ident, peer in list(self._peers.items()):
-            target = stops.get((peer.run, peer.rank))
-            if target is not None and now - peer.commanded >= COMMAND_EVERY_S:
-                self._send_stop(sock, ident, peer, target[0], target[1], now)
-
-    def _forget_old_peers(self, now: float) -> None:
-        horizon = now - self.settings.lost_after_s
-        for ident in [i for i, p in self._peers.items() if p.seen < horizon]:
-            del self._peers[ident]

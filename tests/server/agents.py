@@ -112,11 +112,13 @@ class FakeAgent:
             self.pump(0.1)
 
     def wait_for(self, what: str, timeout: float = 10.0) -> dict[str, Any]:
-        """Wait for the next ``command`` or ``reject``."""
-        store = self.commands if what == "command" else self.rejects
+        """Wait for the next ``reject``, or the next command named ``what`` (``stop``...)."""
         deadline = time.monotonic() + timeout
-        while not store:
+        while True:
+            store = self.rejects if what == "reject" else self.commands
+            for i, item in enumerate(store):
+                if what == "reject" or item.get("command") == what:
+                    return store.pop(i)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no {what} received")
             self.pump(0.1)
-        return store.pop(0)

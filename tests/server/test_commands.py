@@ -57,7 +57,7 @@ def test_stop_with_and_without_token(srv, capsys) -> None:
     assert "valid token" in capsys.readouterr().err
     assert main(["stop", "cli-stop", "--url", srv.http_url, "--token", "tok"]) == 0
     assert "every rank stops at step 20 (ranks 0)" in capsys.readouterr().out
-    assert a.wait_for("command")["step"] == 20  # 10 + 2 heartbeats (5 s) x 1 step/s
+    assert a.wait_for("stop")["step"] == 20  # 10 + 2 heartbeats (5 s) x 1 step/s
     a.close()
 
 

@@ -104,7 +104,7 @@ def test_two_servers_on_one_postgres_give_the_same_answers(postgres) -> None:
             ).json()
             started = time.monotonic()
             for agent in ranks:
-                assert agent.wait_for("command", timeout=10)["step"] == stop["step"]
+                assert agent.wait_for("stop", timeout=10)["step"] == stop["step"]
             assert time.monotonic() - started < 10
         finally:
             for agent in ranks:

@@ -12,7 +12,8 @@ import zmq
 from sqlalchemy import create_engine, func, select
 
 from nand import wire
-from nand.server.ingest import COMMAND_EVERY_S
+from nand.events import FlightWindow
+from nand.server.commander import COMMAND_EVERY_S
 from nand.server.models import EventRow, Message
 from tests.server.agents import FakeAgent
 from tests.server.helpers import eventually
@@ -167,7 +168,7 @@ def test_stop_reaches_every_rank_with_one_step(start_server) -> None:
     body = answer.json()
     assert body == {"run": "halt", "step": 102 + 10, "ranks": [0, 1, 2]}  # latest + 2 s x 5 steps/s
     for a in ranks:  # pushed without the agents sending anything
-        command = a.wait_for("command", timeout=5)
+        command = a.wait_for("stop", timeout=5)
         assert command["command"] == "stop" and command["step"] == 112
         assert command["reason"] == "NaN"
     again = httpx.post(url, headers={"Authorization": "Bearer tok"}, json={"step": 500})
@@ -178,7 +179,7 @@ def test_stop_reaches_every_rank_with_one_step(start_server) -> None:
     ranks[0].wait_acked()
     time.sleep(COMMAND_EVERY_S)  # commands to one connection are spaced by this much
     ranks[1].heartbeat(105)  # still running: told again
-    assert ranks[1].wait_for("command", timeout=5)["step"] == 112
+    assert ranks[1].wait_for("stop", timeout=5)["step"] == 112
     for a in ranks:
         a.close()
 
@@ -228,3 +229,45 @@ def test_stream_sends_a_run_event_when_a_run_appears_and_diverges(server, agents
     assert done.wait(10)
     assert seen[-1]["origin"]["phase"] == "backward"
     assert next(s["state"] for s in seen if s["run"] == "live") == "healthy"
+
+
+def test_an_event_without_a_window_makes_the_server_ask_for_one_once(server, agents) -> None:
+    bare = agents(run="ask", rank=0)
+    bare.event(step=3, phase="forward", module="fc", nan=1)
+    assert bare.wait_for("send_flight", timeout=5)["command"] == "send_flight"
+    bare.event(step=3, phase="grad", module="fc.weight", nan=1)  # asked once per rank
+    bare.wait_acked()
+    bare.pump(0.3)
+    assert not [c for c in bare.commands if c["command"] == "send_flight"]
+    covered = agents(run="ask", rank=1)
+    window = FlightWindow(steps=[2], modules=["fc"], act_max_abs=[[1.0]], grad_max_abs=[])
+    covered.event(step=3, phase="grad", module="fc.weight", nan=1, flight=window)
+    covered.wait_acked()
+    covered.pump(0.3)
+    assert covered.commands == []
+    bare.flight(window)
+    bare.wait_acked()
+    flight = httpx.get(f"{server.http_url}/api/runs/ask/flight").json()
+    assert flight["rank"] == 0 and flight["steps"] == [2]
+
+
+def test_openapi_documents_every_route_with_typed_responses(server) -> None:
+    spec = httpx.get(f"{server.http_url}/openapi.json").json()
+    paths = spec["paths"]
+    for path in (
+        "/api/runs",
+        "/api/runs/{run}",
+        "/api/runs/{run}/ranks",
+        "/api/runs/{run}/events",
+        "/api/runs/{run}/verdict",
+        "/api/runs/{run}/series",
+        "/api/runs/{run}/flight",
+        "/api/runs/{run}/stop",
+        "/api/stream",
+        "/healthz",
+        "/metrics",
+    ):
+        assert path in paths, path
+    verdict = paths["/api/runs/{run}/verdict"]["get"]["responses"]["200"]
+    assert verdict["content"]["application/json"]["schema"]["$ref"].endswith("/Verdict")
+    assert "Verdict" in spec["components"]["schemas"]
