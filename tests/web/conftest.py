@@ -157,10 +157,11 @@ def dark_page(browser, errors: PageErrors) -> Iterator[object]:
     yield from _checked(browser, "dark", errors)
 
 
-def screenshot(page, name: str) -> Path:
+def screenshot(page, name: str, *, full_page: bool = True) -> Path:
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     path = SCREENSHOTS / f"{name}.png"
-    page.evaluate("window.scrollTo(0, 0)")  # else the sticky header lands mid-page
+    if full_page:
+        page.evaluate("window.scrollTo(0, 0)")  # else the sticky header lands mid-page
     page.mouse.move(0, 0)
-    page.screenshot(path=str(path), full_page=True)
+    page.screenshot(path=str(path), full_page=full_page)
     return path
