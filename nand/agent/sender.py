@@ -274,12 +274,14 @@ class Sender(threading.Thread):
         """Move everything unacknowledged that is only in memory to the spool."""
         pending = [f for f in self._inflight.values() if not f.from_spool]
         pending.extend(self._queue)
-        self._queue.clear()
-        self._inflight.clear()
         self.mode = "spool"
         self._cursor = None
+        # Write first, forget after: flush() (another thread) must never see a
+        # moment where a frame is neither in memory nor on disk.
         for frame in pending:
             self._append_to_spool(frame)
+        self._queue.clear()
+        self._inflight.clear()
 
     def _append_to_spool(self, frame: Frame) -> None:
         if self.backlog.append(frame.data, frame.kind, frame.keep):
