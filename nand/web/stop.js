@@ -7,8 +7,7 @@ import { el } from "./dom.js";
 import { count, rankList } from "./format.js";
 
 function explain(err) {
-  if (err.status === 401)
-    return `The server refused this token: use the NAND_TOKEN it was started with (${err.message}).`;
+  if (err.status === 401) return "The server refused this token: use the NAND_TOKEN it was started with.";
   if (err.status === 403) return `Stopping is turned off on this server (${err.message}).`;
   if (err.status === 404) return `The server does not know this run (${err.message}).`;
   if (err.status === 409) return `The run cannot be stopped now (${err.message}).`;
