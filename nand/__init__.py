@@ -10,9 +10,7 @@ The agent (``nand.watch``, ``nand.Watch``) needs the ``agent`` extra (torch);
 it is imported on first use so that a server host never imports torch.
 """
 
-from __future__ import annotations
-
-from typing import TYPE_CHECKING, Any
+import typing
 
 from nand.errors import NandError, NonFiniteError, StopRequested
 from nand.events import Event
@@ -29,11 +27,11 @@ __all__ = [
     "watch",
 ]
 
-if TYPE_CHECKING:
+if typing.TYPE_CHECKING:
     from nand.agent.watch import Watch, watch
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> typing.Any:
     # Lazy: importing nand must not import torch (server hosts do not have it).
     if name in ("watch", "Watch"):
         try:
