@@ -188,7 +188,7 @@ def _ensure_ranks(
         sql_update(Rank)
         .where(Rank.id == bindparam("rid"))
         .values(last_seen=_greatest(Rank.last_seen, "now")),
-        [{"rid": rank_id, "now": now} for rank_id in ids.values()],
+        [{"rid": rank_id, "now": now} for rank_id in sorted(ids.values())],  # one lock order
     )
     return ids
 
