@@ -30,6 +30,7 @@ import random
 import threading
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -85,8 +86,11 @@ class Sender(threading.Thread):
         mailbox: Mailbox,
         settings: TransportSettings,
         spool_path: Path,
+        on_idle: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(name=f"nand-sender-{envelope.rank}", daemon=True)
+        #: Called on every turn of the loop, on this thread (the sink's keepalive).
+        self.on_idle = on_idle
         self.endpoint = endpoint
         self.envelope = envelope
         self.mailbox = mailbox
@@ -177,6 +181,8 @@ class Sender(threading.Thread):
         self._route(self.mailbox.take_all())
         self._check_deadlines()
         self._pump()
+        if self.on_idle is not None and self._stop_at is None:
+            self.on_idle()
         return self._stop_at is not None
 
     def _poll_timeout(self) -> float:

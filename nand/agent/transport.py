@@ -86,6 +86,8 @@ class ServerSink:
         self._hello: dict[str, Any] | None = None
         self._said_bye = False
         self._last_step = 0
+        self._last_beat_body: dict[str, Any] = {"step": 0}
+        self._last_beat_at = time.monotonic()
         self._reset()
         _LIVE.add(self)
 
@@ -118,6 +120,7 @@ class ServerSink:
         with self._guard():
             body = summary.to_dict()
             self._last_step = max(self._last_step, int(summary.step))
+            self._last_beat_body, self._last_beat_at = dict(body), time.monotonic()
             lost = self.dropped()
             if lost:
                 body["dropped"] = lost
@@ -228,6 +231,20 @@ class ServerSink:
             if wake:
                 sender.wake()
 
+    def _keepalive(self) -> None:
+        """On the sender thread: repeat the last heartbeat if training went quiet.
+
+        A rank stuck in an all-reduce stops calling ``heartbeat``; this keeps
+        saying "alive, still at step N" so the server reports it *stalled*,
+        while a killed rank falls silent and is reported *lost*.
+        """
+        quiet = time.monotonic() - self._last_beat_at
+        if quiet < self.settings.keepalive_s or self._hello is None or self._said_bye:
+            return
+        self._last_beat_at = time.monotonic()
+        body = dict(self._last_beat_body, keepalive=True)
+        self._submit("heartbeat", body)
+
     def _ensure_sender(self) -> Sender:
         """Start the sender thread on first use (again in a forked child)."""
         sender = self._sender
@@ -235,7 +252,9 @@ class ServerSink:
             return sender
         envelope = Envelope(self.agent, self.identity.run, self.identity.rank)
         path = spool_path(self.settings.spool_dir, self.identity.run, self.identity.rank)
-        sender = Sender(self.endpoint, envelope, self._mailbox, self.settings, path)
+        sender = Sender(
+            self.endpoint, envelope, self._mailbox, self.settings, path, on_idle=self._keepalive
+        )
         self._sender = sender
         sender.start()
         return sender

@@ -37,6 +37,10 @@ class TransportSettings:
     #: The sender wakes at least this often (events and close wake it at once).
     poll_interval_s: float = 0.1
     max_frame_bytes: int = wire.DEFAULT_MAX_BYTES
+    #: With no heartbeat from the training thread for this long, the sender
+    #: thread repeats the last one (``keepalive: true``): a rank blocked in a
+    #: collective then reads as *stalled* (alive, no progress), not *lost*.
+    keepalive_s: float = 10.0
 
     @classmethod
     def resolve(cls, **overrides: Any) -> TransportSettings:
@@ -55,6 +59,7 @@ class TransportSettings:
             "ack_timeout_s": config.get_float(config.NAND_ACK_TIMEOUT_S, cls.ack_timeout_s),
             "close_timeout_s": config.get_float(config.NAND_CLOSE_TIMEOUT_S, cls.close_timeout_s),
             "curve_server_key": config.get_str(config.NAND_CURVE_SERVER_KEY),
+            "keepalive_s": 2 * config.get_float(config.NAND_HEARTBEAT_S, cls.keepalive_s / 2),
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         values["spool_dir"] = Path(values["spool_dir"])

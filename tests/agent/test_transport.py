@@ -265,3 +265,21 @@ def test_a_corrupt_spool_of_this_rank_is_moved_aside_and_a_fresh_one_used(tmp_pa
     sink.close(0.2)
     assert path.with_name(path.name + ".corrupt").read_bytes() == b"this is not a spool at all"
     assert [sp.KIND_NAMES[t & 0x0F] for t, _ in sp.read_records(path)] == ["hello"]
+
+
+def test_a_quiet_training_thread_is_kept_alive_with_its_last_step_and_a_finished_one_is_not(rx):
+    sink = ServerSink(rx.endpoint, ME, keepalive_s=0.2, **FAST)
+    sink.hello({})
+    sink.heartbeat(StepSummary(step=7, loss=1.5))
+    time.sleep(1.0)  # training is blocked (say, in an all-reduce): no heartbeat calls
+    beats = [m["body"] for m in rx.messages[sink.agent] if m["kind"] == "heartbeat"]
+    repeats = [b for b in beats if b.get("keepalive")]
+    assert len(repeats) >= 2
+    assert all(b["step"] == 7 and b["loss"] == 1.5 for b in repeats)
+
+    sink.bye(7, "finished")
+    assert sink.flush(5)
+    count = len(rx.messages[sink.agent])
+    time.sleep(0.6)
+    assert len(rx.messages[sink.agent]) == count  # after bye: silence
+    sink.close()
