@@ -110,7 +110,9 @@ function closest(flight, matrix, range) {
 function draw(flight, matrix, range, origin, width) {
   const rows = flight.modules.length;
   const cols = flight.steps.length;
-  const rowH = Math.max(3, Math.min(18, Math.floor(520 / rows)));
+  // Rows shrink to fit ~520 px, down to 2 px (1 px past 260 layers); the
+  // tooltip names the layer when the labels no longer fit.
+  const rowH = Math.max(rows > 260 ? 1 : 2, Math.min(18, Math.floor(520 / rows)));
   const probe = hiDpiCanvas(1, 1, "").ctx;
   probe.font = "12px ui-monospace, SFMono-Regular, Menlo, monospace";
   const labels = rowH >= 9;

@@ -75,7 +75,8 @@ export function healthStrip({ ranks, series, width, onRank }) {
   const bins = Math.min(steps, Math.floor(plotW / 2));
   const binW = plotW / bins;
   const per = steps / bins;
-  const rowH = Math.max(2, Math.min(16, Math.floor(420 / rows.length)));
+  // Rows shrink to fit ~420 px, down to 2 px (1 px past 400 ranks).
+  const rowH = Math.max(rows.length > 400 ? 1 : 2, Math.min(16, Math.floor(420 / rows.length)));
   const gap = rowH >= 8 ? 2 : 0;
   const { canvas, ctx } = hiDpiCanvas(
     LABEL_W + plotW,
