@@ -14,6 +14,10 @@ bad_data       the input batch holds a NaN at ``step`` (input, data); needs a
                model with float inputs (``--model mlp``)
 lr_explosion   every rank sets the learning rate to 1e38 at ``step``: the
                parameters overflow on all ranks at once (param, simultaneous)
+bad_shard      ``rank``'s optimizer step writes +inf into its own part of
+               ``module``'s weight at ``step`` (its FSDP shard, or its DDP
+               replica): param on that rank; the others receive it through the
+               next step's all-gather (FSDP) or gradient all-reduce (DDP)
 =============  ==================================================================
 
 The hooks planted here are registered *before* ``nand.watch``, so nand sees
@@ -27,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-KINDS = ("overflow", "nan_forward", "nan_backward", "bad_data", "lr_explosion")
+KINDS = ("overflow", "nan_forward", "nan_backward", "bad_data", "lr_explosion", "bad_shard")
 BUILD_UP_STEPS = 8
 
 
@@ -82,7 +86,7 @@ class _PoisonGradient(torch.autograd.Function):
 def plant(fault: Fault, model: nn.Module, rank: int) -> _StepClock:
     """Install ``fault``'s hooks on ``model`` (unwrapped); returns the clock to advance."""
     clock = _StepClock()
-    if not fault.applies_to(rank) or fault.kind in ("bad_data", "lr_explosion"):
+    if not fault.applies_to(rank) or fault.kind in ("bad_data", "lr_explosion", "bad_shard"):
         return clock
     module = model.get_submodule(fault.module)
     if fault.kind == "overflow":
@@ -142,3 +146,21 @@ def maybe_explode_lr(fault: Fault | None, step: int, optimizer: torch.optim.Opti
     if fault is not None and fault.kind == "lr_explosion" and step == fault.step:
         for group in optimizer.param_groups:
             group["lr"] = 1e38
+
+
+def plant_in_optimizer(
+    fault: Fault | None, optimizer: torch.optim.Optimizer, model: nn.Module, rank: int, clock
+) -> None:
+    """The ``bad_shard`` fault: a step post-hook, registered before nand's own."""
+    if fault is None or fault.kind != "bad_shard" or rank != fault.rank:
+        return
+    weight = model.get_submodule(fault.module).weight
+
+    def corrupt(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if clock.step == fault.step:
+            with torch.no_grad():
+                to_local = getattr(weight, "to_local", None)  # an FSDP2 DTensor: this rank's shard
+                local = to_local() if callable(to_local) else weight
+                local.view(-1)[0] = float("inf")
+
+    optimizer.register_step_post_hook(corrupt)

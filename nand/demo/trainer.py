@@ -25,7 +25,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import nand
-from nand.demo.faults import Fault, maybe_explode_lr, plant, poison_batch
+from nand.demo.faults import Fault, maybe_explode_lr, plant, plant_in_optimizer, poison_batch
 from nand.demo.model import TinyGPT, make_batch
 
 EXIT_NONFINITE = 3
@@ -42,6 +42,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--policy", choices=("warn", "raise", "skip", "stop"), default="raise")
     parser.add_argument("--fsdp", action="store_true", help="FSDP2 fully_shard instead of DDP")
+    parser.add_argument(
+        "--no-dist", action="store_true", help="independent ranks: no process group, no DDP"
+    )
     parser.add_argument("--step-time", type=float, default=0.0, help="seconds per step, at least")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=32)
@@ -96,7 +99,7 @@ def compute_loss(model: nn.Module, kind: str, inputs: torch.Tensor, targets: tor
 
 
 def train(args: argparse.Namespace) -> int:
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
     torch.manual_seed(0)  # the same initial weights on every rank
     model = build_model(args.model)
     fault = args.fault
@@ -105,6 +108,8 @@ def train(args: argparse.Namespace) -> int:
     clock = plant(fault, model, rank) if fault else None
     model = wrap(model, args.fsdp)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    if clock is not None:
+        plant_in_optimizer(fault, optimizer, model, rank, clock)
     batches = Batches(args, rank)
 
     with nand.watch(model, optimizer=optimizer, on_nonfinite=args.policy) as watch:
@@ -135,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
     torch.set_num_threads(1)
-    if "RANK" in os.environ:
+    if "RANK" in os.environ and not args.no_dist:
         dist.init_process_group("gloo")
     try:
         return train(args)
