@@ -27,6 +27,7 @@ what they did exactly as it would see a real layer misbehave.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -154,13 +155,12 @@ def plant_in_optimizer(
     """The ``bad_shard`` fault: a step post-hook, registered before nand's own."""
     if fault is None or fault.kind != "bad_shard" or rank != fault.rank:
         return
-    weight = model.get_submodule(fault.module).weight
+    weight: Any = model.get_submodule(fault.module).weight  # a Tensor, or an FSDP2 DTensor
 
     def corrupt(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         if clock.step == fault.step:
             with torch.no_grad():
-                to_local = getattr(weight, "to_local", None)  # an FSDP2 DTensor: this rank's shard
-                local = to_local() if callable(to_local) else weight
+                local = weight.to_local() if hasattr(weight, "to_local") else weight
                 local.view(-1)[0] = float("inf")
 
     optimizer.register_step_post_hook(corrupt)
