@@ -110,7 +110,8 @@ class Boundary:
                 self.buf.extras.extend(amp)
                 names += ["scale", "found_inf"]
         if self.loss_tensor is not None:
-            self.buf.extras.append(self.loss_tensor.detach().reshape(()))
+            loss = self.loss_tensor.detach()
+            self.buf.extras.append(loss if loss.dim() == 0 else loss.float().mean())
             names.append("loss")
         return names
 
