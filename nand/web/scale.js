@@ -5,10 +5,16 @@ export function niceTicks(lo, hi, n = 5) {
   if (!(hi > lo)) return [lo];
   const raw = (hi - lo) / n;
   const mag = 10 ** Math.floor(Math.log10(raw));
-  const step = [1, 2, 5, 10].map((m) => m * mag).find((s) => raw <= s);
-  const ticks = [];
-  for (let t = Math.ceil(lo / step) * step; t <= hi + step * 1e-9; t += step) {
-    ticks.push(Number(t.toPrecision(12)));
+  const steps = [0.5, 1, 2, 5, 10].map((m) => m * mag);
+  // The largest step under `raw` (with slack for rounding), but never fewer than 3 ticks.
+  let i = steps.findIndex((s) => raw <= s * 1.001);
+  let ticks = [];
+  for (; i >= 0; i--) {
+    ticks = [];
+    for (let t = Math.ceil(lo / steps[i]) * steps[i]; t <= hi + steps[i] * 1e-9; t += steps[i]) {
+      ticks.push(Number(t.toPrecision(12)));
+    }
+    if (ticks.length >= 3) break;
   }
   return ticks;
 }
