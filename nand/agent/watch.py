@@ -204,6 +204,8 @@ class Watch:
             if not self._guard.off and len(self._buf):
                 outcome = self._boundary.check(self.step, self.step - 1, self._micro, False, False)
                 self._report(outcome, beat=False)
+                if self._opt is None and outcome.micro_steps:
+                    self.step += 1  # without an optimizer, the last root call is a step
         except Exception as exc:
             self._guard.failed(exc, "close")
         finally:

@@ -173,42 +173,38 @@ def test_a_param_going_bad_at_the_last_step_is_found_at_close(kind):
 
 
 def test_a_reused_module_reports_which_call_went_bad(kind):
+    class CountingPlant(Plant):
+        """Armed on one call (0-based) of the forward pass only."""
+
+        def __init__(self):
+            super().__init__()
+            self.calls, self.armed_call = 0, -1
+
+        def forward(self, x):
+            self.value = VALUES[kind] if self.calls == self.armed_call else None
+            self.calls += 1
+            return super().forward(x)
+
     class Twice(nn.Module):
         def __init__(self):
             super().__init__()
             self.fc = nn.Linear(8, 8)
-            self.plant = Plant()
+            self.plant = CountingPlant()
 
         def forward(self, x):
             return self.plant(self.fc(self.plant(self.fc(x))))
 
     model = Twice()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    calls = []
-
-    def arm(step, micro):
-        calls.clear()
-        model.plant.value = None
-
-    orig = model.plant.forward
-
-    def forward(x):  # armed on the second call of step 2 only
-        calls.append(1)
-        model.plant.value = VALUES[kind] if len(calls) == 2 and len(seen) == 2 else None
-        return orig(x)
-
-    seen: list[int] = []
-    model.plant.forward = forward  # type: ignore[method-assign]
 
     def before(step, micro):
-        arm(step, micro)
-        seen.append(step) if step == 2 else None
-        seen.extend([0] if step == 2 else [])
+        model.plant.calls = 0
+        model.plant.armed_call = 1 if step == 2 else -1
 
     with nand.watch(model, opt) as w:
         train(model, opt, 4, before=before)
     assert where(w.first) == (2, 0, "forward", "plant", "produced")
-    assert w.first.call == 1
+    assert w.first.call == 1 and "call 2 of this module" in w.first.message
 
 
 def test_gradient_accumulation_labels_the_micro_step(kind):

@@ -1,0 +1,109 @@
+"""Structures, ignored tensors, false alarms that must not be, and the headroom warning."""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+
+import pytest
+import torch
+from torch import nn
+
+import nand
+from tests.agent.models import VALUES, Net, Plant, train
+
+
+class DictOut(nn.Module):
+    """Returns a ModelOutput-like OrderedDict with a float, an int and a bool tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+        self.value: float | None = None
+
+    def forward(self, x):
+        logits = self.fc(x)
+        if self.value is not None:
+            logits = logits.clone()
+            logits[0, 1] = self.value
+        return OrderedDict(logits=logits, ids=torch.arange(4), mask=torch.ones(4, dtype=torch.bool))
+
+
+class Wrapper(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = DictOut()
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        out = self.inner(x)
+        return (self.head(out["logits"]), out["ids"])
+
+
+@pytest.mark.parametrize("kind", list(VALUES))
+def test_a_non_finite_value_in_a_dict_output_slot_is_found(kind):
+    model = Wrapper()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+
+    def before(step, micro):
+        model.inner.value = VALUES[kind] if step == 2 else None
+
+    with nand.watch(model, opt) as w:
+        train(model, opt, 4, before=before, loss_fn=lambda out, s: out[0].pow(2).mean())
+    e = w.first
+    assert (e.step, e.phase, e.module, e.cause) == (2, "forward", "inner", "produced")
+    assert e.shape == [4, 4]
+
+
+def test_a_healthy_run_with_unused_frozen_and_integer_parts_reports_nothing(caplog):
+    caplog.set_level(logging.WARNING, logger="nand")
+    model = Net()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    with nand.watch(model, opt) as w:
+        train(model, opt, 20, loss_fn=lambda out, s: out.logits.pow(2).mean())
+    assert w.first is None and not caplog.records
+    flight = w.flight_window()
+    unused = flight.modules.index("unused")
+    assert all(row[unused] is None for row in flight.act_max_abs)
+
+
+def test_a_2_norm_overflow_of_finite_gradients_is_not_reported():
+    model = nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with nand.watch(model, opt) as w:
+        model(torch.randn(2, 8)).sum().backward()
+        model.weight.grad.fill_(1e30)  # finite; its float32 2-norm is inf
+        assert not torch.isfinite(torch.linalg.vector_norm(model.weight.grad))
+        opt.step()
+    assert w.first is None
+
+
+def test_values_near_the_dtype_limit_warn_once_and_are_never_an_event(caplog):
+    class Big(nn.Module):
+        def forward(self, x):
+            return x.half() * 50000.0  # fp16 max is 65504
+
+    model = nn.Sequential(nn.Linear(8, 8), Big(), Plant())
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    caplog.set_level(logging.WARNING, logger="nand")
+    with nand.watch(model, opt) as w:
+        for _ in range(3):
+            x = torch.ones(2, 8)
+            out = model(x).float()
+            out.sum().backward()
+            opt.step()
+            opt.zero_grad()
+    messages = [r.getMessage() for r in caplog.records]
+    assert w.first is None
+    assert len(messages) == 1 and "overflow headroom" in messages[0] and "float16" in messages[0]
+
+
+@pytest.mark.parametrize("kind", list(VALUES))
+def test_without_an_optimizer_each_root_call_is_a_step(kind):
+    model = nn.Sequential(nn.Linear(8, 8), Plant(), nn.Linear(8, 2))
+    with nand.watch(model) as w:
+        for step in range(4):
+            model[1].value = VALUES[kind] if step == 2 else None
+            model(torch.randn(2, 8)).sum().backward()
+    assert (w.first.step, w.first.phase, w.first.module) == (2, "forward", "1")
+    assert w.step == 4
