@@ -31,6 +31,9 @@ class EmbeddedServer:
     _thread: threading.Thread
 
     def stop(self, timeout: float = 10.0) -> None:
+        state = getattr(self.app.state, "nand", None)
+        if state is not None:
+            state.closing.set()  # open event streams end, so shutdown is quick and clean
         self._server.should_exit = True
         self._thread.join(timeout)
 
@@ -64,7 +67,9 @@ def start(
     sock = socket.socket(socket.AF_INET6 if ":" in http_host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((http_host, http_port))
-    config = uvicorn.Config(app, log_level=log_level, lifespan="on", access_log=False)
+    config = uvicorn.Config(
+        app, log_level=log_level, lifespan="on", access_log=False, timeout_graceful_shutdown=2
+    )
     server = uvicorn.Server(config)
     thread = threading.Thread(
         target=server.run, kwargs={"sockets": [sock]}, name="nand-http", daemon=True

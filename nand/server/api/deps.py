@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated
 
 from fastapi import Depends, HTTPException, Path, Request
@@ -23,6 +24,8 @@ class ServerState:
     engine: Engine
     metrics: Metrics
     ingest: Ingest | None = None
+    #: Set when the server is shutting down: long-lived responses (the stream) end.
+    closing: threading.Event = field(default_factory=threading.Event)
 
 
 def get_state(request: Request) -> ServerState:

@@ -45,7 +45,7 @@ async def _events(request: Request, state: ServerState) -> AsyncIterator[str]:
     since: float | None = None
     last_write = time.monotonic()
     yield "retry: 2000\n\n"
-    while not await request.is_disconnected():
+    while not state.closing.is_set() and not await request.is_disconnected():
         started = time.time()
         summaries = await run_in_threadpool(_changed, state, since, started)
         since = started - 1.0  # overlap: a commit may land during the query
