@@ -90,3 +90,10 @@ def _grad_rising(grad_norm: Sequence[Any], steps: list[int]) -> str:
     if ups < EXPLOSION_RISING_SHARE * (len(values) - 1):
         return ""
     return f"gradient norm rose from {values[0]:.3g} to {values[-1]:.3g}{_span(steps)}"
+
+
+def heartbeat_evidence(points: Sequence[tuple[int, float | None]]) -> FlightEvidence:
+    """Gradient growth from heartbeats ``(step, grad_norm)``, oldest first: the
+    fallback when the origin rank sent no flight-recorder window."""
+    text = _grad_rising([g for _, g in points], [s for s, _ in points])
+    return FlightEvidence(grad_rising=bool(text), text=text)

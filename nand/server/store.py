@@ -82,6 +82,19 @@ def flight_evidence_row(session: Session, run_id: int, rank: int) -> tuple[bool,
     return (bool(row[0]), bool(row[1]), row[2]) if row else None
 
 
+def recent_grad_norms(
+    session: Session, run_id: int, rank: int, up_to_step: int, n: int = 32
+) -> list[tuple[int, float | None]]:
+    """The last ``n`` heartbeats ``(step, grad_norm)`` of a rank up to a step, oldest first."""
+    statement = (
+        select(Heartbeat.step, Heartbeat.grad_norm)
+        .where(Heartbeat.run_id == run_id, Heartbeat.rank == rank, Heartbeat.step <= up_to_step)
+        .order_by(Heartbeat.id.desc())
+        .limit(n)
+    )
+    return [(int(step), norm) for step, norm in reversed(session.execute(statement).all())]
+
+
 def _filtered(statement: Select, run_id: int, where: EventFilter) -> Select:
     statement = statement.where(EventRow.run_id == run_id)
     if where.rank is not None:

@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session
 
 from nand.events import Event
 from nand.server import correlate, store, summary
-from nand.server.evidence import FlightEvidence
+from nand.server.evidence import FlightEvidence, heartbeat_evidence
 from nand.server.models import EventRow, Rank, Run
 from nand.server.schemas import (
     EventOut,
@@ -152,8 +152,7 @@ def verdict(session: Session, run: Run, ranks: RankRows, settings: Settings, now
         text = summary.calm_summary(state, steps, settings.lost_after_s, settings.stalled_after_s)
         return Verdict(run=run.name, state=state, summary=text, stop=stop)  # type: ignore[arg-type]
     head = to_event(head_row)
-    found = store.flight_evidence_row(session, run.id, head.rank)
-    evidence = FlightEvidence(*found) if found else None
+    evidence = _evidence(session, run.id, head)
     hint = correlate.hint(head, evidence)
     relations = correlate.relations(firsts)
     world = max(run.world_size, len(ranks))
@@ -169,6 +168,20 @@ def verdict(session: Session, run: Run, ranks: RankRows, settings: Settings, now
         since=head.time,
         stop=stop,
     )
+
+
+def _evidence(session: Session, run_id: int, head: Event) -> FlightEvidence | None:
+    """The origin rank's latest flight window, else its heartbeats' gradient norms
+    (not looked up when the phase alone decides the hint)."""
+    if correlate.hint(head) in ("input_data", "loss", "optimizer_update"):
+        return None
+    found = store.flight_evidence_row(session, run_id, head.rank)
+    evidence = FlightEvidence(*found) if found else None
+    if evidence is None or not (evidence.overflow or evidence.grad_rising):
+        beats = heartbeat_evidence(store.recent_grad_norms(session, run_id, head.rank, head.step))
+        if beats.grad_rising:
+            return beats
+    return evidence
 
 
 def _stop(run: Run) -> StopInfo | None:

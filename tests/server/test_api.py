@@ -287,3 +287,14 @@ def test_metrics_counts_rejections_by_reason_and_runs_by_state(server, agents) -
     assert 'nand_runs{state="diverged"} 1' in text
     assert "nand_events_total 1" in text
     assert httpx.get(f"{server.http_url}/healthz").json()["status"] == "ok"
+
+
+def test_gradient_explosion_hint_from_heartbeats_when_no_window(server, agents) -> None:
+    a = agents(run="explode")
+    for step, norm in enumerate([1.0, 2.0, 5.0, 40.0, 300.0, 2500.0], start=1):
+        a.heartbeat(step, grad_norm=norm)
+    a.event(step=7, phase="backward", module="fc2", module_type="Linear", posinf=1)
+    a.wait_acked()
+    verdict = httpx.get(f"{server.http_url}/api/runs/explode/verdict").json()
+    assert verdict["hint"] == "gradient_explosion"
+    assert "gradient norm rose from 1 to 2.5e+03 over steps 1-6" in verdict["summary"]
