@@ -275,6 +275,9 @@ class Watch:
         if self._opt is None and self._buf.sites:
             outcome = self._guarded_check(skipped=False)
             self.step += 1
+            self.session.poll(self)
+            if self.session.stop_at is not None and self.step >= self.session.stop_at:
+                raise StopRequested(self.session.stop_at, "requested by the server")
             event = outcome.event if outcome is not None else None
             if event is not None and self.policy in ("raise", "stop"):
                 raise NonFiniteError(event)
