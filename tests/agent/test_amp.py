@@ -79,3 +79,14 @@ def test_gradient_figures_are_reported_unscaled():
     assert tele is not None and tele.grad_norm is not None
     # unscaled: a plain fp32 gradient norm is of the same order, not 1024x larger
     assert 0.01 < tele.grad_norm < 100
+
+
+def test_with_a_fused_optimizer_the_scaler_passes_found_inf_and_nand_counts_the_skips():
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127)
+    with nand.watch(model, opt, scaler=scaler) as w:
+        amp_train(model, opt, scaler, 30, factor=1e6)
+    assert w.first is None and w.amp_skipped > 0
+    assert w.step == 30  # optimizer.step() ran every time; found_inf made it a no-op
+    assert all(torch.isfinite(p).all() for p in model.parameters())
