@@ -6,6 +6,7 @@
 import { onStreamStatus } from "./api.js";
 import { clear, el } from "./dom.js";
 import { parseHash } from "./route.js";
+import { hideTip } from "./tooltip.js";
 import { runsPage } from "./runs.js";
 import { runPage } from "./run.js";
 
@@ -26,6 +27,7 @@ function notFound(path) {
 function route() {
   if (unmount) unmount();
   unmount = null;
+  hideTip();
   clear(main);
   const { path, params } = parseHash();
   const runMatch = path.match(/^\/runs\/(.+)$/);
