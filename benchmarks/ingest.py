@@ -75,10 +75,11 @@ def _agent(endpoint: str, run: str, rank: int, count: int, window: int, out: mp.
             kind = "event" if burst else "heartbeat"
             message = wire.agent_message(kind, agent=agent, seq=sent, run=run, rank=rank, body=body)
             sock.send(wire.encode(message))
-        if sock.poll(30_000):
-            acked.update(wire.decode(sock.recv())["seqs"])
-        else:
+        if not sock.poll(30_000):
             break
+        reply = wire.decode(sock.recv())
+        if reply["kind"] == "ack":  # the server may also ask for a flight window
+            acked.update(reply["seqs"])
     out.put((sent, len(acked), first, time.time()))
     sock.close(linger=0)
 
