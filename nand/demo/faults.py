@@ -12,8 +12,9 @@ nan_backward   the gradient flowing out of ``module`` becomes NaN at ``step``,
                although its forward stays finite (backward, produced)
 bad_data       the input batch holds a NaN at ``step`` (input, data); needs a
                model with float inputs (``--model mlp``)
-lr_explosion   every rank sets the learning rate to 1e38 at ``step``: the
-               parameters overflow on all ranks at once (param, simultaneous)
+lr_explosion   every rank's learning rate becomes inf at ``step`` (a scheduler
+               that divided by zero): the parameters go non-finite on all
+               ranks at once (param, simultaneous)
 bad_shard      ``rank``'s optimizer step writes +inf into its own part of
                ``module``'s weight at ``step`` (its FSDP shard, or its DDP
                replica): param on that rank; the others receive it through the
@@ -146,7 +147,7 @@ def poison_batch(fault: Fault | None, rank: int, step: int, inputs: torch.Tensor
 def maybe_explode_lr(fault: Fault | None, step: int, optimizer: torch.optim.Optimizer) -> None:
     if fault is not None and fault.kind == "lr_explosion" and step == fault.step:
         for group in optimizer.param_groups:
-            group["lr"] = 1e38
+            group["lr"] = float("inf")
 
 
 def plant_in_optimizer(
