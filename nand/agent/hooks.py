@@ -221,13 +221,21 @@ class Hooks:
     # --- helpers (called from the hooks) ---------------------------------------
 
     def _check_inputs(self, args: tuple[Any, ...], output: Any, info: ModuleInfo) -> None:
-        """Probe inputs that are not the last recorded output, as the parent's."""
+        """Probe inputs that are not the last recorded output, as the parent's.
+
+        Only values that require grad: those derive from the model's
+        activations. A tensor that does not (an attention mask full of -inf
+        on purpose, built inline from constants or from the data) is not a
+        candidate for "the parent's code made it non-finite". So under
+        ``no_grad`` inline code is not told apart from the next child.
+        """
         last = self.state.last
         for x in args:
             if (
                 isinstance(x, Tensor)
                 and x is not last
                 and x is not output
+                and x.requires_grad
                 and x.is_floating_point()
                 and x.numel()
                 and info.parent is not None

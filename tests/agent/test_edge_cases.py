@@ -107,3 +107,31 @@ def test_without_an_optimizer_each_root_call_is_a_step(kind):
             model(torch.randn(2, 8)).sum().backward()
     assert (w.first.step, w.first.phase, w.first.module) == (2, "forward", "1")
     assert w.step == 4
+
+
+def test_an_inline_minus_inf_attention_mask_passed_to_a_child_is_not_an_incident():
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x, mask):
+            scores = self.fc(x) @ x.transpose(-2, -1) + mask
+            return torch.softmax(scores, dim=-1) @ x
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(Block() for _ in range(2))
+
+        def forward(self, x):
+            mask = torch.triu(torch.full((x.shape[1], x.shape[1]), float("-inf")), diagonal=1)
+            for block in self.blocks:
+                x = block(x, mask)
+            return x
+
+    model = Model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with nand.watch(model, opt) as w:
+        train(model, opt, 3, inputs=lambda step: ((torch.randn(2, 5, 8),), {}))
+    assert w.first is None
