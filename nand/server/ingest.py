@@ -5,7 +5,7 @@ Each turn drains up to ``Settings.max_batch`` frames, validates every one with
 :func:`nand.wire.decode` (bad ones are counted by reason in ``/metrics``,
 logged, and otherwise ignored: never a crash), writes the good ones in one
 transaction (:func:`nand.server.writer.write_batch`) and only then sends each
-agent ``{"kind": "ack", "seqs": [...]}``, duplicates included.
+agent ``{"kind": "ack", "agent": id, "seqs": [...]}``, duplicates included.
 
 Authentication: with a token configured, an agent's ``hello`` must carry it;
 an agent id that said a valid hello is remembered in the database (table
@@ -254,14 +254,16 @@ class Ingest:
         accepted: list[tuple[bytes, dict[str, Any]]],
         acked: set[tuple[str, int]],
     ) -> None:
-        per_peer: dict[bytes, list[int]] = defaultdict(list)
+        # Grouped by connection *and* agent: one connection may carry a dead
+        # agent's replayed spool besides its own messages.
+        per_agent: dict[tuple[bytes, str], list[int]] = defaultdict(list)
         for ident, message in accepted:
             key = (message["agent"], message["seq"])
             if key in acked:
-                per_peer[ident].append(message["seq"])
+                per_agent[(ident, message["agent"])].append(message["seq"])
                 acked.discard(key)
-        for ident, seqs in per_peer.items():
-            self._send(sock, ident, {"kind": "ack", "seqs": seqs})
+        for (ident, agent), seqs in per_agent.items():
+            self._send(sock, ident, {"kind": "ack", "agent": agent, "seqs": seqs})
 
     def _reply(self, ident: bytes, message: dict[str, Any]) -> None:
         """Send on the ingest socket (the commander runs on this same thread)."""

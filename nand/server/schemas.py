@@ -145,6 +145,8 @@ class RankStatus(BaseModel):
     amp_skipped: int = 0
     first_event: EventOut | None = None
     relation: Relation | None = None
+    #: Whether this rank sent a flight-recorder window (``/flight?rank=`` has one).
+    has_flight: bool = False
 
 
 class SeriesPoint(BaseModel):

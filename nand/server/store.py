@@ -70,6 +70,12 @@ def latest_flight(session: Session, run_id: int, rank: int) -> Flight | None:
     return session.scalars(statement).first()
 
 
+def ranks_with_flight(session: Session, run_id: int) -> set[int]:
+    """The ranks of a run that sent at least one flight-recorder window."""
+    statement = select(Flight.rank).where(Flight.run_id == run_id).distinct()
+    return set(session.scalars(statement))
+
+
 def flight_evidence_row(session: Session, run_id: int, rank: int) -> tuple[bool, bool, str] | None:
     """The precomputed evidence of a rank's latest flight window (not its data)."""
     statement = (

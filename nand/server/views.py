@@ -192,7 +192,9 @@ def _stop(run: Run) -> StopInfo | None:
     )
 
 
-def rank_statuses(run: Run, ranks: RankRows, settings: Settings, now: float) -> list[RankStatus]:
+def rank_statuses(
+    run: Run, ranks: RankRows, settings: Settings, now: float, with_flight: set[int]
+) -> list[RankStatus]:
     states = rank_states(ranks, settings, now)
     firsts = [to_event(e) for _, e in ranks if e is not None]
     relations = correlate.relations(firsts)
@@ -211,6 +213,7 @@ def rank_statuses(run: Run, ranks: RankRows, settings: Settings, now: float) -> 
             amp_skipped=rank.amp_skipped,
             first_event=event_out(event, run.name) if event is not None else None,
             relation=relations.get(rank.rank),  # type: ignore[arg-type]
+            has_flight=rank.rank in with_flight,
         )
         for rank, event in ranks
     ]

@@ -24,7 +24,24 @@ export function flightPanel(run, ranks, origin) {
   const show = () => {
     clear(body).append(heatmap(flight, origin, innerWidth(body), which.value));
   };
+  const noWindow = () =>
+    stateMessage(
+      "empty",
+      `No flight-recorder window from rank ${rankSelect.value}.`,
+      el(
+        "p",
+        {},
+        "A rank sends the last steps of per-layer values when it goes non-finite, or when the server asks for them.",
+      ),
+    );
   async function load() {
+    const status = ranks.find((r) => String(r.rank) === rankSelect.value);
+    if (status && !status.has_flight) {
+      // The rank list says there is none: asking would only log a 404.
+      flight = null;
+      clear(body).append(noWindow());
+      return;
+    }
     clear(body).append(stateMessage("loading", "Loading the flight recorder…"));
     try {
       flight = await api.flight(run, rankSelect.value);
@@ -33,15 +50,7 @@ export function flightPanel(run, ranks, origin) {
       flight = null;
       clear(body).append(
         err.status === 404
-          ? stateMessage(
-              "empty",
-              `No flight-recorder window from rank ${rankSelect.value}.`,
-              el(
-                "p",
-                {},
-                "A rank sends the last steps of per-layer values when it goes non-finite, or when the server asks for them.",
-              ),
-            )
+          ? noWindow()
           : stateMessage(
               "error",
               "Could not load the flight recorder.",

@@ -30,6 +30,7 @@ def test_every_ack_is_for_a_message_already_committed(server, agents, db_url) ->
         for reply in a.pump(0.2):
             if reply["kind"] != "ack":
                 continue
+            assert reply["agent"] == a.agent  # acks name the agent they are for
             with engine.connect() as conn:  # another connection: sees only committed rows
                 stored = conn.scalar(
                     select(func.count())

@@ -44,7 +44,8 @@ def get_run(run: RunDep, session: SessionDep, settings: SettingsDep) -> RunDetai
 @router.get("/{run}/ranks", response_model=list[RankStatus], summary="Every rank's health")
 def get_ranks(run: RunDep, session: SessionDep, settings: SettingsDep) -> list[RankStatus]:
     ranks = store.ranks_of(session, [run.id])[run.id]
-    return views.rank_statuses(run, ranks, settings, time.time())
+    with_flight = store.ranks_with_flight(session, run.id)
+    return views.rank_statuses(run, ranks, settings, time.time(), with_flight)
 
 
 @router.get(
