@@ -95,7 +95,7 @@ class Hooks:
                 return
             try:
                 if args and (len(args) > 1 or args[0] is not state.last):
-                    self._check_inputs(args, output, info)
+                    self._check_inputs(args, output, info, module)
                 if isinstance(output, Tensor):
                     if allow:
                         self._probe_output(out_site, output)
@@ -124,7 +124,7 @@ class Hooks:
                 return
             try:
                 if args and (len(args) > 1 or args[0] is not state.last):
-                    self._check_inputs(args, output, info)
+                    self._check_inputs(args, output, info, module)
                 if isinstance(output, Tensor):
                     if grad_hooks is not None and output.requires_grad:
                         grad_hooks.attach(output)
@@ -141,7 +141,7 @@ class Hooks:
             if state.guard.off or not args:
                 return
             try:
-                self._check_inputs(args, None, info)
+                self._check_inputs(args, None, info, module)
                 if isinstance(args[0], Tensor):
                     state.last = args[0]
             except Exception as exc:
@@ -220,7 +220,9 @@ class Hooks:
 
     # --- helpers (called from the hooks) ---------------------------------------
 
-    def _check_inputs(self, args: tuple[Any, ...], output: Any, info: ModuleInfo) -> None:
+    def _check_inputs(
+        self, args: tuple[Any, ...], output: Any, info: ModuleInfo, module: nn.Module
+    ) -> None:
         """Probe inputs that are not the last recorded output, as the parent's.
 
         Only values that require grad: those derive from the model's
@@ -228,8 +230,13 @@ class Hooks:
         on purpose, built inline from constants or from the data) is not a
         candidate for "the parent's code made it non-finite". So under
         ``no_grad`` inline code is not told apart from the next child.
+
+        A module with forward pre-hooks of its own (other than nand's) may
+        have had its inputs changed by them: those belong to the module's
+        call, so the value is the module's, not its parent's.
         """
         last = self.state.last
+        owner: ModuleInfo | None = None
         for x in args:
             if (
                 isinstance(x, Tensor)
@@ -238,9 +245,12 @@ class Hooks:
                 and x.requires_grad
                 and x.is_floating_point()
                 and x.numel()
-                and info.parent is not None
             ):
-                self._probe_output(info.parent.inline_site(), x)
+                if owner is None:
+                    nands = 0 if info.leaf else 1  # containers carry nand's pre-hook
+                    own = len(module._forward_pre_hooks) > nands
+                    owner = info if own or info.parent is None else info.parent
+                self._probe_output(owner.inline_site(), x)
 
     def _probe_structure(self, info: ModuleInfo, output: Any) -> None:
         last = None

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
-from nand.agent.probes import ProbeBuffer, Site
+from nand.agent.probes import ProbeBuffer, Site, local
 from nand.agent.safety import Guard
 
 
@@ -114,7 +114,7 @@ class OptimizerHooks:
         for p, site in zip(params, self._grad_sites, strict=True):
             g = p.grad
             if g is not None and not g.is_sparse and g.is_floating_point():
-                tensors.append(g)
+                tensors.append(g if type(g) is Tensor else local(g))
                 sites.append(site)
         if with_params:
             more, more_sites = self._params_and_state()
@@ -129,12 +129,12 @@ class OptimizerHooks:
         tensors, sites = [], []
         for p in self.params():
             if _usable(p):
-                tensors.append(p)
+                tensors.append(local(p))
                 sites.append(self._site(p, "param", ""))
         for p in self.params():
             for name, value in self.optimizer.state.get(p, {}).items():
                 if name != "step" and _usable(value):
-                    tensors.append(value)
+                    tensors.append(local(value))
                     site = self._site(p, "optimizer_state", str(name))
                     site.param = value
                     sites.append(site)

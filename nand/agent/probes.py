@@ -90,6 +90,16 @@ class ProbeBuffer:
         return torch.stack(everything) if everything else None
 
 
+def local(t: Tensor) -> Tensor:
+    """This rank's part of a tensor: the local shard of an FSDP2 ``DTensor``.
+
+    Each rank checks what it holds; a shard made non-finite on one rank is that
+    rank's finding, and the others receive it through the next all-gather.
+    """
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
+
+
 def probe(pairs: list[Tensor], sites: list[Site | None], site: Site, t: Tensor) -> None:
     """Launch one aminmax of ``t`` if it is a non-empty float tensor. No sync."""
     if t.is_floating_point() and t.numel():

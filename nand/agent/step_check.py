@@ -29,7 +29,7 @@ import math
 import torch
 from torch import Tensor
 
-from nand.agent.probes import ProbeBuffer, Site
+from nand.agent.probes import ProbeBuffer, Site, local
 from nand.events import PHASE_RANK
 
 _ACT_KINDS = frozenset({"output", "inline"})
@@ -234,6 +234,7 @@ def _norm_findings(
         tensor = site.param.grad if site.phase == "grad" and site.param is not None else site.param
         if tensor is None:
             continue
+        tensor = local(tensor)
         micro = last_micro if site.phase == "grad" else prev_micro
         cause = "received" if site.phase == "grad" and world_size > 1 else "produced"
         found.append(

@@ -81,7 +81,7 @@ def test_a_2_norm_overflow_of_finite_gradients_is_not_reported():
 def test_values_near_the_dtype_limit_warn_once_and_are_never_an_event(caplog):
     class Big(nn.Module):
         def forward(self, x):
-            return x.half() * 50000.0  # fp16 max is 65504
+            return x.half().clamp(-1, 1) * 50000.0  # fp16 max is 65504
 
     model = nn.Sequential(nn.Linear(8, 8), Big(), Plant())
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
@@ -135,3 +135,23 @@ def test_an_inline_minus_inf_attention_mask_passed_to_a_child_is_not_an_incident
     with nand.watch(model, opt) as w:
         train(model, opt, 3, inputs=lambda step: ((torch.randn(2, 5, 8),), {}))
     assert w.first is None
+
+
+def test_inputs_changed_by_a_module_own_pre_hook_are_that_module_s():
+    from tests.agent.models import BadBackward
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 2))
+    armed = [False]
+
+    def poison(module, args):  # a user's pre-hook, part of model[1]'s call
+        return (BadBackward.apply(args[0], float("nan")),) if armed[0] else None
+
+    model[1].register_forward_pre_hook(poison)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def before(step, micro):
+        armed[0] = step == 2
+
+    with nand.watch(model, opt) as w:
+        train(model, opt, 4, before=before)
+    assert (w.first.step, w.first.phase, w.first.module) == (2, "backward", "1")
