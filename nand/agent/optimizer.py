@@ -58,6 +58,7 @@ class OptimizerHooks:
         self._grad_sites: list[Site] = []
         self._state_key: tuple[object, int] | None = None
         self._state_cache: tuple[list[Tensor], list[Site]] = ([], [])
+        self._plain = True  # no DTensor among params/state: no local() per step
         self._sites: dict[tuple[int, str, str], Site] = {}
         self.handles: list[RemovableHandle] = [
             optimizer.register_step_pre_hook(self._pre),
@@ -118,7 +119,7 @@ class OptimizerHooks:
                 sites.append(site)
         if with_params:
             more, more_sites = self._params_and_state()
-            tensors += more
+            tensors += more if self._plain else [local(t) for t in more]
             sites += more_sites
         self.buf.add_norms(tensors, sites)
 
@@ -129,16 +130,17 @@ class OptimizerHooks:
         tensors, sites = [], []
         for p in self.params():
             if _usable(p):
-                tensors.append(local(p))
+                tensors.append(p)
                 sites.append(self._site(p, "param", ""))
         for p in self.params():
             for name, value in self.optimizer.state.get(p, {}).items():
                 if name != "step" and _usable(value):
-                    tensors.append(local(value))
+                    tensors.append(value)
                     site = self._site(p, "optimizer_state", str(name))
                     site.param = value
                     sites.append(site)
         self._state_key, self._state_cache = key, (tensors, sites)
+        self._plain = not any(hasattr(t, "to_local") for t in tensors)  # no DTensor
         return tensors, sites
 
     def _site(self, p: Tensor, phase: str, key: str) -> Site:

@@ -96,8 +96,14 @@ def local(t: Tensor) -> Tensor:
     Each rank checks what it holds; a shard made non-finite on one rank is that
     rank's finding, and the others receive it through the next all-gather.
     """
+    inner = getattr(t, "_local_tensor", None)  # DTensor's own shard, outside autograd
+    if isinstance(inner, Tensor):
+        return inner
     to_local = getattr(t, "to_local", None)
-    return to_local() if to_local is not None else t
+    if to_local is None:
+        return t
+    with torch.no_grad():
+        return to_local().detach()
 
 
 def probe(pairs: list[Tensor], sites: list[Site | None], site: Site, t: Tensor) -> None:
