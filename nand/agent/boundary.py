@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from nand.agent.amp import AmpWatch
+from nand.agent.ddp import LocalGradCheck
 from nand.agent.identity import Identity
 from nand.agent.probes import ProbeBuffer
 from nand.agent.recorder import FlightRecorder
@@ -58,6 +59,10 @@ class Boundary:
         self.root_type = root_type
         self.agree = agree  # all-reduce the flag (policy skip/stop, torch.distributed up)
         self.amp: AmpWatch | None = None
+        #: DDP: this rank's gradients checked before the all-reduce (see ddp.py).
+        self.ddp: LocalGradCheck | None = None
+        #: A wrapper (DDP, FSDP) averages gradients across ranks.
+        self.grads_reduced = False
         self.loss_tensor: Tensor | None = None
         self.seq = 0
         self.warned_headroom = False
@@ -96,6 +101,8 @@ class Boundary:
             self._headroom(row)
         if is_bad(values, len(values) - len(extras)):
             finding = first_finding(buf, values, self.who.world_size, prev_micro)
+            if finding is not None and finding.phase == "grad":
+                finding.cause = self._grad_cause(values, extras)
             if finding is not None:
                 at = prev_step if finding.phase in ("param", "optimizer_state") else step
                 self.seq += 1
@@ -109,11 +116,28 @@ class Boundary:
             if amp:
                 self.buf.extras.extend(amp)
                 names += ["scale", "found_inf"]
-        if self.loss_tensor is not None:
+        local = self.ddp.take() if self.ddp is not None else None
+        if local is not None:
+            self.buf.extras.append(local)
+            names.append("ddp_local")
+        if self.loss_tensor is not None:  # last: read as values[-1]
             loss = self.loss_tensor.detach()
             self.buf.extras.append(loss if loss.dim() == 0 else loss.float().mean())
             names.append("loss")
         return names
+
+    def _grad_cause(self, values: list[float], extras: list[str]) -> str:
+        """A non-finite ``.grad`` first seen here: made on this rank, or received?
+
+        With DDP's local check the answer is measured: were this rank's own
+        gradients finite before the all-reduce. Under another wrapper that
+        averages gradients (FSDP) it arrived through the collective unless this
+        rank's backward showed it first (that finding would have come first).
+        """
+        if "ddp_local" in extras:
+            local = values[len(values) - len(extras) + extras.index("ddp_local")]
+            return "received" if math.isfinite(local) else "produced"
+        return "received" if self.grads_reduced else "produced"
 
     def read(self, extras: list[str]) -> tuple[list[float] | None, bool]:
         """THE host read of the step: one stacked tensor, one ``tolist()``.

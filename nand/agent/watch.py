@@ -86,6 +86,7 @@ import torch
 from torch import Tensor, nn
 
 from nand import config
+from nand.agent import ddp
 from nand.agent.amp import AmpWatch
 from nand.agent.boundary import Boundary, Outcome
 from nand.agent.hooks import Hooks, HookState
@@ -163,6 +164,8 @@ class Watch:
             else None
         )
         self._boundary.amp = self._amp
+        self._boundary.grads_reduced = ddp.grads_are_reduced(model)
+        self._boundary.ddp = _install_ddp_check(model)
         self._set_dtype()
         session.hello(self._root, names, self._infos, optimizer, on_nonfinite)
 
@@ -210,6 +213,8 @@ class Watch:
             self._guard.failed(exc, "close")
         finally:
             self._hooks.remove()
+            if self._boundary.ddp is not None:
+                self._boundary.ddp.close()
             if self._opt is not None:
                 self._opt.remove()
             if self._amp is not None:
@@ -388,3 +393,11 @@ def watch(
     if disabled:
         w.close("disabled")  # NAND_DISABLE=1: nothing stays hooked
     return w
+
+
+def _install_ddp_check(model: nn.Module) -> ddp.LocalGradCheck | None:
+    try:
+        return ddp.install(model)
+    except Exception as exc:  # DDP refused the hook: go on without the local check
+        log.warning("nand: DDP local gradient check not installed (%s)", exc)
+        return None

@@ -1,0 +1,85 @@
+"""Each rank's own gradients, checked before DDP averages them.
+
+After DDP's all-reduce every rank holds the same gradients, so a NaN that one
+rank's backward made shows up in every rank's ``grad`` phase. To tell the rank
+that *produced* it from the ranks that *received* it, nand wraps DDP's
+all-reduce in a communication hook that first launches one reduction of the
+rank's local gradient bucket, then does exactly what DDP does by default
+(divide by the world size, all-reduce).
+
+The reduction is ``bucket.sum(dtype=float64)``: non-finite exactly when the
+bucket holds a NaN or ±inf, and it cannot overflow for float32/16 gradients.
+Its 0-d result stays on the device; the step boundary reads it with everything
+else in its one host read, as the ``ddp_local`` extra.
+
+DDP takes one communication hook. If the model already has one, nand leaves
+it alone and goes without this check (grad events then say ``received``);
+a user who registers a hook *after* ``nand.watch`` gets DDP's own error, so
+register yours first. ``NAND_DDP_LOCAL_CHECK=0`` turns the check off.
+"""
+
+# No ``from __future__ import annotations`` here: DDP inspects the hook's
+# annotations at run time and wants real types, not strings.
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+from nand import config
+
+log = logging.getLogger("nand")
+
+
+class LocalGradCheck:
+    """The per-step "were my own gradients finite before the all-reduce" flag."""
+
+    def __init__(self) -> None:
+        self._sums: list[Tensor] = []
+        self.active = True  # DDP cannot unregister a hook: close() turns it into a no-op
+
+    def hook(self, process_group: Any, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+        if self.active:  # device work only: one reduction launched, nothing read
+            self._sums.append(bucket.buffer().detach().sum(dtype=torch.float64))
+        return default_hooks.allreduce_hook(process_group, bucket)
+
+    def close(self) -> None:
+        self.active = False
+        self._sums = []
+
+    def take(self) -> Tensor | None:
+        """The step's flag as a 0-d tensor (non-finite = bad), or None; resets."""
+        if not self._sums:
+            return None
+        total = torch.stack(self._sums).sum() if len(self._sums) > 1 else self._sums[0]
+        self._sums = []
+        return total
+
+
+def install(model: Any) -> LocalGradCheck | None:
+    """Register the check on a DistributedDataParallel model, when possible."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(model, DistributedDataParallel):
+        return None
+    if not config.get_bool(config.NAND_DDP_LOCAL_CHECK, True):
+        return None
+    if getattr(model, "_comm_hooks", None):
+        log.info("nand: DDP already has a communication hook; local gradient check off")
+        return None
+    check = LocalGradCheck()
+    model.register_comm_hook(model.process_group, check.hook)
+    return check
+
+
+def grads_are_reduced(model: Any) -> bool:
+    """Whether a wrapper averages gradients across ranks (DDP, FSDP1, FSDP2)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    try:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    except ImportError:  # an older torch without FSDP2
+        return isinstance(model, DistributedDataParallel)
+    return isinstance(model, DistributedDataParallel | FSDPModule | FullyShardedDataParallel)

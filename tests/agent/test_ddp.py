@@ -1,0 +1,69 @@
+"""DDP (gloo, 2 real processes): names as written, and the rank that produced a
+non-finite gradient told apart from the rank that received it."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel
+
+import nand
+from tests.agent.models import mlp
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _poison_weight_grad(model: torch.nn.Module, at_step: list[int], step: int) -> None:
+    """A NaN in one parameter's gradient only: no activation gradient shows it."""
+    weight = model[0].weight
+    weight.register_hook(lambda g: g * float("nan") if at_step[0] == step else None)
+
+
+def _rank_main(rank: int, port: int, local_check: bool, results: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NAND_RUN="ddp-test")
+    os.environ["NAND_DDP_LOCAL_CHECK"] = "1" if local_check else "0"
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    inner = mlp()
+    step_now = [0]
+    if rank == 1:
+        _poison_weight_grad(inner, step_now, step=3)
+    model = DistributedDataParallel(inner)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with nand.watch(model, opt, on_nonfinite="warn", log_events=False) as watch:
+        for step in range(5):
+            step_now[0] = step
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    first = watch.first
+    results[rank] = (first.step, first.phase, first.module, first.cause) if first else None
+    dist.destroy_process_group()
+
+
+def _run(local_check: bool) -> dict:
+    results = mp.Manager().dict()
+    mp.spawn(_rank_main, args=(_free_port(), local_check, results), nprocs=2, join=True)
+    return dict(results)
+
+
+def test_the_rank_whose_own_gradient_went_nan_produced_it_and_the_other_received_it():
+    results = _run(local_check=True)
+    assert results[1] == (3, "grad", "0.weight", "produced")  # no "module." prefix
+    assert results[0] == (3, "grad", "0.weight", "received")
+
+
+def test_without_the_local_check_every_rank_can_only_say_received():
+    results = _run(local_check=False)
+    assert results[0] == results[1] == (3, "grad", "0.weight", "received")
