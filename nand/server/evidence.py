@@ -6,6 +6,9 @@ reads three small columns, never the window itself.
 >>> w = {"steps": [1, 2, 3], "act_max_abs": [[2.0], [900.0], [3e4]], "dtype_max": 65504.0}
 >>> flight_evidence(w).overflow
 True
+>>> runaway = {"steps": [1, 2], "act_max_abs": [[3.0], [2e17]], "dtype_max": 3.4e38}
+>>> flight_evidence(runaway).overflow
+True
 """
 
 from __future__ import annotations
@@ -16,8 +19,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-#: Overflow: the window's largest finite max|x| reached this share of the dtype's limit.
+#: Overflow: the window's largest finite max|x| reached this share of the dtype's limit...
 OVERFLOW_SHARE = 0.1
+#: ...or grew at least this many times over the window (a runaway: in float32 a
+#: blow-up jumps from ~1e17 to inf in one step, never near the limit itself).
+RUNAWAY_FACTOR = 1e6
 #: Gradient explosion: the grad norm grew at least this much over the window...
 EXPLOSION_FACTOR = 10.0
 #: ...rising on at least this share of consecutive steps.
@@ -69,7 +75,11 @@ def _overflow(flight: dict[str, Any], steps: list[int]) -> str:
     act, grad = act + [[]] * (n - len(act)), grad + [[]] * (n - len(grad))
     peaks = [max(_finite(a) + _finite(g), default=0.0) for a, g in zip(act, grad, strict=True)]
     peaks = [p for p in peaks if p > 0]
-    if not peaks or max(peaks) < OVERFLOW_SHARE * limit or max(peaks) <= peaks[0]:
+    if not peaks or max(peaks) <= peaks[0]:
+        return ""
+    near_limit = max(peaks) >= OVERFLOW_SHARE * limit
+    runaway = max(peaks) >= RUNAWAY_FACTOR * peaks[0]
+    if not (near_limit or runaway):
         return ""
     dtype = flight.get("dtype") or "dtype"
     return (

@@ -114,6 +114,19 @@ def test_no_overflow_far_below_the_limit_or_when_not_growing() -> None:
     assert not flight_evidence(flat.to_dict()).overflow
 
 
+def test_overflow_from_a_runaway_growth_far_below_a_float32_limit() -> None:
+    runaway = FlightWindow(
+        steps=[1, 2, 3], modules=["fc2"], act_max_abs=[[2.0], [3e8], [1.9e17]], dtype_max=3.4e38
+    )
+    assert flight_evidence(runaway.to_dict()).overflow
+    growing = FlightWindow(
+        steps=[1, 2], modules=["a"], act_max_abs=[[2.0], [2e3]], dtype_max=3.4e38
+    )
+    assert not flight_evidence(
+        growing.to_dict()
+    ).overflow  # a thousandfold is training, not runaway
+
+
 def test_gradient_explosion_from_a_rising_grad_norm() -> None:
     window = FlightWindow(steps=[1, 2, 3, 4, 5], grad_norm=[1.0, 3.0, 20.0, 150.0, None])
     evidence = flight_evidence(window.to_dict())
