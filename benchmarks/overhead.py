@@ -2,6 +2,7 @@
 
     python benchmarks/overhead.py            # full run (~5 min on one core)
     python benchmarks/overhead.py --quick    # a smoke run
+    python benchmarks/overhead.py --only transformer --detectors none nand --repeats 9
 
 One process, one CPU thread, interleaved repeats (the machine is shared):
 each repeat times a few steps of every detector in turn, and the figure is the
@@ -38,6 +39,7 @@ from torch import nn
 import nand
 
 Step = Callable[[], None]
+KINDS = ["none", "nand", "naive", "anomaly"]
 
 
 def mlp_case() -> tuple[nn.Module, Callable[[], torch.Tensor], Callable[[Any], torch.Tensor]]:
@@ -95,10 +97,12 @@ def make_step(kind: str, case: Any, base: nn.Module, use_adam: bool) -> Step:
     return step
 
 
-def bench(name: str, case_fn: Callable[[], Any], use_adam: bool, reps: int, steps: int) -> None:
+def bench(
+    name: str, case_fn: Callable[[], Any], use_adam: bool, reps: int, steps: int, kinds: list[str]
+) -> None:
     torch.manual_seed(0)
     case = case_fn()
-    kinds = ["none", "nand", "naive", "anomaly"]
+    kinds = ["none"] + [k for k in kinds if k != "none"]
     fns = {k: make_step(k, case, case[0], use_adam) for k in kinds}
     for fn in fns.values():  # warm up
         for _ in range(3):
@@ -158,6 +162,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="few repeats, for a smoke run")
     parser.add_argument("--only", choices=["mlp", "transformer"], help="one model only")
+    parser.add_argument(
+        "--detectors", nargs="+", default=KINDS, choices=KINDS, help="compared with none"
+    )
+    parser.add_argument("--repeats", type=int, help="interleaved repeats (default 31 / 9)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     logging.getLogger("nand").setLevel(logging.ERROR)
@@ -167,16 +175,18 @@ def main() -> None:
             "MLP 64-256-256-10, batch 64, SGD step",
             mlp_case,
             False,
-            reps=5 if args.quick else 31,
+            reps=args.repeats or (5 if args.quick else 31),
             steps=20 if args.quick else 50,
+            kinds=args.detectors,
         )
     if args.only != "mlp":
         bench(
             "TransformerEncoder d256 x4, seq 128, batch 16, AdamW step",
             transformer_case,
             True,
-            reps=2 if args.quick else 9,
+            reps=args.repeats or (2 if args.quick else 9),
             steps=2 if args.quick else 3,
+            kinds=args.detectors,
         )
     host_reads()
 
