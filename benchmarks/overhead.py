@@ -142,7 +142,7 @@ def host_reads(steps: int = 20) -> None:
         return orig_item(self)
 
     with nand.watch(model, opt) as w:
-        torch.Tensor.tolist, torch.Tensor.item = tolist, item  # type: ignore[method-assign]
+        torch.Tensor.tolist, torch.Tensor.item = tolist, item  # type: ignore[method-assign,assignment]
         try:
             for _ in range(steps):
                 loss_fn(model(inputs())).backward()
