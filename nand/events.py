@@ -126,7 +126,7 @@ class Event:
         where = self.module or "<root>"
         if self.module_type:
             where = f"{where} ({self.module_type})"
-        kinds = _value_kinds(self)
+        kinds = value_kinds(self)
         how = {
             "data": "arrived in the input data",
             "produced": "was produced here from finite inputs",
@@ -141,16 +141,23 @@ class Event:
         )
 
 
-def _value_kinds(event: Event) -> str:
-    """'NaN', '+inf', 'NaN and -inf'... from the counts, or 'non-finite'."""
-    parts = []
-    if event.nan:
-        parts.append(f"NaN x{event.nan}" if event.nan > 1 else "NaN")
-    if event.posinf:
-        parts.append(f"+inf x{event.posinf}" if event.posinf > 1 else "+inf")
-    if event.neginf:
-        parts.append(f"-inf x{event.neginf}" if event.neginf > 1 else "-inf")
-    return " and ".join(parts) if parts else "non-finite value"
+def value_kinds(event: Event) -> str:
+    """What the values were, in words: ``"NaN"``, ``"+inf x3"``, ``"NaN and -inf"``...
+
+    Counts win when the agent computed them (parameters, gradients, state).
+    Activations are gone by the time anything is read, so their events carry
+    only the NaN-propagating min and max of one ``aminmax``: an infinite max
+    means +inf, an infinite min -inf, a NaN min/max means NaN was there.
+    """
+    if any(count is not None for count in (event.nan, event.posinf, event.neginf)):
+        counted = [(event.nan, "NaN"), (event.posinf, "+inf"), (event.neginf, "-inf")]
+        parts = [f"{name} x{n}" if n > 1 else name for n, name in counted if n]
+    else:
+        lo, hi = event.min, event.max
+        nan = any(v is not None and math.isnan(v) for v in (lo, hi))
+        found = [(nan, "NaN"), (hi == math.inf, "+inf"), (lo == -math.inf, "-inf")]
+        parts = [name for present, name in found if present]
+    return " and ".join(parts) if parts else "a non-finite value"
 
 
 @dataclass

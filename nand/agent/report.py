@@ -66,22 +66,9 @@ def _from_minmax(event: Event, finding: Finding, scale: float) -> None:
     event.dtype = str(site.dtype).removeprefix("torch.") if site.dtype is not None else ""
 
 
-def _kinds(event: Event) -> str:
-    if event.nan is not None:
-        return ""  # Event.describe counts them
-    lo, hi = event.min, event.max
-    if lo is None or hi is None or math.isnan(lo) or math.isnan(hi):
-        return "NaN"
-    parts = [s for s, bad in (("+inf", hi == math.inf), ("-inf", lo == -math.inf)) if bad]
-    return " and ".join(parts) or "non-finite value"
-
-
 def describe(event: Event, finding: Finding) -> str:
     """The one log line of an incident: who, where, what, and what it means."""
     text = event.describe()
-    kinds = _kinds(event)
-    if kinds:
-        text = text.replace("non-finite value", kinds, 1)
     extra = []
     if finding.site.kind == "inline" and finding.phase == "forward":
         extra.append(f"made by code inline in the forward of {event.module or '<root>'}")

@@ -11,7 +11,7 @@ from typing import Any
 
 from nand.events import PHASE_RANK
 from nand.server.evidence import flight_evidence
-from nand.server.sanitize import clean_str, finite, jsonable
+from nand.server.sanitize import clean_str, finite, jsonable, number
 
 
 def logical_key(row: dict[str, Any]) -> tuple[int, int, int, int]:
@@ -95,8 +95,9 @@ def event_row(message: dict[str, Any], run_ids: dict[str, int]) -> dict[str, Any
         "nan": event.get("nan"),
         "posinf": event.get("posinf"),
         "neginf": event.get("neginf"),
-        "min": finite(event.get("min")),
-        "max": finite(event.get("max")),
+        # Kept non-finite: an infinite max is how an activation event says +inf.
+        "min": number(event.get("min")),
+        "max": number(event.get("max")),
         "max_abs": finite(event.get("max_abs")),
         "shape": event.get("shape") or [],
         "dtype": clean_str(event.get("dtype"), 64),

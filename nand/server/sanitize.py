@@ -37,6 +37,15 @@ def clean_str(value: Any, limit: int) -> str:
     return value.replace("\x00", "")[:limit]
 
 
+def number(value: Any) -> float | None:
+    """A float as sent, NaN and ±inf included (they say what the values were)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    if isinstance(value, int):
+        return float(value) if -(2**1023) < value < 2**1023 else None
+    return float(value)
+
+
 def finite(value: Any) -> float | None:
     kind = type(value)
     if kind is float:

@@ -43,6 +43,8 @@ class EventOut(BaseModel):
     min: float | None = None
     max: float | None = None
     max_abs: float | None = None
+    #: What the values were, in words: "NaN", "+inf x3", "NaN and -inf"...
+    values: str = ""
     shape: list[int] = Field(default_factory=list)
     dtype: str = ""
     time: float
@@ -73,6 +75,8 @@ class Origin(BaseModel):
     posinf: int | None = None
     neginf: int | None = None
     max_abs: float | None = None
+    #: What the values were, in words (see EventOut.values).
+    values: str = ""
     time: float
     event_id: int
 

@@ -1,6 +1,6 @@
 """The sentences a person reads: what went non-finite where, and who got it how.
 
->>> from nand.events import Event
+>>> from nand.events import Event, value_kinds
 >>> firsts = [Event(rank=1, step=5, phase="forward", module="fc", module_type="Linear", nan=1),
 ...           Event(rank=0, step=5, phase="grad", module="fc.weight", nan=2)]
 >>> print(diverged_summary(firsts, 2, ""))  # doctest: +NORMALIZE_WHITESPACE
@@ -12,17 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from nand.events import Event
+from nand.events import Event, value_kinds
 from nand.server.correlate import origin, relation
 from nand.server.evidence import FlightEvidence
-
-
-def value_kinds(event: Event) -> str:
-    parts = []
-    for count, name in ((event.nan, "NaN"), (event.posinf, "+inf"), (event.neginf, "-inf")):
-        if count:
-            parts.append(name)
-    return " and ".join(parts) if parts else "a non-finite value"
 
 
 def _ranks(ranks: Sequence[int]) -> str:

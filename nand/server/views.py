@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from sqlalchemy.orm import Session
 
-from nand.events import Event
+from nand.events import Event, finite_or_none, value_kinds
 from nand.server import correlate, store, summary
 from nand.server.evidence import FlightEvidence, heartbeat_evidence
 from nand.server.models import EventRow, Rank, Run
@@ -46,6 +46,8 @@ def to_event(row: EventRow, run: str = "") -> Event:
         nan=row.nan,
         posinf=row.posinf,
         neginf=row.neginf,
+        min=row.min,
+        max=row.max,
         max_abs=row.max_abs,
         shape=list(row.shape or []),
         dtype=row.dtype,
@@ -73,9 +75,10 @@ def event_out(row: EventRow, run: str) -> EventOut:
         nan=row.nan,
         posinf=row.posinf,
         neginf=row.neginf,
-        min=row.min,
-        max=row.max,
+        min=finite_or_none(row.min),
+        max=finite_or_none(row.max),
         max_abs=row.max_abs,
+        values=value_kinds(to_event(row)),
         shape=list(row.shape or []),
         dtype=row.dtype,
         time=row.time,
@@ -105,6 +108,7 @@ def origin_out(row: EventRow) -> Origin:
         posinf=row.posinf,
         neginf=row.neginf,
         max_abs=row.max_abs,
+        values=value_kinds(to_event(row)),
         time=row.time,
         event_id=row.id,
     )

@@ -50,7 +50,8 @@ export function valueKinds(e) {
   if (e.nan) parts.push(e.nan > 1 ? `NaN ×${count(e.nan)}` : "NaN");
   if (e.posinf) parts.push(e.posinf > 1 ? `+inf ×${count(e.posinf)}` : "+inf");
   if (e.neginf) parts.push(e.neginf > 1 ? `-inf ×${count(e.neginf)}` : "-inf");
-  return parts.length ? parts.join(" and ") : "a non-finite value";
+  // Activation events carry no counts; the server says in words what min/max showed.
+  return parts.length ? parts.join(" and ") : e.values || "a non-finite value";
 }
 
 /** "4×1024 float16" */

@@ -64,7 +64,7 @@ def test_verdict_names_origin_rank_and_ranks_that_received_it(server, agents) ->
     assert verdict["simultaneous"] is False
     assert verdict["hint"] == "produced_in_layer"
     assert verdict["summary"].startswith(
-        "rank 2 produced +inf in enc.fc2 (Linear) during forward at step 11; "
+        "rank 2 produced +inf x3 in enc.fc2 (Linear) during forward at step 11; "
         "the other 3 ranks received it through the gradient all-reduce."
     )
     assert verdict["since"] == verdict["origin"]["time"]

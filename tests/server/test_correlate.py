@@ -23,7 +23,7 @@ def test_single_origin_in_forward_others_received_through_grad_all_reduce() -> N
     hint = correlate.hint(correlate.origin(firsts))
     text = summary.diverged_summary(firsts, 8, hint)
     assert text.startswith(
-        "rank 3 produced +inf in enc.layers.5.mlp.fc2 (Linear) during forward at step 4711; "
+        "rank 3 produced +inf x2 in enc.layers.5.mlp.fc2 (Linear) during forward at step 4711; "
         "the other 7 ranks received it through the gradient all-reduce."
     )
     assert "Only rank 3 produced it: suspect its data or its GPU." in text
@@ -53,7 +53,7 @@ def test_bad_data_on_one_rank_points_at_its_input() -> None:
     assert head is not None and head.rank == 5
     assert correlate.hint(head) == "input_data"
     text = summary.diverged_summary(firsts, 8, "input_data")
-    assert text.startswith("rank 5 got NaN in its input data at step 90")
+    assert text.startswith("rank 5 got NaN x3 in its input data at step 90")
     assert "check the data pipeline" in text
 
 
