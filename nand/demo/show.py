@@ -13,6 +13,7 @@ import secrets
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ class Terminal:
 
     def __init__(self) -> None:
         self.tty = sys.stdout.isatty()
-        self._last_progress = 0.0
+        self._last_progress = ""
 
     def style(self, text: str, code: str) -> str:
         return f"\033[{code}m{text}\033[0m" if self.tty else text
@@ -38,11 +39,14 @@ class Terminal:
         print(text, flush=True)
 
     def progress(self, text: str) -> None:
+        """One line rewritten in place on a terminal; a new line only on change otherwise."""
+        if text == self._last_progress:
+            return
+        self._last_progress = text
         if self.tty:
             sys.stdout.write("\r\033[K" + text)
             sys.stdout.flush()
-        elif time.monotonic() - self._last_progress > 2.0:
-            self._last_progress = time.monotonic()
+        else:
             print(text, flush=True)
 
 
@@ -111,6 +115,7 @@ def _launch_job(
 ) -> subprocess.Popen[bytes]:
     env = dict(os.environ, NAND_SERVER=endpoint, NAND_RUN=run, NAND_TOKEN=token)
     env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("NAND_HEARTBEAT_S", "0.5")  # a short job: progress twice a second
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         "--nproc-per-node", str(args.ranks),
@@ -156,10 +161,8 @@ def _print_verdict(term: Terminal, verdict: dict[str, Any]) -> None:
     origin = verdict.get("origin") or {}
     term.line(term.style(f"  ✗ diverged at step {origin.get('step', '?')}", "1;31"))
     term.line("")
-    for sentence in verdict["summary"].split("; "):
-        term.line(f"    {sentence}")
-    if verdict.get("hint"):
-        term.line(f"    cause hint: {verdict['hint'].replace('_', ' ')}")
+    for line in textwrap.wrap(verdict["summary"], width=88):
+        term.line(f"    {line}")
     term.line("")
 
 
