@@ -43,12 +43,10 @@ import signal
 import sys
 import threading
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from typing import Any
 
 from nand import config
+from nand.client import ApiError, request_json, run_url
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -185,42 +183,13 @@ def cmd_prune(args: argparse.Namespace) -> int:
 # --- REST clients -----------------------------------------------------------
 
 
-class ApiError(Exception):
-    def __init__(self, status: int, detail: str) -> None:
-        self.status = status
-        super().__init__(detail)
-
-
 def _base(args: argparse.Namespace) -> str:
     url = args.url or config.get_str(config.NAND_URL, "http://127.0.0.1:8080") or ""
     return url.rstrip("/")
 
 
-def _request(url: str, *, method: str = "GET", body: Any = None, token: str | None = None) -> Any:
-    data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, method=method)
-    request.add_header("Accept", "application/json")
-    if data is not None:
-        request.add_header("Content-Type", "application/json")
-    if token:
-        request.add_header("Authorization", f"Bearer {token}")
-    try:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        raise ApiError(exc.code, _detail(exc)) from None
-
-
-def _detail(exc: urllib.error.HTTPError) -> str:
-    try:
-        detail = json.loads(exc.read()).get("detail")
-    except (ValueError, AttributeError):
-        detail = None
-    return detail if isinstance(detail, str) else f"HTTP {exc.code}"
-
-
 def _run_url(args: argparse.Namespace, suffix: str = "") -> str:
-    return f"{_base(args)}/api/runs/{urllib.parse.quote(args.run, safe='')}{suffix}"
+    return run_url(_base(args), args.run, suffix)
 
 
 def _fail(message: str, code: int) -> int:
@@ -230,7 +199,7 @@ def _fail(message: str, code: int) -> int:
 
 def cmd_runs(args: argparse.Namespace) -> int:
     try:
-        runs = _request(f"{_base(args)}/api/runs?limit={max(1, min(args.limit, 1000))}")
+        runs = request_json(f"{_base(args)}/api/runs?limit={max(1, min(args.limit, 1000))}")
     except ApiError as exc:
         return _fail(str(exc), EXIT_ERROR)
     except OSError as exc:
@@ -256,7 +225,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
 
 def cmd_verdict(args: argparse.Namespace) -> int:
     try:
-        verdict = _request(_run_url(args, "/verdict"))
+        verdict = request_json(_run_url(args, "/verdict"))
     except ApiError as exc:
         return _fail(str(exc), EXIT_ERROR)
     except OSError as exc:
@@ -275,7 +244,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
     if args.step is not None:
         body["step"] = args.step
     try:
-        answer = _request(_run_url(args, "/stop"), method="POST", body=body, token=token)
+        answer = request_json(_run_url(args, "/stop"), method="POST", body=body, token=token)
     except ApiError as exc:
         return _fail(str(exc), EXIT_ERROR)
     except OSError as exc:
@@ -301,7 +270,7 @@ def cmd_wait(args: argparse.Namespace) -> int:
     unreachable_since: float | None = None
     while True:
         try:
-            state = _request(_run_url(args, "/verdict"))["state"]
+            state = request_json(_run_url(args, "/verdict"))["state"]
             unreachable_since = None
         except ApiError as exc:
             if exc.status != 404:
