@@ -37,6 +37,33 @@ from nand.agent.modules import CONTAINERS, ModuleInfo
 from nand.agent.probes import MICRO, ProbeBuffer, Site, iter_tensors
 from nand.agent.safety import Guard
 
+#: Autograd nodes of elementwise ops that cannot make a finite value
+#: non-finite, when written inline (``F.relu(self.linear1(x))``); of those, the
+#: ones whose backward zeroes gradients where the input was cut.
+FINITE_NODES = frozenset(
+    {"ReluBackward0", "GeluBackward0", "SiluBackward0", "TanhBackward0", "SigmoidBackward0"}
+)
+MASKING_NODES = frozenset({"ReluBackward0"})
+
+
+def _finite_op_of(x: Tensor, last: Tensor | None) -> str | None:
+    """The node name if ``x`` is one finite-preserving op applied to ``last``.
+
+    ``last`` was probed (or is such an op of a probed value itself), so ``x``
+    is finite whenever ``last`` is: probing it again would only re-read the
+    same bytes (an 8 MB activation in a transformer's feed-forward block).
+    """
+    node = x.grad_fn
+    if node is None or last is None or last.grad_fn is None:
+        return None
+    name = node.name()
+    if name not in FINITE_NODES:
+        return None
+    nexts = node.next_functions
+    if len(nexts) != 1 or nexts[0][0] is not last.grad_fn or nexts[0][1] != last.output_nr:
+        return None
+    return name
+
 
 class HookState:
     """What the hooks share: the buffer, the last recorded output, the guard."""
@@ -251,7 +278,15 @@ class Hooks:
                     nands = 0 if info.leaf else 1  # containers carry nand's pre-hook
                     own = len(module._forward_pre_hooks) > nands
                     owner = info if own or info.parent is None else info.parent
-                self._probe_output(owner.inline_site(), x)
+                node = _finite_op_of(x, last)
+                if node is None:
+                    self._probe_output(owner.inline_site(), x)
+                elif node in MASKING_NODES:
+                    # Its backward can hide a NaN the next module made (see
+                    # modules.MASKING): the gradient is still probed.
+                    site = owner.inline_site().backward
+                    assert site is not None
+                    self._grad_hook(site).attach(x)
 
     def _probe_structure(self, info: ModuleInfo, output: Any) -> None:
         last = None
