@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from sqlalchemy.orm import Session
 
-from nand.events import Event, finite_or_none, value_kinds
+from nand.events import Event, value_kinds
 from nand.server import correlate, store, summary
 from nand.server.evidence import FlightEvidence, heartbeat_evidence
 from nand.server.models import EventRow, Rank, Run
@@ -25,6 +25,7 @@ from nand.server.schemas import (
     Verdict,
 )
 from nand.server.settings import Settings
+from nand.wire import json_safe
 
 RankRows = Sequence[tuple[Rank, EventRow | None]]
 
@@ -43,6 +44,7 @@ def to_event(row: EventRow, run: str = "") -> Event:
         module_type=row.module_type,
         order=row.ord,
         cause=row.cause,
+        call=row.call,
         nan=row.nan,
         posinf=row.posinf,
         neginf=row.neginf,
@@ -53,38 +55,14 @@ def to_event(row: EventRow, run: str = "") -> Event:
         dtype=row.dtype,
         time=row.time,
         seq=row.seq,
+        message=row.message,
     )
 
 
 def event_out(row: EventRow, run: str) -> EventOut:
-    return EventOut(
-        id=row.id,
-        run=run,
-        rank=row.rank,
-        world_size=row.world_size,
-        host=row.host,
-        pid=row.pid,
-        step=row.step,
-        micro_step=row.micro_step,
-        phase=row.phase,
-        module=row.module,
-        module_type=row.module_type,
-        order=row.ord,
-        cause=row.cause,
-        call=row.call,
-        nan=row.nan,
-        posinf=row.posinf,
-        neginf=row.neginf,
-        min=finite_or_none(row.min),
-        max=finite_or_none(row.max),
-        max_abs=row.max_abs,
-        values=value_kinds(to_event(row)),
-        shape=list(row.shape or []),
-        dtype=row.dtype,
-        time=row.time,
-        seq=row.seq,
-        message=row.message,
-    )
+    event = to_event(row, run)
+    # JSON has no NaN/inf: ``values`` keeps in words what min/max said.
+    return EventOut(id=row.id, values=value_kinds(event), **json_safe(event.to_dict()))
 
 
 def _origin_row(ranks: RankRows) -> EventRow | None:
