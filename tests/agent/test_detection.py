@@ -115,6 +115,30 @@ def test_where_log_backward_nan_is_found_in_backward_not_forward(kind):
     assert where(w.first) == (0, 0, "backward", "2", "produced")
 
 
+def test_an_inline_relu_is_not_probed_again_but_a_gradient_it_hides_is_found(kind):
+    class SafeLog(nn.Module):
+        def forward(self, x):
+            return torch.where(x > 0, torch.log(x), torch.zeros_like(x))
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.log = nn.Linear(8, 16), SafeLog()
+
+        def forward(self, x):
+            return self.log(torch.relu(self.fc(x)))  # relu inline, between two children
+
+    model = nn.Sequential(Block(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with nand.watch(model, opt) as w:
+        train(model, opt, 2)
+    # log'(0) * 0 = NaN where relu cut, and relu's backward zeroes exactly
+    # there: only the probe on the inline relu's gradient sees it.
+    assert where(w.first) == (0, 0, "backward", "0.log", "produced")
+    block = w.flight_window().modules.index("0")
+    assert all(row[block] is None for row in w.flight_window().act_max_abs)
+
+
 def test_a_non_finite_gradient_written_into_grad_is_reported_as_grad(kind):
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
