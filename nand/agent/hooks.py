@@ -262,6 +262,10 @@ class Hooks:
         A module with forward pre-hooks of its own (other than nand's) may
         have had its inputs changed by them: those belong to the module's
         call, so the value is the module's, not its parent's.
+
+        A value that is one relu/gelu/silu/tanh/sigmoid of the last recorded
+        output cannot be non-finite unless that output was: no forward probe
+        (relu keeps its gradient probe, see :data:`MASKING_NODES`).
         """
         last = self.state.last
         owner: ModuleInfo | None = None
