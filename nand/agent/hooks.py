@@ -54,7 +54,8 @@ def _finite_op_of(x: Tensor, last: Tensor | None) -> str | None:
     same bytes (an 8 MB activation in a transformer's feed-forward block).
     """
     node = x.grad_fn
-    if node is None or last is None or last.grad_fn is None:
+    # ``last`` changed in place since it was probed (by inline code): not covered.
+    if node is None or last is None or last.grad_fn is None or last._version:
         return None
     name = node.name()
     if name not in FINITE_NODES:

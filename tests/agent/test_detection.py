@@ -139,6 +139,28 @@ def test_an_inline_relu_is_not_probed_again_but_a_gradient_it_hides_is_found(kin
     assert all(row[block] is None for row in w.flight_window().act_max_abs)
 
 
+def test_inline_code_changing_a_child_output_in_place_before_a_relu_is_blamed_on_the_parent(
+    kind,
+):
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.out = nn.Linear(8, 16), nn.Linear(16, 4)
+            self.value: float | None = None
+
+        def forward(self, x):
+            h = self.fc(x)
+            if self.value is not None:
+                h.mul_(self.value)  # inline, in place, on the probed output
+            return self.out(torch.relu(h))
+
+    model = nn.Sequential(Block())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nand.watch(model, opt) as w:
+        train(model, opt, 4, before=arm_at(model[0], 2, VALUES[kind]))
+    assert where(w.first) == (2, 0, "forward", "0", "produced")
+
+
 def test_a_non_finite_gradient_written_into_grad_is_reported_as_grad(kind):
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
