@@ -43,10 +43,15 @@ from nand.agent.safety import Guard
 FINITE_NODES = frozenset(
     {"ReluBackward0", "GeluBackward0", "SiluBackward0", "TanhBackward0", "SigmoidBackward0"}
 )
+#: Those that also keep an allowed -inf finite (gelu(-inf) and silu(-inf) are
+#: -inf * 0 = NaN): used when some module may emit -inf (``allow_nonfinite``).
+NEGINF_SAFE_NODES = frozenset({"ReluBackward0", "TanhBackward0", "SigmoidBackward0"})
 MASKING_NODES = frozenset({"ReluBackward0"})
 
 
-def _finite_op_of(x: Tensor, last: Tensor | None) -> str | None:
+def _finite_op_of(
+    x: Tensor, last: Tensor | None, nodes: frozenset[str] = FINITE_NODES
+) -> str | None:
     """The node name if ``x`` is one finite-preserving op applied to ``last``.
 
     ``last`` was probed (or is such an op of a probed value itself), so ``x``
@@ -58,7 +63,7 @@ def _finite_op_of(x: Tensor, last: Tensor | None) -> str | None:
     if node is None or last is None or last.grad_fn is None or last._version:
         return None
     name = node.name()
-    if name not in FINITE_NODES:
+    if name not in nodes:
         return None
     nexts = node.next_functions
     if len(nexts) != 1 or nexts[0][0] is not last.grad_fn or nexts[0][1] != last.output_nr:
@@ -85,8 +90,11 @@ class Hooks:
         self.state = state
         self.handles: list[RemovableHandle] = []
         self._grad_hooks: dict[int, GradHooks] = {}
+        self._finite_nodes = FINITE_NODES
 
     def install(self, root: nn.Module, infos: dict[nn.Module, ModuleInfo]) -> None:
+        if any(info.allow_neginf for info in infos.values()):
+            self._finite_nodes = NEGINF_SAFE_NODES
         for module, info in infos.items():
             if isinstance(module, CONTAINERS):
                 continue
@@ -283,7 +291,7 @@ class Hooks:
                     nands = 0 if info.leaf else 1  # containers carry nand's pre-hook
                     own = len(module._forward_pre_hooks) > nands
                     owner = info if own or info.parent is None else info.parent
-                node = _finite_op_of(x, last)
+                node = _finite_op_of(x, last, self._finite_nodes)
                 if node is None:
                     self._probe_output(owner.inline_site(), x)
                 elif node in MASKING_NODES:

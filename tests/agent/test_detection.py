@@ -161,6 +161,26 @@ def test_inline_code_changing_a_child_output_in_place_before_a_relu_is_blamed_on
     assert where(w.first) == (2, 0, "forward", "0", "produced")
 
 
+def test_an_inline_gelu_of_an_allowed_minus_inf_is_probed_and_blamed_on_the_parent(kind):
+    class Mask(nn.Module):
+        def forward(self, x):
+            return x.masked_fill(torch.ones_like(x, dtype=torch.bool).triu(1), float("-inf"))
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.mask, self.out = nn.Linear(8, 8), Mask(), nn.Linear(8, 4)
+
+        def forward(self, x):
+            return self.out(nn.functional.gelu(self.mask(self.fc(x))))  # gelu(-inf) = NaN
+
+    model = nn.Sequential(Block())
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with nand.watch(model, opt, allow_nonfinite=["*mask"]) as w:
+        train(model, opt, 2)
+    assert where(w.first) == (0, 0, "forward", "0", "produced")
+
+
 def test_a_non_finite_gradient_written_into_grad_is_reported_as_grad(kind):
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
