@@ -61,8 +61,9 @@ hide a NaN the next module made. Param and optimizer-state results are read
 with the next step's boundary (or at ``close``), so a non-finite *update* from
 finite gradients is reported with its step but found one step later, and
 ``raise`` cannot prevent that one. Measured on CPU, 1 thread
-(``python benchmarks/overhead.py``): 1.51x on an MLP 64-256-256-10 SGD step,
-1.07x on a 4-layer TransformerEncoder AdamW step; the 1.3x / 1.05x targets
+(``python benchmarks/overhead.py``, median of 5 runs): 1.51x on an MLP
+64-256-256-10 SGD step, 1.08x on a 4-layer TransformerEncoder AdamW step; the
+1.3x / 1.05x targets
 are not met: the MLP pays for ~14 Python callbacks and the boundary per step,
 the transformer for reading every activation, gradient, parameter and Adam
 state once (``aminmax`` is the cheapest exact reduction found on CPU; see
