@@ -100,9 +100,8 @@ class Boundary:
         if not self.warned_headroom:
             self._headroom(row)
         if is_bad(values, len(values) - len(extras)):
-            finding = first_finding(buf, values, self.who.world_size, prev_micro)
-            if finding is not None and finding.phase == "grad":
-                finding.cause = self._grad_cause(values, extras)
+            grad_cause = self._grad_cause(values, extras)
+            finding = first_finding(buf, values, grad_cause, prev_micro)
             if finding is not None:
                 at = prev_step if finding.phase in ("param", "optimizer_state") else step
                 self.seq += 1

@@ -139,14 +139,16 @@ class Finding:
 
 
 def first_finding(
-    buf: ProbeBuffer, values: list[float], world_size: int = 1, prev_micro: int = 0
+    buf: ProbeBuffer, values: list[float], grad_cause: str = "produced", prev_micro: int = 0
 ) -> Finding | None:
     """The logically first verified non-finite entry, or None (a false alarm).
 
     ``prev_micro`` labels param/optimizer_state entries, which were taken after
-    the previous optimizer step and read with this one.
+    the previous optimizer step and read with this one. ``grad_cause`` is the
+    cause of a non-finite ``.grad`` (``received`` when it came through an
+    all-reduce; the boundary measures it, see ``Boundary._grad_cause``).
     """
-    norms = _norm_findings(buf, values, world_size, prev_micro)
+    norms = _norm_findings(buf, values, grad_cause, prev_micro)
     candidates = _activation_findings(buf, values) + norms
     for finding in sorted(candidates, key=_logical_key):
         if finding.tensor is None or not bool(torch.isfinite(finding.tensor).all()):
@@ -220,7 +222,7 @@ def _backward_finding(
 
 
 def _norm_findings(
-    buf: ProbeBuffer, values: list[float], world_size: int, prev_micro: int
+    buf: ProbeBuffer, values: list[float], grad_cause: str, prev_micro: int
 ) -> list[Finding]:
     start = 2 * (len(buf.sites) - buf.sites.count(None))
     last_micro = max(buf.sites.count(None) - 1, 0)
@@ -236,7 +238,7 @@ def _norm_findings(
             continue
         tensor = local(tensor)
         micro = last_micro if site.phase == "grad" else prev_micro
-        cause = "received" if site.phase == "grad" and world_size > 1 else "produced"
+        cause = grad_cause if site.phase == "grad" else "produced"
         found.append(
             Finding(
                 site, site.phase, site.module, site.module_type, micro, order, 0, norm, norm, cause
