@@ -37,12 +37,14 @@ a kill, use ``nand stop RUN`` (needs ``NAND_TOKEN``).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from nand import config
@@ -197,13 +199,28 @@ def _fail(message: str, code: int) -> int:
     return code
 
 
+def _reports_api_errors(
+    command: Callable[[argparse.Namespace], int],
+) -> Callable[[argparse.Namespace], int]:
+    """An API error exits 1 with the server's reason; an unreachable server exits 2."""
+
+    @functools.wraps(command)
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return command(args)
+        except ApiError as exc:
+            return _fail(str(exc), EXIT_ERROR)
+        except BrokenPipeError:
+            raise  # our stdout closed (`| head`), not the server
+        except OSError as exc:
+            return _fail(f"cannot reach {_base(args)}: {exc}", EXIT_USAGE)
+
+    return run
+
+
+@_reports_api_errors
 def cmd_runs(args: argparse.Namespace) -> int:
-    try:
-        runs = request_json(f"{_base(args)}/api/runs?limit={max(1, min(args.limit, 1000))}")
-    except ApiError as exc:
-        return _fail(str(exc), EXIT_ERROR)
-    except OSError as exc:
-        return _fail(f"cannot reach {_base(args)}: {exc}", EXIT_USAGE)
+    runs = request_json(f"{_base(args)}/api/runs?limit={max(1, min(args.limit, 1000))}")
     if args.json:
         print(json.dumps(runs, indent=2))
         return EXIT_OK
@@ -223,13 +240,9 @@ def cmd_runs(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+@_reports_api_errors
 def cmd_verdict(args: argparse.Namespace) -> int:
-    try:
-        verdict = request_json(_run_url(args, "/verdict"))
-    except ApiError as exc:
-        return _fail(str(exc), EXIT_ERROR)
-    except OSError as exc:
-        return _fail(f"cannot reach {_base(args)}: {exc}", EXIT_USAGE)
+    verdict = request_json(_run_url(args, "/verdict"))
     if args.json:
         print(json.dumps(verdict, indent=2))
     else:
@@ -238,17 +251,13 @@ def cmd_verdict(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+@_reports_api_errors
 def cmd_stop(args: argparse.Namespace) -> int:
     token = args.token or config.get_str(config.NAND_TOKEN)
     body: dict[str, Any] = {"reason": args.reason}
     if args.step is not None:
         body["step"] = args.step
-    try:
-        answer = request_json(_run_url(args, "/stop"), method="POST", body=body, token=token)
-    except ApiError as exc:
-        return _fail(str(exc), EXIT_ERROR)
-    except OSError as exc:
-        return _fail(f"cannot reach {_base(args)}: {exc}", EXIT_USAGE)
+    answer = request_json(_run_url(args, "/stop"), method="POST", body=body, token=token)
     ranks = ", ".join(map(str, answer["ranks"])) or "none running"
     print(f"{answer['run']}: every rank stops at step {answer['step']} (ranks {ranks})")
     return EXIT_OK
