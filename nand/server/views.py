@@ -72,24 +72,10 @@ def _origin_row(ranks: RankRows) -> EventRow | None:
 
 
 def origin_out(row: EventRow) -> Origin:
-    return Origin(
-        rank=row.rank,
-        step=row.step,
-        micro_step=row.micro_step,
-        phase=row.phase,
-        module=row.module,
-        module_type=row.module_type,
-        cause=row.cause,
-        dtype=row.dtype,
-        shape=list(row.shape or []),
-        nan=row.nan,
-        posinf=row.posinf,
-        neginf=row.neginf,
-        max_abs=row.max_abs,
-        values=value_kinds(to_event(row)),
-        time=row.time,
-        event_id=row.id,
-    )
+    event = to_event(row)
+    fields = json_safe(event.to_dict())
+    shared = {name: fields[name] for name in Origin.model_fields if name in fields}
+    return Origin(event_id=row.id, values=value_kinds(event), **shared)
 
 
 def rank_states(ranks: RankRows, settings: Settings, now: float) -> dict[int, str]:
