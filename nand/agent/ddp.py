@@ -7,10 +7,11 @@ all-reduce in a communication hook that first launches one reduction of the
 rank's local gradient bucket, then does exactly what DDP does by default
 (divide by the world size, all-reduce).
 
-The reduction is ``bucket.sum(dtype=float64)``: non-finite exactly when the
-bucket holds a NaN or ±inf, and it cannot overflow for float32/16 gradients.
-Its 0-d result stays on the device; the step boundary reads it with everything
-else in its one host read, as the ``ddp_local`` extra.
+The reduction is one ``aminmax`` of the bucket (the cheapest exact pass on
+CPU; NaN reaches both results, +inf the max, -inf the min). Its 0-d results
+stay on the device; at the step boundary they are summed in float64 (finite
+values cannot overflow there) and read with everything else in the one host
+read, as the ``ddp_local`` extra.
 
 DDP takes one communication hook. If the model already has one, nand leaves
 it alone and goes without this check (grad events then say ``received``);
@@ -37,24 +38,24 @@ class LocalGradCheck:
     """The per-step "were my own gradients finite before the all-reduce" flag."""
 
     def __init__(self) -> None:
-        self._sums: list[Tensor] = []
+        self._extremes: list[Tensor] = []
         self.active = True  # DDP cannot unregister a hook: close() turns it into a no-op
 
     def hook(self, process_group: Any, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
         if self.active:  # device work only: one reduction launched, nothing read
-            self._sums.append(bucket.buffer().detach().sum(dtype=torch.float64))
+            self._extremes.extend(torch.aminmax(bucket.buffer().detach()))
         return default_hooks.allreduce_hook(process_group, bucket)
 
     def close(self) -> None:
         self.active = False
-        self._sums = []
+        self._extremes = []
 
     def take(self) -> Tensor | None:
         """The step's flag as a 0-d tensor (non-finite = bad), or None; resets."""
-        if not self._sums:
+        if not self._extremes:
             return None
-        total = torch.stack(self._sums).sum() if len(self._sums) > 1 else self._sums[0]
-        self._sums = []
+        total = torch.stack(self._extremes).sum(dtype=torch.float64)
+        self._extremes = []
         return total
 
 
