@@ -7,6 +7,9 @@ Per module call:
   forward outputs, not ``register_full_backward_hook``: they cost a fraction,
   work with ``ReLU(inplace=True)`` and see the right gradient when an in-place
   op follows (FINDINGS.md).
+- the output of a masking module (ReLU) gets its gradient probe only when
+  what consumes it could make a non-finite gradient exactly where it cut
+  (see ``modules.BENIGN_BACKWARD``): the consumer's hook decides.
 - hooks fire when a module *finishes* (children before parents). A value made
   by code written inline in a parent's ``forward`` reaches the next child as an
   input that is not the output recorded last; that input is probed as the
@@ -72,14 +75,20 @@ def _finite_op_of(
 
 
 class HookState:
-    """What the hooks share: the buffer, the last recorded output, the guard."""
+    """What the hooks share: the buffer, the last recorded output, the guard.
 
-    __slots__ = ("before_root", "buf", "guard", "last")
+    ``pending`` is a masking value (a relu's output) whose gradient probe waits
+    for its consumer: the first hook to see it as its input decides (see
+    :meth:`Hooks._settle`).
+    """
+
+    __slots__ = ("before_root", "buf", "guard", "last", "pending")
 
     def __init__(self, buf: ProbeBuffer, guard: Guard) -> None:
         self.buf = buf
         self.guard = guard
         self.last: Tensor | None = None
+        self.pending: tuple[Tensor, GradHooks] | None = None
         self.before_root: Callable[[], None] | None = None  # a step boundary, if any
 
 
@@ -131,6 +140,8 @@ class Hooks:
             if state.guard.off:
                 return
             try:
+                if state.pending is not None:
+                    self._settle(info, args)
                 if args and (len(args) > 1 or args[0] is not state.last):
                     self._check_inputs(args, output, info, module)
                 if isinstance(output, Tensor):
@@ -160,11 +171,16 @@ class Hooks:
             if state.guard.off:
                 return
             try:
+                if state.pending is not None:
+                    self._settle(info, args)
                 if args and (len(args) > 1 or args[0] is not state.last):
                     self._check_inputs(args, output, info, module)
                 if isinstance(output, Tensor):
                     if grad_hooks is not None and output.requires_grad:
-                        grad_hooks.attach(output)
+                        # Masking: the probe waits for the consumer. A value
+                        # pending here is this module's input, cut at the same
+                        # places: this output's probe supersedes it.
+                        state.pending = (output, grad_hooks)
                     state.last = output
             except Exception as exc:
                 state.guard.failed(exc, f"forward hook of {info.name!r}")
@@ -215,7 +231,7 @@ class Hooks:
                 if state.before_root is not None:
                     state.before_root()
                 sites.append(MICRO)
-                state.last = None
+                state.last = state.pending = None
                 if not kwargs and len(args) == 1 and isinstance(args[0], Tensor):
                     x = args[0]  # the common case, without walking structures
                     if x.is_floating_point() and x.numel():
@@ -236,6 +252,8 @@ class Hooks:
             if state.guard.off:
                 return
             try:
+                if state.pending is not None:  # consumed by the loss: unknown code
+                    self._settle(None, ())
                 if output is state.last:  # Sequential-like: the last child's output
                     state.last = None
                     return
@@ -274,7 +292,8 @@ class Hooks:
 
         A value that is one relu/gelu/silu/tanh/sigmoid of the last recorded
         output cannot be non-finite unless that output was: no forward probe
-        (relu keeps its gradient probe, see :data:`MASKING_NODES`).
+        (relu keeps its gradient probe unless its consumer's backward is
+        benign, see :data:`MASKING_NODES` and :meth:`_settle`).
         """
         last = self.state.last
         owner: ModuleInfo | None = None
@@ -296,10 +315,39 @@ class Hooks:
                     self._probe_output(owner.inline_site(), x)
                 elif node in MASKING_NODES:
                     # Its backward can hide a NaN the next module made (see
-                    # modules.MASKING): the gradient is still probed.
+                    # modules.MASKING): the gradient is probed, unless this
+                    # module, its consumer, has a benign backward.
                     site = owner.inline_site().backward
                     assert site is not None
-                    self._grad_hook(site).attach(x)
+                    if not info.benign:
+                        self._defer(x, self._grad_hook(site))
+                        if info.leaf and not info.safe:
+                            self._settle(info, ())  # this leaf is the consumer: not benign
+
+    def _defer(self, value: Tensor, hooks: GradHooks) -> None:
+        """Hold a masking value's gradient probe until its consumer is known."""
+        if self.state.pending is not None:
+            self._settle(None, ())
+        self.state.pending = (value, hooks)
+
+    def _settle(self, consumer: ModuleInfo | None, args: tuple[Any, ...]) -> None:
+        """The pending masking value reaches ``consumer`` (``None``: unknown code).
+
+        A finite-preserving module passes it on (its output carries the same
+        cut positions); a module with a benign backward needs no probe in
+        between; anything else, the probe is attached.
+        """
+        pending = self.state.pending
+        assert pending is not None
+        self.state.pending = None
+        value, hooks = pending
+        if consumer is not None and len(args) == 1 and args[0] is self.state.last:
+            if consumer.safe:
+                self.state.pending = pending
+                return
+            if consumer.benign:
+                return
+        hooks.attach(value)
 
     def _probe_structure(self, info: ModuleInfo, output: Any) -> None:
         last = None

@@ -33,10 +33,21 @@ FINITE_PRESERVING = (
 #: Of those, the ones whose backward zeroes the gradient exactly where their
 #: input was cut: a non-finite gradient made by the *next* module can vanish
 #: in their backward (ReLU before ``torch.where(x > 0, log(x), 0)``: the NaN
-#: sits where x == 0), so the gradient at their output is still probed; the
-#: forward probe is skipped all the same. Dropout masks at random places, so a
-#: non-finite gradient mostly passes it and is seen at the next probe.
+#: sits where x == 0), so the gradient at their output is still probed, unless
+#: what consumes the output has a benign backward (:data:`BENIGN_BACKWARD`);
+#: the forward probe is skipped all the same. Dropout masks at random places,
+#: so a non-finite gradient mostly passes it and is seen at the next probe.
 MASKING = (nn.ReLU, nn.ReLU6, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid)
+
+#: Modules whose backward cannot turn a finite gradient into a non-finite one
+#: (short of overflow, which never lines up with where a relu cut). When one
+#: of them consumes a masking module's output, that output's gradient probe
+#: would find nothing the next probe misses, so it is not attached.
+BENIGN_BACKWARD = (
+    nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
+    nn.ConvTranspose3d, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.BatchNorm1d,
+    nn.BatchNorm2d, nn.BatchNorm3d,
+)  # fmt: skip
 
 
 class ModuleInfo:
@@ -50,6 +61,7 @@ class ModuleInfo:
         self.leaf = not any(True for _ in module.children())
         self.safe = self.leaf and isinstance(module, FINITE_PRESERVING)
         self.masking = self.safe and isinstance(module, MASKING)
+        self.benign = isinstance(module, BENIGN_BACKWARD)
         self.parent: ModuleInfo | None = None  # the module whose forward calls this one
         self._outputs: dict[str, Site] = {}
         self._inline: Site | None = None

@@ -11,7 +11,10 @@
   pre-hook). The results are read with the next step's boundary and labelled
   with this step (phase ``param``/``optimizer_state`` come after ``grad`` in
   the logical order); if the post-hook did not run (a raised step), the next
-  pre-hook takes them instead; ``close`` reads the last step's.
+  pre-hook takes them instead; ``close`` reads the last step's. A small
+  model's parameters and state (under :data:`FUSE_BELOW_BYTES`) stay in cache
+  anyway: the next pre-hook takes them in the same launch as the gradients,
+  one multi-tensor launch per step instead of two.
 - **skip** drops the step by setting every ``.grad`` to ``None``: optimizers
   skip parameters without a gradient (no update, no weight decay, no step
   count). On a GPU with a fused optimizer the same could be done without a
@@ -30,6 +33,10 @@ from torch.utils.hooks import RemovableHandle
 
 from nand.agent.probes import ProbeBuffer, Site, local
 from nand.agent.safety import Guard
+
+#: Parameters and state smaller than this (bytes) are checked in the next
+#: pre-hook's launch rather than in a launch of their own after the update.
+FUSE_BELOW_BYTES = 1 << 20
 
 
 def _usable(t: Any) -> bool:
@@ -63,6 +70,7 @@ class OptimizerHooks:
         self._state_key: tuple[object, int] | None = None
         self._state_cache: tuple[list[Tensor], list[Site]] = ([], [])
         self._plain = True  # no DTensor among params/state: no local() per step
+        self._fuse = True  # params and state small: checked with the next grads
         self._sites: dict[tuple[int, str, str], Site] = {}
         self.handles: list[RemovableHandle] = [
             optimizer.register_step_pre_hook(self._pre),
@@ -107,9 +115,11 @@ class OptimizerHooks:
         self.stepped_once = True
         try:
             self.after_step()
+            more, sites = self._params_and_state()
+            if self._fuse:
+                return  # the next pre-hook takes them, in the gradients' launch
             # Right after the update, while the params and state are still in
             # cache: the same multi-tensor pass costs less than at the next step.
-            more, sites = self._params_and_state()
             self.buf.add_norms(more if self._plain else [local(t) for t in more], sites)
             self._queued = True
         except Exception as exc:
@@ -151,6 +161,7 @@ class OptimizerHooks:
                     sites.append(site)
         self._state_key, self._state_cache = key, (tensors, sites)
         self._plain = not any(hasattr(t, "to_local") for t in tensors)  # no DTensor
+        self._fuse = sum(t.numel() * t.element_size() for t in tensors) < FUSE_BELOW_BYTES
         return tensors, sites
 
     def _site(self, p: Tensor, phase: str, key: str) -> Site:

@@ -115,6 +115,35 @@ def test_where_log_backward_nan_is_found_in_backward_not_forward(kind):
     assert where(w.first) == (0, 0, "backward", "2", "produced")
 
 
+def test_a_relu_hands_its_gradient_probe_through_finite_preserving_modules(kind):
+    class SafeLog(nn.Module):
+        def forward(self, x):
+            return torch.where(x > 0, torch.log(x), torch.zeros_like(x))
+
+    # tanh(0) == 0: the NaN log'(0) * 0 makes passes tanh's backward and
+    # vanishes in relu's; the probe on relu's output, deferred through tanh
+    # to its consumer, sees it.
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Tanh(), SafeLog(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with nand.watch(model, opt) as w:
+        train(model, opt, 2)
+    assert where(w.first) == (0, 0, "backward", "3", "produced")
+
+
+def test_a_relu_feeding_a_linear_gets_no_gradient_probe(kind):
+    # A Linear's backward cannot make a NaN exactly where the relu cut: the
+    # gradient between them is not probed (the Linears' own gradients are).
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.1), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nand.watch(model, opt) as w:
+        train(model, opt, 3)
+    window = w.flight_window()
+    grads = dict(zip(window.modules, window.grad_max_abs[-1], strict=True))
+    assert grads["1"] is None and grads["2"] is None
+    assert grads["0"] is not None and grads["3"] is not None
+    assert w.first is None
+
+
 def test_an_inline_relu_is_not_probed_again_but_a_gradient_it_hides_is_found(kind):
     class SafeLog(nn.Module):
         def forward(self, x):
