@@ -67,6 +67,9 @@ class Boundary:
         self.seq = 0
         self.warned_headroom = False
         self.reads = 0  # host reads done, for tests and the benchmark
+        #: The last window read had nothing non-finite, suspects included
+        #: (the optimizer hooks build on it, see ``optimizer.state_follows``).
+        self.clean = False
 
     def check(
         self, step: int, prev_step: int, prev_micro: int, skipped: bool, record: bool = True
@@ -76,6 +79,7 @@ class Boundary:
         ``record``: keep the step's figures in the flight recorder (not for the
         last look at ``close``, which holds parameters only).
         """
+        self.clean = False
         try:
             return self._check(step, prev_step, prev_micro, skipped, record)
         finally:
@@ -99,7 +103,8 @@ class Boundary:
         out.row = row
         if not self.warned_headroom:
             self._headroom(row)
-        if is_bad(values, len(values) - len(extras)):
+        self.clean = not is_bad(values, len(values) - len(extras))
+        if not self.clean:
             grad_cause = self._grad_cause(values, extras)
             finding = first_finding(buf, values, grad_cause, prev_micro)
             if finding is not None:

@@ -352,7 +352,13 @@ class Watch:
         for p, name in param_names(self._root, wrapped).items():
             names.setdefault(p, (name, ""))
         return OptimizerHooks(
-            optimizer, self._buf, self._guard, names, self._on_step, self._after_step
+            optimizer,
+            self._buf,
+            self._guard,
+            names,
+            self._on_step,
+            self._after_step,
+            window_clean=lambda: self._boundary.clean,
         )
 
     def _set_dtype(self) -> None:

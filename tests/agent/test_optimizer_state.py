@@ -1,0 +1,139 @@
+"""Optimizer state: checked unless finite gradients make it finite by construction."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import nand
+from nand.agent.optimizer import state_follows
+from tests.agent.models import mlp, train
+
+
+def normed_per_step(opt: torch.optim.Optimizer, model: nn.Module, steps: int) -> list[int]:
+    """How many tensors nand hands to ``_foreach_norm`` at each step."""
+    counts: list[int] = []
+    real = torch._foreach_norm
+
+    def counting(tensors, *args, **kwargs):
+        counts[-1] += len(tensors)
+        return real(tensors, *args, **kwargs)
+
+    with nand.watch(model, opt):
+        torch._foreach_norm = counting  # type: ignore[assignment]
+        try:
+            for _ in range(steps):
+                counts.append(0)
+                train(model, opt, 1)
+        finally:
+            torch._foreach_norm = real  # type: ignore[assignment]
+    return counts
+
+
+def test_adam_state_is_implied_finite_by_finite_gradients_and_not_read():
+    model = mlp()  # 6 parameters
+    counts = normed_per_step(torch.optim.AdamW(model.parameters(), lr=1e-3), model, 4)
+    # step 0: gradients; then gradients and the last step's parameters, no state
+    assert counts == [6, 12, 12, 12]
+
+
+def test_the_state_of_an_optimizer_nand_does_not_reason_about_is_read_every_step():
+    model = mlp()
+    counts = normed_per_step(torch.optim.RMSprop(model.parameters(), lr=1e-3), model, 3)
+    assert counts == [6, 18, 18]  # + square_avg of each parameter
+
+
+def test_adam_state_overflowing_from_a_huge_finite_gradient_is_reported_as_optimizer_state():
+    # g = 1e21 is finite, (1 - b2) * g*g is not: exp_avg_sq becomes +inf while
+    # the update m / sqrt(v) is 0 and the weights stay finite. The gradients'
+    # 2-norm overflowed (a suspect, verified finite), so that step's state is
+    # not taken as implied finite: it is read, and reported.
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    steps = [0]
+
+    def huge_gradient(optimizer, args, kwargs):  # registered first: runs before nand's
+        if steps[0] == 2:
+            model[0].weight.grad[0, 0] = 1e21
+        steps[0] += 1
+
+    opt.register_step_pre_hook(huge_gradient)
+    with nand.watch(model, opt) as w:
+        train(model, opt, 4)
+    assert w.first is not None
+    assert (w.first.step, w.first.phase, w.first.module) == (
+        2,
+        "optimizer_state",
+        "0.weight:exp_avg_sq",
+    )
+    assert (w.first.posinf, w.first.nan) == (1, 0)
+
+
+def test_adam_state_loaded_from_a_checkpoint_is_read_again():
+    # +inf in exp_avg_sq leaves the weights finite (m / inf = 0): only a
+    # check of the state itself can see it.
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with nand.watch(model, opt) as w:
+        train(model, opt, 2)
+        saved = opt.state_dict()
+        saved["state"][0]["exp_avg_sq"][0, 0] = float("inf")
+        opt.load_state_dict(saved)
+        train(model, opt, 2)
+    assert w.first is not None
+    assert (w.first.step, w.first.phase, w.first.module) == (
+        2,
+        "optimizer_state",
+        "0.weight:exp_avg_sq",
+    )
+
+
+class MyAdam(torch.optim.Adam):
+    pass
+
+
+@pytest.mark.parametrize(
+    ("make", "follows"),
+    [
+        (lambda ps: torch.optim.SGD(ps, lr=0.1), True),
+        (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True), True),
+        (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-4), False),
+        (lambda ps: torch.optim.SGD(ps, lr=0.1, weight_decay=1e-4), True),  # no buffer
+        (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=1.5), False),
+        (lambda ps: torch.optim.Adam(ps, amsgrad=True), True),
+        (lambda ps: torch.optim.Adam(ps, weight_decay=0.01), False),
+        (lambda ps: torch.optim.Adam(ps, weight_decay=0.01, decoupled_weight_decay=True), True),
+        (lambda ps: torch.optim.AdamW(ps, weight_decay=0.1), True),
+        (lambda ps: torch.optim.AdamW(ps, betas=(torch.tensor(0.9), torch.tensor(0.99))), False),
+        (lambda ps: MyAdam(ps), False),
+        (lambda ps: torch.optim.RMSprop(ps), False),
+    ],
+)
+def test_which_optimizers_state_follows_from_finite_gradients(make, follows):
+    assert state_follows(make(nn.Linear(2, 2).parameters())) is follows
+
+
+def test_float16_state_is_read_every_step():
+    # In float16, g*g overflows for |g| > 256 while the gradient's norm is
+    # still finite: the argument does not hold, the state is read.
+    model = nn.Sequential(nn.Linear(8, 4)).half()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-4)
+    counts = []
+    real = torch._foreach_norm
+
+    def counting(tensors, *args, **kwargs):
+        counts.append(len(tensors))
+        return real(tensors, *args, **kwargs)
+
+    x = torch.randn(4, 8, dtype=torch.float16)
+    with nand.watch(model, opt):
+        torch._foreach_norm = counting  # type: ignore[assignment]
+        try:
+            for _ in range(3):
+                model(x).float().pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+        finally:
+            torch._foreach_norm = real  # type: ignore[assignment]
+    assert counts == [2, 8, 8]  # grads; then grads, params, exp_avg, exp_avg_sq
