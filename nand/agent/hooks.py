@@ -319,10 +319,12 @@ class Hooks:
                     # module, its consumer, has a benign backward.
                     site = owner.inline_site().backward
                     assert site is not None
-                    if not info.benign:
+                    if info.benign:
+                        pass  # nothing it does in backward lines up with the cut
+                    elif info.leaf and not info.safe:
+                        self._grad_hook(site).attach(x)  # this leaf consumes it
+                    else:  # a container or finite-preserving module passes it on
                         self._defer(x, self._grad_hook(site))
-                        if info.leaf and not info.safe:
-                            self._settle(info, ())  # this leaf is the consumer: not benign
 
     def _defer(self, value: Tensor, hooks: GradHooks) -> None:
         """Hold a masking value's gradient probe until its consumer is known."""
