@@ -20,9 +20,9 @@
   and the gradient (``g``, ``g*g``; see :func:`state_follows`). When this
   step's window was read all finite (every gradient's 2-norm finite, so every
   ``g*g`` is too) and the state was finite before, it is finite after: only
-  the parameters are checked. The state is checked again, for good, after a
-  window with anything non-finite in it, after ``load_state_dict``, and for
-  every other optimizer.
+  the parameters are checked. The state is checked again after a window with
+  anything non-finite in it and after ``load_state_dict``, until a read finds
+  it finite; always for float16 state and for every other optimizer.
 - **skip** drops the step by setting every ``.grad`` to ``None``: optimizers
   skip parameters without a gradient (no update, no weight decay, no step
   count). On a GPU with a fused optimizer the same could be done without a
@@ -211,17 +211,18 @@ class OptimizerHooks:
                 tensors.append(g if type(g) is Tensor else local(g))
                 sites.append(site)
         if with_params and not self._queued:
+            self._refresh()
             more, more_sites = self._params_and_state()
             tensors += more if self._plain else [local(t) for t in more]
             sites += more_sites
         self.buf.add_norms(tensors, sites)
 
     def _params_and_state(self) -> tuple[list[Tensor], list[Site]]:
-        """The parameters, and the state unless it is implied finite (cached)."""
-        self._refresh()
+        """The parameters, and the state unless it is implied finite (see ``_refresh``)."""
         return self._with_state if self._state_due else self._params_only
 
     def _refresh(self) -> None:
+        """Rebuild the cached lists when the parameters or the state's keys change."""
         key = (self._params_key, len(self.optimizer.state))
         if key != self._state_key:
             self._state_key = key

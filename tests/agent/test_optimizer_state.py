@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 from torch import nn
@@ -11,24 +14,32 @@ from nand.agent.optimizer import state_follows
 from tests.agent.models import mlp, train
 
 
-def normed_per_step(opt: torch.optim.Optimizer, model: nn.Module, steps: int) -> list[int]:
-    """How many tensors nand hands to ``_foreach_norm`` at each step."""
+@contextlib.contextmanager
+def counting_norms() -> Iterator[list[int]]:
+    """How many tensors each ``_foreach_norm`` call gets, in call order."""
     counts: list[int] = []
     real = torch._foreach_norm
 
     def counting(tensors, *args, **kwargs):
-        counts[-1] += len(tensors)
+        counts.append(len(tensors))
         return real(tensors, *args, **kwargs)
 
-    with nand.watch(model, opt):
-        torch._foreach_norm = counting  # type: ignore[assignment]
-        try:
-            for _ in range(steps):
-                counts.append(0)
-                train(model, opt, 1)
-        finally:
-            torch._foreach_norm = real  # type: ignore[assignment]
-    return counts
+    torch._foreach_norm = counting  # type: ignore[assignment]
+    try:
+        yield counts
+    finally:
+        torch._foreach_norm = real  # type: ignore[assignment]
+
+
+def normed_per_step(opt: torch.optim.Optimizer, model: nn.Module, steps: int) -> list[int]:
+    """How many tensors nand hands to ``_foreach_norm`` at each step."""
+    per_step = []
+    with nand.watch(model, opt), counting_norms() as counts:
+        for _ in range(steps):
+            before = sum(counts)
+            train(model, opt, 1)
+            per_step.append(sum(counts) - before)
+    return per_step
 
 
 def test_adam_state_is_implied_finite_by_finite_gradients_and_not_read():
@@ -119,21 +130,10 @@ def test_float16_state_is_read_every_step():
     # still finite: the argument does not hold, the state is read.
     model = nn.Sequential(nn.Linear(8, 4)).half()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-4)
-    counts = []
-    real = torch._foreach_norm
-
-    def counting(tensors, *args, **kwargs):
-        counts.append(len(tensors))
-        return real(tensors, *args, **kwargs)
-
     x = torch.randn(4, 8, dtype=torch.float16)
-    with nand.watch(model, opt):
-        torch._foreach_norm = counting  # type: ignore[assignment]
-        try:
-            for _ in range(3):
-                model(x).float().pow(2).mean().backward()
-                opt.step()
-                opt.zero_grad()
-        finally:
-            torch._foreach_norm = real  # type: ignore[assignment]
+    with nand.watch(model, opt), counting_norms() as counts:
+        for _ in range(3):
+            model(x).float().pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
     assert counts == [2, 8, 8]  # grads; then grads, params, exp_avg, exp_avg_sq
