@@ -258,9 +258,11 @@ class Sender(threading.Thread):
                 self._append_to_spool(frame)
             else:
                 self._queue.append(frame)
+                # Checked per frame: a whole batch (up to the mailbox's size)
+                # must not sit in memory beyond the bound first.
+                if self.memory_frames > self.settings.queue_max:
+                    self._to_spool()
         self.stats["routed"] += len(batch)
-        if self.mode == "direct" and self.memory_frames > self.settings.queue_max:
-            self._to_spool()
 
     def _encode(self, out: Outgoing) -> Frame | None:
         env = self.envelope
