@@ -23,7 +23,7 @@ from nand.agent.identity import Identity
 from nand.agent.probes import ProbeBuffer
 from nand.agent.recorder import FlightRecorder
 from nand.agent.report import build_event
-from nand.agent.step_check import StepRow, first_finding, is_bad, near_limit
+from nand.agent.step_check import Finding, StepRow, first_finding, is_bad, near_limit
 from nand.events import Event
 
 log = logging.getLogger("nand")
@@ -70,6 +70,11 @@ class Boundary:
         #: The last window read had nothing non-finite, suspects included
         #: (the optimizer hooks build on it, see ``optimizer.state_follows``).
         self.clean = False
+        #: The norms of the last window read, and where gradients and parameters sat.
+        self.read_norms: list[float] = []
+        self.read_spans: dict[str, tuple[int, int]] = {}
+        #: Slow path: a forward finding explained by a non-finite parameter.
+        self.param_behind: Callable[[Finding, int], Finding | None] | None = None
 
     def check(
         self, step: int, prev_step: int, prev_micro: int, skipped: bool, record: bool = True
@@ -80,6 +85,7 @@ class Boundary:
         last look at ``close``, which holds parameters only).
         """
         self.clean = False
+        self.read_norms, self.read_spans = [], {}
         try:
             return self._check(step, prev_step, prev_micro, skipped, record)
         finally:
@@ -103,10 +109,15 @@ class Boundary:
         out.row = row
         if not self.warned_headroom:
             self._headroom(row)
+        start = len(buf.pairs)
+        self.read_norms = values[start : start + len(buf.norms)]
+        self.read_spans = dict(buf.spans)
         self.clean = not is_bad(values, len(values) - len(extras))
         if not self.clean:
             grad_cause = self._grad_cause(values, extras)
             finding = first_finding(buf, values, grad_cause, prev_micro)
+            if finding is not None and finding.phase == "forward" and self.param_behind:
+                finding = self.param_behind(finding, prev_micro) or finding
             if finding is not None:
                 at = prev_step if finding.phase in ("param", "optimizer_state") else step
                 self.seq += 1

@@ -7,6 +7,11 @@ Per module call:
   forward outputs, not ``register_full_backward_hook``: they cost a fraction,
   work with ``ReLU(inplace=True)`` and see the right gradient when an in-place
   op follows (FINDINGS.md).
+- a Linear, convolution or norm with a trained bias of its own takes no
+  tensor hook: its output gradient is read from ``bias.grad`` by a hook
+  registered once on the bias (``grads.BiasProxy``), except for a second call
+  in a micro-step, under ``torch.compile``, and under DDP/FSDP (there the
+  bias gradient is all-reduced: a real probe keeps this rank's own value).
 - the output of a masking module (ReLU) gets its gradient probe only when
   what consumes it could make a non-finite gradient exactly where it cut
   (see ``modules.BENIGN_BACKWARD``): the consumer's hook decides.
@@ -35,8 +40,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from nand.agent.grads import GradHooks
-from nand.agent.modules import CONTAINERS, ModuleInfo
+from nand.agent.grads import BiasProxy, GradHooks
+from nand.agent.modules import CONTAINERS, ModuleInfo, proxy_bias
 from nand.agent.probes import MICRO, ProbeBuffer, Site, iter_tensors
 from nand.agent.safety import Guard
 
@@ -82,13 +87,14 @@ class HookState:
     :meth:`Hooks._settle`).
     """
 
-    __slots__ = ("before_root", "buf", "guard", "last", "pending")
+    __slots__ = ("before_root", "buf", "guard", "last", "micro", "pending")
 
     def __init__(self, buf: ProbeBuffer, guard: Guard) -> None:
         self.buf = buf
         self.guard = guard
         self.last: Tensor | None = None
         self.pending: tuple[Tensor, GradHooks] | None = None
+        self.micro = 0  # root forward calls so far (not counted under torch.compile)
         self.before_root: Callable[[], None] | None = None  # a step boundary, if any
 
 
@@ -100,10 +106,18 @@ class Hooks:
         self.handles: list[RemovableHandle] = []
         self._grad_hooks: dict[int, GradHooks] = {}
         self._finite_nodes = FINITE_NODES
+        self._proxies: dict[nn.Module, BiasProxy] = {}
 
-    def install(self, root: nn.Module, infos: dict[nn.Module, ModuleInfo]) -> None:
+    def install(
+        self, root: nn.Module, infos: dict[nn.Module, ModuleInfo], *, proxies: bool = True
+    ) -> None:
+        """Hook every module; ``proxies``: read output gradients from biases
+        where that is exact (not when a wrapper all-reduces the gradients:
+        the local value is what tells produced from received)."""
         if any(info.allow_neginf for info in infos.values()):
             self._finite_nodes = NEGINF_SAFE_NODES
+        if proxies:
+            self._install_proxies(root, infos)
         for module, info in infos.items():
             if isinstance(module, CONTAINERS):
                 continue
@@ -112,7 +126,8 @@ class Hooks:
             elif info.safe:
                 self.handles.append(module.register_forward_hook(self._safe_hook(info)))
             elif info.leaf:
-                self.handles.append(module.register_forward_hook(self._leaf_hook(info)))
+                leaf_hook = self._leaf_hook(info, self._proxies.get(module))
+                self.handles.append(module.register_forward_hook(leaf_hook))
             else:
                 self.handles.append(module.register_forward_pre_hook(self._container_pre(info)))
                 self.handles.append(module.register_forward_hook(self._container_hook(info)))
@@ -121,6 +136,15 @@ class Hooks:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
+        self._proxies.clear()
+
+    def _install_proxies(self, root: nn.Module, infos: dict[nn.Module, ModuleInfo]) -> None:
+        for module, bias in proxy_bias(root, infos).items():
+            site = infos[module].output_site("").backward
+            assert site is not None
+            proxy = BiasProxy(self.state, site, bias)
+            self._proxies[module] = proxy
+            self.handles.append(proxy.handle)
 
     def _install_root(self, module: nn.Module, info: ModuleInfo) -> None:
         pre = self._root_pre(info)
@@ -129,7 +153,7 @@ class Hooks:
 
     # --- the hooks ------------------------------------------------------------
 
-    def _leaf_hook(self, info: ModuleInfo) -> Callable[..., None]:
+    def _leaf_hook(self, info: ModuleInfo, proxy: BiasProxy | None) -> Callable[..., None]:
         state, pairs, sites = self.state, self.state.buf.pairs, self.state.buf.sites
         out_site = info.output_site("")
         assert out_site.backward is not None
@@ -148,7 +172,11 @@ class Hooks:
                         pairs.extend(torch.aminmax(output.detach()))
                         sites.append(out_site)
                         out_site.shape, out_site.dtype = output.shape, output.dtype
-                        if output.requires_grad:
+                        if output.requires_grad and (
+                            proxy is None
+                            or torch.compiler.is_compiling()
+                            or not proxy.take(state.micro)
+                        ):
                             grad_hooks.attach(output)
                     state.last = output
                 else:
@@ -226,6 +254,8 @@ class Hooks:
                     state.before_root()
                 sites.append(MICRO)
                 state.last = state.pending = None
+                if not torch.compiler.is_compiling():  # an int read there is guarded on
+                    state.micro += 1
                 if not kwargs and len(args) == 1 and isinstance(args[0], Tensor):
                     x = args[0]  # the common case, without walking structures
                     if x.is_floating_point() and x.numel():

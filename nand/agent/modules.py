@@ -12,7 +12,7 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Iterable
 
-from torch import nn
+from torch import Tensor, nn
 
 from nand.agent.names import module_names
 from nand.agent.probes import Site
@@ -47,6 +47,19 @@ BENIGN_BACKWARD = (
     nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
     nn.ConvTranspose3d, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.BatchNorm1d,
     nn.BatchNorm2d, nn.BatchNorm3d,
+)  # fmt: skip
+
+
+#: Modules whose bias gradient is their output gradient summed over every
+#: position but the channel (exact types: a subclass may use its bias
+#: otherwise). Their output gradient is probed through the bias (see
+#: ``grads.BiasProxy``).
+BIAS_IS_OUTPUT_SUM = frozenset(
+    {
+        nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
+        nn.ConvTranspose3d, nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d,
+        nn.BatchNorm3d,
+    }
 )  # fmt: skip
 
 
@@ -137,3 +150,30 @@ def _caller(
         if parent in by_name and parent not in containers:
             return by_name[parent]
     return root
+
+
+def proxy_bias(root: nn.Module, infos: dict[nn.Module, ModuleInfo]) -> dict[nn.Module, Tensor]:
+    """Modules whose output gradient can be read from their bias, and that bias.
+
+    The bias must be trained (it gets a gradient) and belong to that module
+    alone (a shared bias sums several modules' gradients). Allow-listed
+    modules keep their real probe.
+    """
+    owners: dict[int, int] = {}
+    for module in root.modules():
+        for p in module._parameters.values():
+            if p is not None:
+                owners[id(p)] = owners.get(id(p), 0) + 1
+    found: dict[nn.Module, Tensor] = {}
+    for module, info in infos.items():
+        bias = getattr(module, "bias", None)
+        if (
+            type(module) in BIAS_IS_OUTPUT_SUM
+            and not info.allow_neginf
+            and isinstance(bias, nn.Parameter)
+            and bias.requires_grad
+            and bias.is_floating_point()
+            and owners.get(id(bias)) == 1
+        ):
+            found[module] = bias
+    return found

@@ -23,6 +23,16 @@
   the parameters are checked. The state is checked again after a window with
   anything non-finite in it and after ``load_state_dict``, until a read finds
   it finite; always for float16 state and for every other optimizer.
+- **parameters implied finite**: for the same optimizers (SGD without
+  momentum), one update moves any parameter by a bounded amount
+  (:func:`update_bound`; Adam's step is at most ``lr / sqrt((1-b2)(1-b1²/b2))``
+  per element whatever the gradients, SGD's ``lr * |g|``). Once the parameters
+  were read finite, a bound on their largest magnitude is carried from step to
+  step on the host, with no device work; while it stays far below the dtype's
+  limit they are not read. Anything else (a dirty window, a distrusted state,
+  a bound grown too large, another optimizer) reads them again. A parameter
+  written non-finite by code other than the optimizer is then found in the
+  next forward, and reported as ``param`` (:meth:`OptimizerHooks.param_behind`).
 - **skip** drops the step by setting every ``.grad`` to ``None``: optimizers
   skip parameters without a gradient (no update, no weight decay, no step
   count). On a GPU with a fused optimizer the same could be done without a
@@ -32,6 +42,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -41,6 +52,7 @@ from torch.utils.hooks import RemovableHandle
 
 from nand.agent.probes import ProbeBuffer, Site, local
 from nand.agent.safety import Guard
+from nand.agent.step_check import Finding
 
 #: Parameters and state smaller than this (bytes) are checked in the next
 #: pre-hook's launch rather than in a launch of their own after the update.
@@ -78,6 +90,52 @@ def state_follows(optimizer: torch.optim.Optimizer) -> bool:
     return True
 
 
+#: Slack on the bounds below for rounding: they hold in exact arithmetic, the
+#: update is computed in the parameters' dtype (a few ulps off; float16 ~1e-3).
+ROUNDING = 1.1
+
+
+def update_bound(
+    optimizer: torch.optim.Optimizer, group: dict[str, Any], grad_max: float
+) -> tuple[float, float] | None:
+    """``(factor, shift)``: after one update, max|p| <= factor * max|p| before + shift.
+
+    ``grad_max`` bounds every gradient element (the largest gradient 2-norm of
+    the window). ``None``: no bound for this group (the parameters are read).
+
+    - SGD without momentum: ``p - lr * (g + wd * p)``.
+    - Adam/AdamW: with ``m`` and ``v`` built from the same gradients (the
+      state is trusted, see :func:`state_follows`), Cauchy-Schwarz over the
+      two geometric sums gives ``|m| <= (1-b1) sqrt(v / ((1-b2)(1-b1²/b2)))``;
+      bias correction multiplies by at most ``1/(1-b1)`` and ``eps`` only
+      shrinks the step, so it is at most ``lr / sqrt((1-b2)(1-b1²/b2))`` per
+      element (73 lr for the default betas), whatever the gradients (coupled
+      weight decay included, it is part of ``g``); decoupled decay scales the
+      parameters by ``1 - lr * wd`` first.
+    """
+    if not (_plain_number(group.get("lr")) and _plain_number(group.get("weight_decay", 0))):
+        return None
+    lr, decay = float(group["lr"]), float(group.get("weight_decay", 0))
+    kind = type(optimizer)
+    if kind is torch.optim.SGD:
+        if group.get("momentum", 0) != 0:
+            return None
+        return ROUNDING * (1.0 + lr * decay), ROUNDING * lr * grad_max
+    if kind in (torch.optim.Adam, torch.optim.AdamW):
+        b1, b2 = group.get("betas", (0.9, 0.999))
+        if not (_unit(b1) and _unit(b2)) or b1 * b1 >= b2:
+            return None
+        shift = ROUNDING * lr / math.sqrt((1.0 - b2) * (1.0 - b1 * b1 / b2))
+        decoupled = kind is torch.optim.AdamW or group.get("decoupled_weight_decay", False)
+        return (abs(1.0 - lr * decay) if decoupled else 1.0), shift
+    return None
+
+
+def _plain_number(value: Any) -> bool:
+    """A non-negative Python number (a tensor lr would need a host read)."""
+    return isinstance(value, (int, float)) and 0.0 <= value < math.inf
+
+
 def _unit(value: Any, top: float = 1.0 - 1e-12) -> bool:
     """A plain number in [0, top] (a tensor hyperparameter is not proven)."""
     return isinstance(value, (int, float)) and 0.0 <= value <= top
@@ -99,6 +157,7 @@ class OptimizerHooks:
         boundary: Callable[[], None],
         after_step: Callable[[], None],
         window_clean: Callable[[], bool],
+        window_norms: Callable[[], tuple[list[float], dict[str, tuple[int, int]]]],
     ) -> None:
         self.optimizer = optimizer
         self.buf = buf
@@ -107,6 +166,8 @@ class OptimizerHooks:
         self.boundary = boundary
         self.after_step = after_step
         self.window_clean = window_clean  # the last boundary read nothing non-finite
+        #: The norms that boundary read, and where the gradients and parameters sat.
+        self.window_norms = window_norms
         self.stepped = False  # set by the pre-hook; AMP reads and clears it
         self.stepped_once = False  # params/state are checked from the 2nd boundary on
         self._queued = False  # params/state of the last step are already in the buffer
@@ -114,7 +175,7 @@ class OptimizerHooks:
         self._params: list[Tensor] = []
         self._grad_sites: list[Site] = []
         self._state_key: tuple[object, int] | None = None
-        self._with_state: tuple[list[Tensor], list[Site]] = ([], [])
+        self._state: tuple[list[Tensor], list[Site]] = ([], [])
         self._params_only: tuple[list[Tensor], list[Site]] = ([], [])
         self._plain = True  # no DTensor among params/state: no local() per step
         self._fuse = True  # params and state small: checked with the next grads
@@ -123,6 +184,11 @@ class OptimizerHooks:
         #: a state that was there before nand is not known to be.
         self.state_trusted = state_follows(optimizer) and not optimizer.state
         self._state_due = False  # the last step's state is checked (read next boundary)
+        #: An upper bound on every parameter's max|x| (None: not known, read them).
+        self._bound: float | None = None
+        self._params_due = True  # the last step's parameters are checked
+        self._limit = 0.0  # bounds from here on are too close to the dtype's limit
+        self._by_module: dict[str, list[Tensor]] | None = None
         self._sites: dict[tuple[int, str, str], Site] = {}
         self.handles: list[RemovableHandle] = [
             optimizer.register_step_pre_hook(self._pre),
@@ -156,7 +222,6 @@ class OptimizerHooks:
         self.stepped = True
         try:
             self.add_norms(with_params=self.stepped_once)
-            self._queued = False
         except Exception as exc:
             self.guard.failed(exc, "optimizer pre-step hook")
             return
@@ -170,12 +235,13 @@ class OptimizerHooks:
             self.after_step()
             self._refresh()  # the state's tensors exist from the first update on
             self._state_due = not self._state_implied()
+            self._params_due = not self._params_implied()
+            self._queued = False
             if self._fuse:
                 return  # the next pre-hook takes them, in the gradients' launch
-            more, sites = self._params_and_state()
             # Right after the update, while the params and state are still in
             # cache: the same multi-tensor pass costs less than at the next step.
-            self.buf.add_norms(more if self._plain else [local(t) for t in more], sites)
+            self._add_params_and_state()
             self._queued = True
         except Exception as exc:
             self.guard.failed(exc, "optimizer post-step hook")
@@ -198,8 +264,58 @@ class OptimizerHooks:
             self.state_trusted = True  # read finite, and finite gradients went in
         return self.state_trusted
 
-    def add_norms(self, with_params: bool) -> None:
-        """Grads, and (``with_params``) params and state: one foreach launch."""
+    def _params_implied(self) -> bool:
+        """Whether the parameters this update wrote are finite by :func:`update_bound`.
+
+        Called after the update, with the norms read just before it: the
+        gradients, and the parameters before the update when they were read.
+        """
+        norms, spans = self.window_norms()
+        if "param" in spans:  # read: a bound from what they were
+            start, n = spans["param"]
+            read = norms[start : start + n]
+            self._bound = max(read, default=0.0) if math.isfinite(sum(read)) else None
+        if self._bound is None or not (self.window_clean() and self.state_trusted):
+            self._bound = None
+            return False
+        start, n = spans.get("grad", (0, 0))
+        grad_max = max(norms[start : start + n], default=0.0)
+        bound = 0.0
+        for group in self.optimizer.param_groups:
+            step = update_bound(self.optimizer, group, grad_max)
+            if step is None:
+                self._bound = None
+                return False
+            bound = max(bound, self._bound * step[0] + step[1])
+        self._bound = bound if bound < self._limit else None
+        return self._bound is not None
+
+    def param_behind(self, finding: Finding, micro: int) -> Finding | None:
+        """A forward finding at a module whose own parameter is non-finite.
+
+        The slow path, for a parameter nobody read because it was implied
+        finite: something other than the optimizer wrote it (a checkpoint, user
+        code). Reported as that parameter, like a parameter read bad.
+        """
+        if self._by_module is None:
+            self._by_module = {}
+            for p in self.params():
+                name = self.names.get(p, ("", ""))[0]
+                self._by_module.setdefault(name.rpartition(".")[0], []).append(p)
+        for p in self._by_module.get(finding.module, []):
+            if _usable(p) and not bool(torch.isfinite(local(p)).all()):
+                site = self._site(p, "param", "")
+                return Finding(
+                    site, "param", site.module, site.module_type, micro, 0, 0,
+                    math.nan, math.nan, "produced", tensor=local(p),
+                )  # fmt: skip
+        return None
+
+    def add_norms(self, with_params: bool, force: bool = False) -> None:
+        """Grads, and (``with_params``) params and state when due: one foreach launch.
+
+        ``force``: the parameters even if implied finite (the last look at ``close``).
+        """
         tensors: list[Tensor] = []
         sites: list[Site] = []
         params = self.params()
@@ -210,16 +326,31 @@ class OptimizerHooks:
             if g is not None and not g.is_sparse and g.is_floating_point():
                 tensors.append(g if type(g) is Tensor else local(g))
                 sites.append(site)
+        self.buf.spans["grad"] = (len(self.buf.norms), len(tensors))
         if with_params and not self._queued:
+            self._params_due |= force
             self._refresh()
-            more, more_sites = self._params_and_state()
-            tensors += more if self._plain else [local(t) for t in more]
-            sites += more_sites
+            self._take_params_and_state(tensors, sites)
+        self._queued = False
         self.buf.add_norms(tensors, sites)
 
-    def _params_and_state(self) -> tuple[list[Tensor], list[Site]]:
-        """The parameters, and the state unless it is implied finite (see ``_refresh``)."""
-        return self._with_state if self._state_due else self._params_only
+    def _add_params_and_state(self) -> None:
+        tensors: list[Tensor] = []
+        sites: list[Site] = []
+        self._take_params_and_state(tensors, sites)
+        self.buf.add_norms(tensors, sites)
+
+    def _take_params_and_state(self, tensors: list[Tensor], sites: list[Site]) -> None:
+        """Append the parameters and the state, each unless implied finite."""
+        if self._params_due:
+            params, param_sites = self._params_only
+            self.buf.spans["param"] = (len(self.buf.norms) + len(tensors), len(params))
+            tensors += params if self._plain else [local(t) for t in params]
+            sites += param_sites
+        if self._state_due:
+            state, state_sites = self._state
+            tensors += state if self._plain else [local(t) for t in state]
+            sites += state_sites
 
     def _refresh(self) -> None:
         """Rebuild the cached lists when the parameters or the state's keys change."""
@@ -235,6 +366,9 @@ class OptimizerHooks:
                 tensors.append(p)
                 sites.append(self._site(p, "param", ""))
         self._params_only = (tensors[:], sites[:])
+        self._bound, self._by_module = None, None  # new parameters: read them first
+        dtypes = {t.dtype for t in tensors}
+        self._limit = min((torch.finfo(d).max for d in dtypes), default=0.0) / 1024
         for p in self.params():
             for name, value in self.optimizer.state.get(p, {}).items():
                 if name != "step" and _usable(value):
@@ -242,11 +376,11 @@ class OptimizerHooks:
                     site = self._site(p, "optimizer_state", str(name))
                     site.param = value
                     sites.append(site)
-        self._with_state = (tensors, sites)
+        n = len(self._params_only[0])
+        self._state = (tensors[n:], sites[n:])
         self._plain = not any(hasattr(t, "to_local") for t in tensors)  # no DTensor
         self._fuse = sum(t.numel() * t.element_size() for t in tensors) < FUSE_BELOW_BYTES
-        state = tensors[len(self._params_only[0]) :]
-        self._state_half = any(t.dtype == torch.float16 for t in state)
+        self._state_half = any(t.dtype == torch.float16 for t in self._state[0])
 
     def _site(self, p: Tensor, phase: str, key: str) -> Site:
         site = self._sites.get((id(p), phase, key))

@@ -58,7 +58,7 @@ class ProbeBuffer:
     multi-tensor norms of grads, params and optimizer state.
     """
 
-    __slots__ = ("extras", "norm_sites", "norms", "pairs", "sites")
+    __slots__ = ("extras", "norm_sites", "norms", "pairs", "sites", "spans")
 
     def __init__(self) -> None:
         self.pairs: list[Tensor] = []
@@ -66,6 +66,8 @@ class ProbeBuffer:
         self.norms: list[Tensor] = []
         self.norm_sites: list[Site] = []
         self.extras: list[Tensor] = []  # loss, AMP scale, found_inf...
+        #: (start, count) among ``norms`` of the gradients ("grad") and parameters ("param").
+        self.spans: dict[str, tuple[int, int]] = {}
 
     def clear(self) -> None:
         self.pairs.clear()
@@ -73,6 +75,7 @@ class ProbeBuffer:
         self.norms.clear()
         self.norm_sites.clear()
         self.extras.clear()
+        self.spans.clear()
 
     def __len__(self) -> int:
         return len(self.sites) + len(self.norm_sites)

@@ -162,7 +162,8 @@ class Watch:
         state = HookState(self._buf, self._guard)
         state.before_root = self._before_root
         self._hooks = Hooks(state)
-        self._hooks.install(self._root, self._infos)
+        grads_reduced = ddp.grads_are_reduced(model)
+        self._hooks.install(self._root, self._infos, proxies=not grads_reduced)
         world = session.who.world_size
         agree = on_nonfinite in ("skip", "stop") and _dist_up() and world > 1
         root_type = type(self._root).__name__
@@ -176,7 +177,8 @@ class Watch:
             else None
         )
         self._boundary.amp = self._amp
-        self._boundary.grads_reduced = ddp.grads_are_reduced(model)
+        self._boundary.param_behind = self._opt.param_behind if self._opt is not None else None
+        self._boundary.grads_reduced = grads_reduced
         self._boundary.ddp = _install_ddp_check(model)
         self._set_dtype()
         session.hello(self._root, names, self._infos, optimizer, on_nonfinite)
@@ -215,7 +217,8 @@ class Watch:
         self._closed = True
         try:
             if not self._guard.off and self._opt is not None and self._opt.stepped_once:
-                self._opt.add_norms(with_params=True)  # the last step's params and state
+                # The last step's params (even if implied finite) and state.
+                self._opt.add_norms(with_params=True, force=True)
             if not self._guard.off and len(self._buf):
                 outcome = self._boundary.check(self.step, self.step - 1, self._micro, False, False)
                 self._report(outcome, beat=False)
@@ -362,6 +365,7 @@ class Watch:
             self._on_step,
             self._after_step,
             window_clean=lambda: self._boundary.clean,
+            window_norms=lambda: (self._boundary.read_norms, self._boundary.read_spans),
         )
 
     def _set_dtype(self) -> None:

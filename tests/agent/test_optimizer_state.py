@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from torch import nn
 
 import nand
-from nand.agent.optimizer import state_follows
+from nand.agent.optimizer import state_follows, update_bound
 from tests.agent.models import mlp, train
 
 
@@ -45,8 +46,8 @@ def normed_per_step(opt: torch.optim.Optimizer, model: nn.Module, steps: int) ->
 def test_adam_state_is_implied_finite_by_finite_gradients_and_not_read():
     model = mlp()  # 6 parameters
     counts = normed_per_step(torch.optim.AdamW(model.parameters(), lr=1e-3), model, 4)
-    # step 0: gradients; then gradients and the last step's parameters, no state
-    assert counts == [6, 12, 12, 12]
+    # step 0: gradients; step 1: and the parameters, once; no state, ever
+    assert counts == [6, 12, 6, 6]
 
 
 def test_the_state_of_an_optimizer_nand_does_not_reason_about_is_read_every_step():
@@ -137,3 +138,51 @@ def test_float16_state_is_read_every_step():
             opt.step()
             opt.zero_grad()
     assert counts == [2, 8, 8]  # grads; then grads, params, exp_avg, exp_avg_sq
+
+
+# --- parameters implied finite --------------------------------------------------
+
+
+def test_sgd_parameters_are_read_once_then_carried_by_a_bound():
+    model = mlp()
+    assert normed_per_step(torch.optim.SGD(model.parameters(), lr=0.1), model, 4) == [6, 12, 6, 6]
+
+
+def test_sgd_with_momentum_parameters_are_read_every_step():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    assert normed_per_step(opt, model, 3) == [6, 12, 12]  # the momentum is implied, not them
+
+
+def test_a_learning_rate_that_could_overflow_the_parameters_makes_nand_read_them():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    per_step = []
+    with nand.watch(model, opt), counting_norms() as counts:
+        for step in range(5):
+            opt.param_groups[0]["lr"] = 1e38 if step == 3 else 0.1
+            before = sum(counts)
+            train(model, opt, 1)
+            per_step.append(sum(counts) - before)
+    # lr * |g| no longer far below float32's limit after step 3: read at step 4
+    assert per_step == [6, 12, 6, 6, 12]
+
+
+@pytest.mark.parametrize("make", [torch.optim.Adam, torch.optim.AdamW])
+@pytest.mark.parametrize("betas", [(0.9, 0.999), (0.0, 0.5), (0.95, 0.95)])
+def test_adams_step_never_exceeds_its_bound_whatever_the_gradients(make, betas):
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.zeros(512))
+    opt = make([p], lr=1.0, betas=betas, weight_decay=0.0, amsgrad=False)
+    _, shift = update_bound(opt, opt.param_groups[0], grad_max=math.inf)
+    scales = [1e-30, 1e-6, 1.0, 1e6, 1e15]
+    worst = 0.0
+    for step in range(300):
+        g = torch.randn(512) * scales[step % len(scales)]
+        g[step % 512] = 1e18 if step % 7 == 0 else g[step % 512]  # spikes
+        g[(step * 31) % 512] = 0.0
+        before = p.detach().clone()
+        p.grad = g
+        opt.step()
+        worst = max(worst, float((p.detach() - before).abs().max()))
+    assert 0 < worst <= shift

@@ -1,0 +1,117 @@
+"""Output gradients read through biases (``grads.BiasProxy``) blame as real probes do."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import nand
+from nand.agent.grads import GradHooks
+from nand.agent.modules import module_table, proxy_bias
+from tests.agent.models import VALUES, BackwardPlant, mlp, train
+
+KINDS = list(VALUES)
+
+
+def where(event: nand.Event) -> tuple:
+    return (event.step, event.micro_step, event.phase, event.module, event.cause)
+
+
+def arm(module: nn.Module, step: int, value: float, micro: int = 0):
+    def before(s: int, m: int) -> None:
+        module.value = value if (s, m) == (step, micro) else None  # type: ignore[assignment]
+
+    return before
+
+
+def test_an_mlp_registers_no_gradient_hook_per_step_yet_keeps_gradient_figures(monkeypatch):
+    attached: list[torch.Tensor] = []
+    real_attach = GradHooks.attach
+
+    def attach(self: GradHooks, t: torch.Tensor) -> None:
+        attached.append(t)
+        real_attach(self, t)
+
+    monkeypatch.setattr(GradHooks, "attach", attach)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nand.watch(model, opt) as w:
+        train(model, opt, 3)
+    assert attached == []  # relus feed Linears; the Linears' gradients come from biases
+    grads = dict(zip(w.flight_window().modules, w.flight_window().grad_max_abs[-1], strict=True))
+    assert all(grads[name] is not None for name in ("0", "2", "4"))  # the Linears
+    assert w.first is None
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_clipping_after_backward_does_not_move_the_blame_to_the_loss(kind):
+    # A NaN total norm makes clip_grad_norm_ multiply every gradient by NaN:
+    # read at the step boundary, every bias would look bad and the first in
+    # backward order (the loss) would be blamed. Read at accumulation, they are not.
+    model = nn.Sequential(nn.Linear(8, 16), BackwardPlant(), nn.Tanh(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(0)
+    with nand.watch(model, opt) as w:
+        for step in range(4):
+            model[1].value = VALUES[kind] if step == 2 else None
+            model(torch.randn(4, 8, generator=gen)).pow(2).mean().backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+    assert where(w.first) == (2, 0, "backward", "1", "produced")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_gradient_accumulation_labels_the_micro_step_of_a_backward_nan(kind):
+    model = nn.Sequential(nn.Linear(8, 16), BackwardPlant(), nn.Tanh(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nand.watch(model, opt) as w:
+        train(model, opt, 4, accum=3, before=arm(model[1], 2, VALUES[kind], micro=1))
+    assert where(w.first) == (2, 1, "backward", "1", "produced")
+
+
+class Twice(nn.Module):
+    """One Linear called twice, a backward plant after each call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.first = BackwardPlant()
+        self.second = BackwardPlant()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(self.fc(torch.tanh(self.first(self.fc(x)))))
+
+
+@pytest.mark.parametrize("plant", ["first", "second"])
+def test_a_module_called_twice_keeps_its_backward_blame_for_either_call(plant):
+    # The first call's gradient is read from the bias, the second call's by a
+    # real probe; either way the plant whose backward made the NaN is named.
+    model = Twice()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nand.watch(model, opt) as w:
+        train(model, opt, 4, before=arm(getattr(model, plant), 2, float("nan")))
+    assert where(w.first) == (2, 0, "backward", plant, "produced")
+
+
+def test_which_modules_read_their_gradient_from_the_bias():
+    class MyLinear(nn.Linear):
+        pass
+
+    model = nn.Sequential(
+        nn.Linear(4, 4),  # 0: yes
+        nn.Linear(4, 4, bias=False),  # 1: no bias
+        nn.Linear(4, 4),  # 2: frozen bias
+        MyLinear(4, 4),  # 3: a subclass may use its bias otherwise
+        nn.LayerNorm(4),  # 4: yes
+        nn.Conv1d(4, 4, 1),  # 5: yes
+        nn.Linear(4, 4),  # 6: allow-listed
+        nn.Linear(4, 4),  # 7: its bias tied to 0's
+        nn.BatchNorm1d(4),  # 8: yes
+    )
+    model[7].bias = model[0].bias
+    model[2].bias.requires_grad_(False)
+    infos = module_table(model, False, ("6",))
+    chosen = {infos[m].name for m in proxy_bias(model, infos)}
+    assert chosen == {"4", "5", "8"}  # 0 and 7 share a bias: neither
