@@ -204,7 +204,8 @@ class OptimizerHooks:
     def params(self) -> list[Tensor]:
         """The optimizer's parameters (cached until the param groups change)."""
         groups = self.optimizer.param_groups
-        key = (len(groups), sum(len(g["params"]) for g in groups))
+        n = len(groups)  # one group is the common case: no generator per step
+        key = (n, len(groups[0]["params"]) if n == 1 else sum(len(g["params"]) for g in groups))
         if key != self._params_key:
             self._params_key = key
             self._params = [p for g in groups for p in g["params"]]

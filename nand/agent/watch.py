@@ -50,27 +50,31 @@ Steps that stay non-finite afterwards are counted, not logged, until a finite
 step ends the incident.
 
 Cost: every probed value gets one ``aminmax`` (detection and max|x| in one
-pass), kept on the device; gradients get one ``_foreach_norm`` before the
-optimizer step, parameters and optimizer state one right after it (post-hook,
-while still in cache; under 1 MB they ride in the next step's gradient launch
-instead); the host reads everything once per optimizer step (one
-``torch.stack`` + one ``tolist``). Modules that cannot make a finite value
-non-finite (ReLU, GELU, Dropout, Softmax, ...) are not probed in forward (their
-neighbours are), nor is an inline relu/gelu/silu/tanh/sigmoid of the last
-probed output. ReLU-like ones keep a gradient probe (their backward can hide a
-NaN the next module made) unless what consumes them has a benign backward
-(Linear, convolutions, norms). The state of ``SGD``/``Adam``/``AdamW`` is read
-only when finite gradients do not imply it finite (see
-``optimizer.state_follows``). Param and optimizer-state results are read
-with the next step's boundary (or at ``close``), so a non-finite *update* from
-finite gradients is reported with its step but found one step later, and
-``raise`` cannot prevent that one. Measured on CPU, 1 thread
-(``python benchmarks/overhead.py``): 1.45x on an MLP 64-256-256-10 SGD
-step, 1.05-1.09x on a 4-layer TransformerEncoder AdamW step; the 1.3x /
-1.05x targets are not met: the MLP pays for ~12 Python callbacks, 7 small
-reductions and the boundary per step, the transformer for reading every
-activation and gradient once (``aminmax`` is the cheapest exact reduction
-found on CPU; see ``benchmarks/README.md``).
+pass), kept on the device. A Linear's, convolution's or norm's output
+gradient is not hooked per call: a hook registered once on its bias probes
+``bias.grad`` (the output gradient summed over the batch) as it is
+accumulated, so its gradient figure is the bias gradient's max|x| (real
+probes under DDP/FSDP, ``torch.compile``, and for a second call in a
+micro-step). Gradients get one ``_foreach_norm`` before the optimizer step;
+parameters and optimizer state one right after it (post-hook, while still in
+cache; under 1 MB they ride in the next step's gradient launch instead),
+each only when not implied finite: the state of ``SGD``/``Adam``/``AdamW``
+by finite gradients (``optimizer.state_follows``), their parameters (SGD
+without momentum) by a host-side bound on what one update can move
+(``optimizer.update_bound``). The host reads everything once per optimizer
+step (one ``torch.stack`` + one ``tolist``). Modules that cannot make a finite
+value non-finite (ReLU, GELU, Dropout, Softmax, ...) are not probed in forward
+(their neighbours are), nor is an inline relu/gelu/silu/tanh/sigmoid of the
+last probed output. ReLU-like ones keep a gradient probe (their backward can
+hide a NaN the next module made) unless what consumes them has a benign
+backward (Linear, convolutions, norms). Param and optimizer-state results are
+read with the next step's boundary (or at ``close``), so a non-finite
+*update* from finite gradients is reported with its step but found one step
+later, and ``raise`` cannot prevent that one. Measured on CPU, 1 thread
+(``python benchmarks/overhead.py``): 1.32-1.37x on an MLP 64-256-256-10 SGD
+step (target 1.3x, not met: per-operation dispatch of ~10 small reductions
+and the boundary's Python), 1.05x on a 4-layer TransformerEncoder AdamW step
+(target 1.05x); see ``benchmarks/README.md``.
 
 Limits: ``torch.compile`` — call ``nand.watch`` *before* compiling or before
 the first compiled call; hooks added later are ignored by dynamo. Tensor hooks
