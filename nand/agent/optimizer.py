@@ -90,8 +90,8 @@ def state_follows(optimizer: torch.optim.Optimizer) -> bool:
     return True
 
 
-#: Slack on the bounds below for rounding: they hold in exact arithmetic, the
-#: update is computed in the parameters' dtype (a few ulps off; float16 ~1e-3).
+#: Slack on Adam's step bound: it holds in exact arithmetic, and ``m / sqrt(v)``
+#: is computed in the state's dtype (a few ulps off; float16 ~1e-3).
 ROUNDING = 1.1
 
 
@@ -99,6 +99,8 @@ def update_bound(
     optimizer: torch.optim.Optimizer, group: dict[str, Any], grad_max: float
 ) -> tuple[float, float] | None:
     """``(factor, shift)``: after one update, max|p| <= factor * max|p| before + shift.
+
+    In exact arithmetic; the caller adds the rounding of the final write.
 
     ``grad_max`` bounds every gradient element (the largest gradient 2-norm of
     the window). ``None``: no bound for this group (the parameters are read).
@@ -120,7 +122,7 @@ def update_bound(
     if kind is torch.optim.SGD:
         if group.get("momentum", 0) != 0:
             return None
-        return ROUNDING * (1.0 + lr * decay), ROUNDING * lr * grad_max
+        return 1.0 + lr * decay, lr * grad_max
     if kind in (torch.optim.Adam, torch.optim.AdamW):
         b1, b2 = group.get("betas", (0.9, 0.999))
         if not (_unit(b1) and _unit(b2)) or b1 * b1 >= b2:
@@ -188,6 +190,7 @@ class OptimizerHooks:
         self._bound: float | None = None
         self._params_due = True  # the last step's parameters are checked
         self._limit = 0.0  # bounds from here on are too close to the dtype's limit
+        self._rounding = 1.0  # 1 + 4 eps of the coarsest parameter dtype
         self._by_module: dict[str, list[Tensor]] | None = None
         self._sites: dict[tuple[int, str, str], Site] = {}
         self.handles: list[RemovableHandle] = [
@@ -288,6 +291,8 @@ class OptimizerHooks:
                 self._bound = None
                 return False
             bound = max(bound, self._bound * step[0] + step[1])
+        # Writing p - step rounds once more: a relative ulp or two of the dtype.
+        bound *= self._rounding
         self._bound = bound if bound < self._limit else None
         return self._bound is not None
 
@@ -370,6 +375,7 @@ class OptimizerHooks:
         self._bound, self._by_module = None, None  # new parameters: read them first
         dtypes = {t.dtype for t in tensors}
         self._limit = min((torch.finfo(d).max for d in dtypes), default=0.0) / 1024
+        self._rounding = 1.0 + 4 * max((torch.finfo(d).eps for d in dtypes), default=0.0)
         for p in self.params():
             for name, value in self.optimizer.state.get(p, {}).items():
                 if name != "step" and _usable(value):
