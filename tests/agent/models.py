@@ -8,6 +8,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from nand.events import Event
+
 VALUES = {"nan": float("nan"), "+inf": float("inf"), "-inf": float("-inf")}
 
 
@@ -126,3 +128,19 @@ def train(
             (loss / accum).backward()
         opt.step()
         opt.zero_grad()
+
+
+def where(event: Event) -> tuple:
+    """What a test asserts of an event: step, micro-step, phase, module, cause."""
+    return (event.step, event.micro_step, event.phase, event.module, event.cause)
+
+
+def arm_at(
+    module: nn.Module, step: int, value: float, micro: int = 0
+) -> Callable[[int, int], None]:
+    """A ``before`` for :func:`train` that arms ``module`` at one (step, micro) only."""
+
+    def before(s: int, m: int) -> None:
+        module.value = value if (s, m) == (step, micro) else None  # type: ignore[assignment]
+
+    return before

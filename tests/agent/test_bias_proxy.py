@@ -9,20 +9,9 @@ from torch import nn
 import nand
 from nand.agent.grads import GradHooks
 from nand.agent.modules import module_table, proxy_bias
-from tests.agent.models import VALUES, BackwardPlant, mlp, train
+from tests.agent.models import VALUES, BackwardPlant, arm_at, mlp, train, where
 
 KINDS = list(VALUES)
-
-
-def where(event: nand.Event) -> tuple:
-    return (event.step, event.micro_step, event.phase, event.module, event.cause)
-
-
-def arm(module: nn.Module, step: int, value: float, micro: int = 0):
-    def before(s: int, m: int) -> None:
-        module.value = value if (s, m) == (step, micro) else None  # type: ignore[assignment]
-
-    return before
 
 
 def test_an_mlp_registers_no_gradient_hook_per_step_yet_keeps_gradient_figures(monkeypatch):
@@ -67,7 +56,7 @@ def test_gradient_accumulation_labels_the_micro_step_of_a_backward_nan(kind):
     model = nn.Sequential(nn.Linear(8, 16), BackwardPlant(), nn.Tanh(), nn.Linear(16, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with nand.watch(model, opt) as w:
-        train(model, opt, 4, accum=3, before=arm(model[1], 2, VALUES[kind], micro=1))
+        train(model, opt, 4, accum=3, before=arm_at(model[1], 2, VALUES[kind], micro=1))
     assert where(w.first) == (2, 1, "backward", "1", "produced")
 
 
@@ -91,7 +80,7 @@ def test_a_module_called_twice_keeps_its_backward_blame_for_either_call(plant):
     model = Twice()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with nand.watch(model, opt) as w:
-        train(model, opt, 4, before=arm(getattr(model, plant), 2, float("nan")))
+        train(model, opt, 4, before=arm_at(getattr(model, plant), 2, float("nan")))
     assert where(w.first) == (2, 0, "backward", plant, "produced")
 
 

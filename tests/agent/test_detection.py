@@ -9,20 +9,9 @@ import torch
 from torch import nn
 
 import nand
-from tests.agent.models import VALUES, BackwardPlant, Net, Plant, mlp, train
+from tests.agent.models import VALUES, BackwardPlant, Net, Plant, arm_at, mlp, train, where
 
 pytestmark = pytest.mark.parametrize("kind", list(VALUES))
-
-
-def where(event: nand.Event) -> tuple:
-    return (event.step, event.micro_step, event.phase, event.module, event.cause)
-
-
-def arm_at(module: nn.Module, step: int, value: float, micro: int = 0):
-    def before(s: int, m: int) -> None:
-        module.value = value if (s, m) == (step, micro) else None  # type: ignore[assignment]
-
-    return before
 
 
 def test_non_finite_input_data_is_reported_as_input_with_cause_data(kind):
