@@ -106,7 +106,6 @@ class Hooks:
         self.handles: list[RemovableHandle] = []
         self._grad_hooks: dict[int, GradHooks] = {}
         self._finite_nodes = FINITE_NODES
-        self._proxies: dict[nn.Module, BiasProxy] = {}
 
     def install(
         self, root: nn.Module, infos: dict[nn.Module, ModuleInfo], *, proxies: bool = True
@@ -116,8 +115,7 @@ class Hooks:
         the local value is what tells produced from received)."""
         if any(info.allow_neginf for info in infos.values()):
             self._finite_nodes = NEGINF_SAFE_NODES
-        if proxies:
-            self._install_proxies(root, infos)
+        biased = self._install_proxies(root, infos) if proxies else {}
         for module, info in infos.items():
             if isinstance(module, CONTAINERS):
                 continue
@@ -126,7 +124,7 @@ class Hooks:
             elif info.safe:
                 self.handles.append(module.register_forward_hook(self._safe_hook(info)))
             elif info.leaf:
-                leaf_hook = self._leaf_hook(info, self._proxies.get(module))
+                leaf_hook = self._leaf_hook(info, biased.get(module))
                 self.handles.append(module.register_forward_hook(leaf_hook))
             else:
                 self.handles.append(module.register_forward_pre_hook(self._container_pre(info)))
@@ -136,15 +134,19 @@ class Hooks:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
-        self._proxies.clear()
 
-    def _install_proxies(self, root: nn.Module, infos: dict[nn.Module, ModuleInfo]) -> None:
+    def _install_proxies(
+        self, root: nn.Module, infos: dict[nn.Module, ModuleInfo]
+    ) -> dict[nn.Module, BiasProxy]:
+        """A bias hook for every module whose output gradient its bias gives."""
+        found: dict[nn.Module, BiasProxy] = {}
         for module, bias in proxy_bias(root, infos).items():
             site = infos[module].output_site("").backward
             assert site is not None
             proxy = BiasProxy(self.state, site, bias)
-            self._proxies[module] = proxy
+            found[module] = proxy
             self.handles.append(proxy.handle)
+        return found
 
     def _install_root(self, module: nn.Module, info: ModuleInfo) -> None:
         pre = self._root_pre(info)
