@@ -175,7 +175,10 @@ class OptimizerHooks:
         self._queued = False  # params/state of the last step are already in the buffer
         self._params_key: tuple[int, int] | None = None
         self._params: list[Tensor] = []
-        self._grad_sites: list[Site] = []
+        self._grad_sites: list[Site] = []  # one per parameter, in order
+        #: Every gradient can go straight into one ``_foreach_norm``: no DTensor
+        #: (its local shard is read instead) and none sparse (no kernel) so far.
+        self._grads_plain = True
         self._state_key: tuple[object, int] | None = None
         self._state: tuple[list[Tensor], list[Site]] = ([], [])
         self._params_only: tuple[list[Tensor], list[Site]] = ([], [])
@@ -212,7 +215,8 @@ class OptimizerHooks:
         if key != self._params_key:
             self._params_key = key
             self._params = [p for g in groups for p in g["params"]]
-            self._grad_sites = []
+            self._grad_sites = [self._site(p, "grad", "") for p in self._params]
+            self._grads_plain = not any(hasattr(p, "to_local") for p in self._params)
         return self._params
 
     def drop_grads(self) -> None:
@@ -322,23 +326,39 @@ class OptimizerHooks:
 
         ``force``: the parameters even if implied finite (the last look at ``close``).
         """
+        params = self.params()
+        grads = [g for p in params if (g := p.grad) is not None]
+        if len(grads) == len(params) and self._grads_plain:
+            sites = self._grad_sites  # every parameter has a plain gradient: the common case
+        else:
+            grads, sites = self._usable_grads(params)
+        buf = self.buf
+        buf.spans["grad"] = (len(buf.norms), len(grads))
+        if with_params and not self._queued:
+            self._params_due |= force
+            if self._params_due or self._state_due:
+                self._refresh()
+                grads, sites = list(grads), list(sites)  # not the cached lists
+                self._take_params_and_state(grads, sites)
+        self._queued = False
+        try:
+            buf.add_norms(grads, sites)
+        except (NotImplementedError, RuntimeError):
+            if not self._grads_plain:
+                raise
+            self._grads_plain = False  # a sparse gradient: filter them from now on
+            self.add_norms(with_params, force)
+
+    def _usable_grads(self, params: list[Tensor]) -> tuple[list[Tensor], list[Site]]:
+        """The dense float gradients (local shards), for the slow path."""
         tensors: list[Tensor] = []
         sites: list[Site] = []
-        params = self.params()
-        if len(self._grad_sites) != len(params):
-            self._grad_sites = [self._site(p, "grad", "") for p in params]
         for p, site in zip(params, self._grad_sites, strict=True):
             g = p.grad
             if g is not None and not g.is_sparse and g.is_floating_point():
                 tensors.append(g if type(g) is Tensor else local(g))
                 sites.append(site)
-        self.buf.spans["grad"] = (len(self.buf.norms), len(tensors))
-        if with_params and not self._queued:
-            self._params_due |= force
-            self._refresh()
-            self._take_params_and_state(tensors, sites)
-        self._queued = False
-        self.buf.add_norms(tensors, sites)
+        return tensors, sites
 
     def _add_params_and_state(self) -> None:
         tensors: list[Tensor] = []
@@ -347,11 +367,15 @@ class OptimizerHooks:
         self.buf.add_norms(tensors, sites)
 
     def _take_params_and_state(self, tensors: list[Tensor], sites: list[Site]) -> None:
-        """Append the parameters and the state, each unless implied finite."""
+        """Append the parameters and the state, each unless implied finite.
+
+        Parameters are detached: the optimizer's hooks run outside its
+        ``no_grad``, and a parameter's norm would otherwise record a graph node.
+        """
         if self._params_due:
             params, param_sites = self._params_only
             self.buf.spans["param"] = (len(self.buf.norms) + len(tensors), len(params))
-            tensors += params if self._plain else [local(t) for t in params]
+            tensors += [(t if self._plain else local(t)).detach() for t in params]
             sites += param_sites
         if self._state_due:
             state, state_sites = self._state

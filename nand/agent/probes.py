@@ -81,7 +81,7 @@ class ProbeBuffer:
         return len(self.sites) + len(self.norm_sites)
 
     def add_norms(self, tensors: list[Tensor], sites: list[Site]) -> None:
-        """One ``_foreach_norm`` launch over ``tensors`` (all floating, non-empty)."""
+        """One ``_foreach_norm`` launch over ``tensors`` (floating, dense, not requiring grad)."""
         if tensors:
             self.norms.extend(torch._foreach_norm(tensors))
             self.norm_sites.extend(sites)

@@ -155,3 +155,51 @@ def test_inputs_changed_by_a_module_own_pre_hook_are_that_module_s():
     with nand.watch(model, opt) as w:
         train(model, opt, 4, before=before)
     assert (w.first.step, w.first.phase, w.first.module) == (2, "backward", "1")
+
+
+class SparseBag(nn.Module):
+    """An embedding with sparse gradients (no ``_foreach_norm`` kernel) before a Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 8, sparse=True)
+        self.fc = nn.Linear(8, 2)
+
+    def forward(self, ids):
+        return self.fc(self.emb(ids))
+
+
+def test_sparse_gradients_are_left_out_and_the_dense_ones_still_checked(caplog):
+    model = SparseBag()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with caplog.at_level(logging.WARNING, logger="nand"), nand.watch(model, opt) as w:
+        for step in range(4):
+            model(torch.randint(0, 10, (4, 3))).pow(2).mean().backward()
+            if step == 2:
+                model.fc.weight.grad[0, 0] = float("nan")
+            opt.step()
+            opt.zero_grad()
+    assert "internal error" not in caplog.text  # nand stayed on
+    assert (w.first.step, w.first.phase, w.first.module) == (2, "grad", "fc.weight")
+
+
+def test_parameter_norms_record_no_autograd_graph(monkeypatch):
+    # The optimizer's hooks run outside its no_grad: a norm of a parameter
+    # itself would build a graph node every step.
+    outputs: list[torch.Tensor] = []
+    real = torch._foreach_norm
+
+    def spy(tensors, *args, **kwargs):
+        out = real(tensors, *args, **kwargs)
+        outputs.extend(out)
+        return out
+
+    monkeypatch.setattr(torch, "_foreach_norm", spy)
+    model = nn.Sequential(nn.Linear(8, 4))  # train() feeds 8 features
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)  # params read every step
+    with nand.watch(model, opt):
+        train(model, opt, 3)
+    # 2 gradients a step, the 2 parameters from the second step on and at close
+    # (momentum is implied finite)
+    assert len(outputs) == 2 + 4 + 4 + 2
+    assert not any(t.requires_grad for t in outputs)
