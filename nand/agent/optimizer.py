@@ -3,7 +3,10 @@
 - **pre-hook** (before ``optimizer.step`` applies anything): one
   ``_foreach_norm`` over the ``.grad`` of every parameter; then the step
   boundary runs (``Watch._on_step``): the one host read, the policy. Raising
-  here (``raise``/``stop``) leaves the weights untouched.
+  here (``raise``/``stop``) leaves the weights untouched. From that read and
+  the hyperparameters the update is about to use, it decides whether what the
+  update writes must be read at the next boundary (the two "implied finite"
+  items below), so the post-hook has almost nothing to do.
 - **post-hook**: counts the step, and launches one ``_foreach_norm`` over the
   parameters and float optimizer state (Adam's ``exp_avg``/``exp_avg_sq``;
   ``step`` counters skipped) right after the update wrote them, while they
@@ -228,12 +231,28 @@ class OptimizerHooks:
         if self.guard.off:
             return
         self.stepped = True
+        state_read = self._state_due  # this window holds the state (see add_norms)
         try:
             self.add_norms(with_params=self.stepped_once)
         except Exception as exc:
             self.guard.failed(exc, "optimizer pre-step hook")
             return
+        # If the boundary raises, the next boundary reads params and state.
+        self._params_due = self._state_due = True
         self.boundary()  # guarded itself; may raise NonFiniteError / StopRequested
+        try:
+            self._plan(state_read)
+        except Exception as exc:
+            self.guard.failed(exc, "optimizer pre-step hook")
+
+    def _plan(self, state_read: bool) -> None:
+        """After this step's read, before its update: must the next boundary
+        read what this update writes? Everything the answer depends on is known
+        here (this window's norms, the hyperparameters this update uses), and
+        deciding now spares the post-hook a second visit to cold code."""
+        self._refresh()  # the parameter groups may have changed
+        self._state_due = not self._state_implied(state_read)
+        self._params_due = not self._params_implied()
 
     def _post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.guard.off:
@@ -241,14 +260,11 @@ class OptimizerHooks:
         self.stepped_once = True
         try:
             self.after_step()
-            self._refresh()  # the state's tensors exist from the first update on
-            self._state_due = not self._state_implied()
-            self._params_due = not self._params_implied()
-            self._queued = False
             if self._fuse:
                 return  # the next pre-hook takes them, in the gradients' launch
             # Right after the update, while the params and state are still in
             # cache: the same multi-tensor pass costs less than at the next step.
+            self._refresh()  # the state's tensors exist from the first update on
             self._add_params_and_state()
             self._queued = True
         except Exception as exc:
@@ -259,24 +275,23 @@ class OptimizerHooks:
         self.state_trusted = self._state_due = False
         self._state_key = None
 
-    def _state_implied(self) -> bool:
-        """Whether the state this update wrote is finite by :func:`state_follows`.
+    def _state_implied(self, state_read: bool) -> bool:
+        """Whether the state this update writes is finite by :func:`state_follows`.
 
-        Called after the update; the window read just before it held this
-        step's gradients and, when ``_state_due`` was set, the state before it.
+        The window just read held this step's gradients and, when
+        ``state_read``, the state before the update.
         """
-        checked = self._state_due
         if self._state_half or not self.window_clean() or not state_follows(self.optimizer):
             self.state_trusted = False  # checked at every step until proven again
-        elif checked:
-            self.state_trusted = True  # read finite, and finite gradients went in
+        elif state_read:
+            self.state_trusted = True  # read finite, and finite gradients go in
         return self.state_trusted
 
     def _params_implied(self) -> bool:
-        """Whether the parameters this update wrote are finite by :func:`update_bound`.
+        """Whether the parameters this update writes are finite by :func:`update_bound`.
 
-        Called after the update, with the norms read just before it: the
-        gradients, and the parameters before the update when they were read.
+        From the norms read just before it: the gradients, and the parameters
+        before the update when they were read.
         """
         norms, spans = self.window_norms()
         if "param" in spans:  # read: a bound from what they were
@@ -411,7 +426,10 @@ class OptimizerHooks:
         self._state = (tensors[n:], sites[n:])
         self._plain = not any(hasattr(t, "to_local") for t in tensors)  # no DTensor
         self._fuse = sum(t.numel() * t.element_size() for t in tensors) < FUSE_BELOW_BYTES
-        self._state_half = any(t.dtype == torch.float16 for t in self._state[0])
+        # Before the first update there is no state yet: it will take the
+        # parameters' dtypes (what SGD, Adam and AdamW create).
+        made_like = self._state[0] or self._params_only[0]
+        self._state_half = any(t.dtype == torch.float16 for t in made_like)
 
     def _site(self, p: Tensor, phase: str, key: str) -> Site:
         site = self._sites.get((id(p), phase, key))
