@@ -29,7 +29,7 @@ from nand.events import Event
 log = logging.getLogger("nand")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Outcome:
     """What one boundary found."""
 
@@ -95,13 +95,16 @@ class Boundary:
     def _check(
         self, step: int, prev_step: int, prev_micro: int, skipped: bool, record: bool
     ) -> Outcome:
-        extras = self._extras()
-        values, any_bad = self.read(extras)
         buf = self.buf
+        has_extras = self.amp is not None or self.ddp is not None or self.loss_tensor is not None
+        extras = self._extras() if has_extras else []
+        values, any_bad = self.read(extras)
         out = Outcome(any_rank_bad=any_bad, micro_steps=buf.sites.count(None))
         if values is None:
             return out
-        scale, norm_scale, out.overflow = self._amp_figures(values, extras, skipped)
+        scale = norm_scale = 1.0
+        if self.amp is not None:
+            scale, norm_scale, out.overflow = self._amp_figures(values, extras, skipped)
         loss = values[-1] if "loss" in extras else None
         row = StepRow(step, values, buf.sites[:], buf.norm_sites[:], scale, norm_scale, loss)
         if record:
@@ -114,15 +117,28 @@ class Boundary:
         self.read_spans = dict(buf.spans)
         self.clean = not is_bad(values, len(values) - len(extras))
         if not self.clean:
-            grad_cause = self._grad_cause(values, extras)
-            finding = first_finding(buf, values, grad_cause, prev_micro)
-            if finding is not None and finding.phase == "forward" and self.param_behind:
-                finding = self.param_behind(finding, prev_micro) or finding
-            if finding is not None:
-                at = prev_step if finding.phase in ("param", "optimizer_state") else step
-                self.seq += 1
-                out.event = build_event(finding, self.who, at, self.seq, scale, self.root_type)
+            out.event = self._finding_event(values, extras, step, prev_step, prev_micro, scale)
         return out
+
+    def _finding_event(
+        self,
+        values: list[float],
+        extras: list[str],
+        step: int,
+        prev_step: int,
+        prev_micro: int,
+        scale: float,
+    ) -> Event | None:
+        """The slow path: the window's first verified non-finite entry, as an event."""
+        grad_cause = self._grad_cause(values, extras)
+        finding = first_finding(self.buf, values, grad_cause, prev_micro)
+        if finding is not None and finding.phase == "forward" and self.param_behind:
+            finding = self.param_behind(finding, prev_micro) or finding
+        if finding is None:
+            return None
+        at = prev_step if finding.phase in ("param", "optimizer_state") else step
+        self.seq += 1
+        return build_event(finding, self.who, at, self.seq, scale, self.root_type)
 
     def _extras(self) -> list[str]:
         names = []
@@ -163,16 +179,14 @@ class Boundary:
         pinned memory and read it one step late (not implemented: no GPU here).
         """
         gathered = self.buf.gather()
-        if gathered is None and not self.agree:
-            return None, False
-        if self.agree:
-            gathered = self._agreed(gathered, len(extras))
-        assert gathered is not None
-        values = gathered.tolist()
+        if not self.agree:
+            if gathered is None:
+                return None, False
+            self.reads += 1
+            return gathered.tolist(), False
+        values = self._agreed(gathered, len(extras)).tolist()
         self.reads += 1
-        if self.agree:
-            return (values[:-1] or None), values[-1] > 0
-        return values, False
+        return (values[:-1] or None), values[-1] > 0
 
     def _agreed(self, gathered: Tensor | None, n_extras: int) -> Tensor:
         import torch.distributed as dist
@@ -189,7 +203,7 @@ class Boundary:
     def _amp_figures(
         self, values: list[float], extras: list[str], skipped: bool
     ) -> tuple[float, float, bool]:
-        if self.amp is None or "scale" not in extras:
+        if self.amp is None or "scale" not in extras:  # a scaler that is disabled
             return 1.0, 1.0, False
         at = len(values) - len(extras)
         scale, found_inf = values[at], values[at + 1]

@@ -263,13 +263,13 @@ class Watch:
         if outcome.overflow:
             assert self._opt is not None
             self._opt.drop_grads()  # a fused optimizer got found_inf; nothing to apply
-            return
-        self._apply_policy(outcome)
+        elif outcome.event is not None or outcome.any_rank_bad:
+            self._apply_policy(outcome)
 
     def _apply_policy(self, outcome: Outcome) -> None:
+        """A non-finite step (here or, agreed, on another rank): warn, skip or raise."""
         event = outcome.event
-        bad = event is not None or outcome.any_rank_bad
-        if not bad or self.policy == "warn":
+        if self.policy == "warn":
             return
         if self.policy == "skip":
             assert self._opt is not None
