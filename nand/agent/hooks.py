@@ -166,7 +166,10 @@ class Hooks:
             if state.guard.off:
                 return
             try:
-                self._take_inputs(info, args, output, module)
+                if state.pending is not None or (
+                    args and (len(args) > 1 or args[0] is not state.last)
+                ):
+                    self._take_inputs(info, args, output, module)
                 if isinstance(output, Tensor):
                     if allow:
                         self._probe_output(out_site, output)
@@ -198,7 +201,10 @@ class Hooks:
             if state.guard.off:
                 return
             try:
-                self._take_inputs(info, args, output, module)
+                if state.pending is not None or (
+                    args and (len(args) > 1 or args[0] is not state.last)
+                ):
+                    self._take_inputs(info, args, output, module)
                 if isinstance(output, Tensor):
                     if grad_hooks is not None and output.requires_grad:
                         # Masking: the probe waits for the consumer. A value
@@ -304,7 +310,11 @@ class Hooks:
     def _take_inputs(
         self, info: ModuleInfo, args: tuple[Any, ...], output: Any, module: nn.Module
     ) -> None:
-        """What reached a leaf: a pending masking value's consumer, inline code."""
+        """What reached a leaf: a pending masking value's consumer, inline code.
+
+        The hooks call it only when there is something to do: a value pending,
+        or an input that is not the last recorded output.
+        """
         state = self.state
         if state.pending is not None:
             self._settle(info, args)
