@@ -46,6 +46,16 @@ class Session:
         self.heartbeat_s = config.get_float(config.NAND_HEARTBEAT_S, 5.0)
         self._last_beat = time.monotonic()
         self._last_step = 0
+        self._per_step = False
+        self._per_step_of = -1  # the number of sinks _per_step was found for
+
+    @property
+    def per_step(self) -> bool:
+        """Whether a sink takes heartbeats and commands (see ``Sink.per_step``)."""
+        if len(self.sinks) != self._per_step_of:  # one added (tests) or dropped
+            self._per_step_of = len(self.sinks)
+            self._per_step = any(getattr(sink, "per_step", True) for sink in self.sinks)
+        return self._per_step
 
     @classmethod
     def open(
@@ -99,7 +109,7 @@ class Session:
     def step_done(self, watch: Watch, outcome: Outcome) -> None:
         """Heartbeat when due, from the figures this step already read."""
         now = time.monotonic()
-        if now - self._last_beat < self.heartbeat_s or not self.sinks:
+        if now - self._last_beat < self.heartbeat_s or not self.per_step:
             return
         rate = (watch.step - self._last_step) / (now - self._last_beat)
         self._last_beat, self._last_step = now, watch.step

@@ -14,6 +14,11 @@ from nand.events import Event, FlightWindow, StepSummary
 
 
 class Sink(Protocol):
+    #: Wants the per-step calls, ``heartbeat`` and ``commands`` (a server does).
+    #: Local sinks say no, so a run without a server pays nothing per step for
+    #: them. A sink without the attribute gets them.
+    per_step: bool
+
     def hello(self, info: dict[str, Any]) -> None:
         """The agent started: identity, versions, device, module table, optimizer."""
 

@@ -25,6 +25,8 @@ _FLOAT_FIELDS = ("min", "max", "max_abs")
 class LogSink:
     """Logs incidents through the ``nand`` logger (WARNING) and nothing else."""
 
+    per_step = False
+
     def hello(self, info: dict[str, Any]) -> None:
         log.debug("nand: watching %d modules on rank %s", len(info["modules"]), info["rank"])
 
@@ -61,6 +63,8 @@ class JsonlSink:
     ``path`` may contain ``{rank}``. Lines look like
     ``{"type": "event", "event": {...}, "flight": {...} | null}``.
     """
+
+    per_step = False
 
     def __init__(self, path: str, rank: int = 0) -> None:
         self.path = path.replace("{rank}", str(rank))

@@ -73,6 +73,8 @@ _ENDPOINT = re.compile(r"^(tcp|ipc|inproc|ws|wss)://.+")
 class ServerSink:
     """Sends this rank's hello, events, heartbeats, flights and bye to a server."""
 
+    per_step = True  # heartbeats, and the server's commands
+
     def __init__(
         self, endpoint: str, identity: Identity, *, token: str | None = None, **overrides: Any
     ) -> None:

@@ -255,7 +255,8 @@ class Watch:
     def _on_step(self) -> None:
         """Optimizer pre-hook: read the window; apply the policy before the update."""
         outcome = self._guarded_check(skipped=False)
-        self.session.poll(self)
+        if self.session.per_step:
+            self.session.poll(self)
         if self.session.stop_at is not None and self.step >= self.session.stop_at:
             raise StopRequested(self.session.stop_at, "requested by the server")
         if outcome is None:
@@ -299,7 +300,8 @@ class Watch:
         if self._opt is None and self._buf.sites:
             outcome = self._guarded_check(skipped=False)
             self.step += 1
-            self.session.poll(self)
+            if self.session.per_step:
+                self.session.poll(self)
             if self.session.stop_at is not None and self.step >= self.session.stop_at:
                 raise StopRequested(self.session.stop_at, "requested by the server")
             event = outcome.event if outcome is not None else None
@@ -337,7 +339,7 @@ class Watch:
                     f"; first non-finite: {outcome.event.message}" if outcome.event else "",
                 )
             return
-        if beat:
+        if beat and self.session.per_step:
             self.session.step_done(self, outcome)
         if event is None:
             self._in_incident = False

@@ -10,6 +10,7 @@ import torch
 
 import nand
 from nand.agent.session import Session
+from nand.agent.sinks import JsonlSink, LogSink
 from nand.agent.watch import Watch
 from tests.agent.models import VALUES, mlp, train
 
@@ -161,3 +162,17 @@ def test_heartbeats_carry_figures_already_read(kind, monkeypatch):
     beats = [args[0] for args in sink.named("heartbeat")]
     assert len(beats) == 3 and beats[-1].step == 2
     assert beats[-1].loss > 0 and beats[-1].grad_norm > 0 and beats[-1].max_activation > 0
+
+
+def test_without_a_server_no_sink_is_called_per_step(kind, monkeypatch, tmp_path):
+    # Heartbeats and command polls are for a server: local sinks are spared them.
+    monkeypatch.setenv("NAND_HEARTBEAT_S", "0")
+    calls: list[str] = []
+    for local in (LogSink, JsonlSink):
+        monkeypatch.setattr(local, "commands", lambda self: calls.append("commands") or [])
+        monkeypatch.setattr(local, "heartbeat", lambda self, summary: calls.append("beat"))
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with nand.watch(model, opt, events_file=str(tmp_path / "events.jsonl")) as w:
+        train(model, opt, 3)
+    assert len(w.session.sinks) == 2 and calls == []
