@@ -201,9 +201,9 @@ class OptimizerHooks:
         self._sites: dict[tuple[int, str, str], Site] = {}
         self.handles: list[RemovableHandle] = [
             optimizer.register_step_pre_hook(self._pre),
-            optimizer.register_step_post_hook(self._post),
             optimizer.register_load_state_dict_post_hook(self._loaded),
         ]
+        self._post_hooked = False  # the post-hook is there only for large models
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -240,7 +240,14 @@ class OptimizerHooks:
         # If the boundary raises, the next boundary reads params and state.
         self._params_due = self._state_due = True
         self.boundary()  # guarded itself; may raise NonFiniteError / StopRequested
+        if self.guard.off:
+            return  # switched off by its own error: nothing counted from here on
+        # The update goes ahead: it is counted here, not in a post-hook (one
+        # hook call less per step; an optimizer that raises mid-update is
+        # counted all the same).
+        self.stepped_once = True
         try:
+            self.after_step()
             self._plan(state_read)
         except Exception as exc:
             self.guard.failed(exc, "optimizer pre-step hook")
@@ -255,20 +262,28 @@ class OptimizerHooks:
         self._params_due = not self._params_implied()
 
     def _post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """Large models: the parameters and state, right after the update wrote
+        them, while still in cache (the same multi-tensor pass costs less than
+        at the next step)."""
         if self.guard.off:
             return
-        self.stepped_once = True
         try:
-            self.after_step()
-            if self._fuse:
-                return  # the next pre-hook takes them, in the gradients' launch
-            # Right after the update, while the params and state are still in
-            # cache: the same multi-tensor pass costs less than at the next step.
             self._refresh()  # the state's tensors exist from the first update on
+            if self._fuse:
+                return  # (now small): the next pre-hook takes them with the gradients
             self._add_params_and_state()
             self._queued = True
         except Exception as exc:
             self.guard.failed(exc, "optimizer post-step hook")
+
+    def _hook_post(self) -> None:
+        """Register the post-hook once the parameters and state are found large.
+
+        Never removed before ``remove``: this may run while the optimizer
+        iterates its post-hooks (from :meth:`_post`)."""
+        if not self._post_hooked:
+            self._post_hooked = True
+            self.handles.append(self.optimizer.register_step_post_hook(self._post))
 
     def _loaded(self, optimizer: Any) -> None:
         # New state tensors, not checked yet; what the buffer holds is the old.
@@ -426,6 +441,8 @@ class OptimizerHooks:
         self._state = (tensors[n:], sites[n:])
         self._plain = not any(hasattr(t, "to_local") for t in tensors)  # no DTensor
         self._fuse = sum(t.numel() * t.element_size() for t in tensors) < FUSE_BELOW_BYTES
+        if not self._fuse:
+            self._hook_post()
         # Before the first update there is no state yet: it will take the
         # parameters' dtypes (what SGD, Adam and AdamW create).
         made_like = self._state[0] or self._params_only[0]

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import nand
+from nand.agent import optimizer as optimizer_module
 from tests.agent.models import VALUES, BackwardPlant, Net, Plant, arm_at, mlp, train, where
 
 pytestmark = pytest.mark.parametrize("kind", list(VALUES))
@@ -335,3 +336,18 @@ def test_the_event_says_what_the_values_looked_like(kind):
         assert math.isnan(e.max)
     else:
         assert (e.max if kind == "+inf" else e.min) == VALUES[kind]
+
+
+@pytest.mark.parametrize("large", [False, True], ids=["read-with-grads", "read-after-update"])
+def test_param_and_state_findings_from_either_launch(kind, large, monkeypatch):
+    # Small models' params and state ride in the next pre-hook's launch; large
+    # ones get a post-hook that launches right after the update.
+    monkeypatch.setattr(optimizer_module, "FUSE_BELOW_BYTES", 0 if large else 1 << 30)
+    model = mlp()
+    opt = torch.optim.RMSprop(model.parameters(), lr=1e-3)
+    corrupt_after_step(opt, 2, lambda: model[2].weight.data.__setitem__((0, 0), VALUES[kind]))
+    with nand.watch(model, opt) as w:
+        train(model, opt, 4)
+        assert len(opt._optimizer_step_post_hooks) == 1 + large  # corrupt_after_step's, nand's
+    assert where(w.first) == (2, 0, "param", "2.weight", "produced")
+    assert len(opt._optimizer_step_post_hooks) == 1  # nand's is gone
