@@ -55,6 +55,9 @@ FINITE_NODES = frozenset(
 #: -inf * 0 = NaN): used when some module may emit -inf (``allow_nonfinite``).
 NEGINF_SAFE_NODES = frozenset({"ReluBackward0", "TanhBackward0", "SigmoidBackward0"})
 MASKING_NODES = frozenset({"ReluBackward0"})
+#: Probe entries after which a window is read at the next root call even
+#: without an optimizer step (see ``HookState.window_full``).
+MAX_WINDOW = 100_000
 
 
 def _finite_op_of(
@@ -87,7 +90,7 @@ class HookState:
     :meth:`Hooks._settle`).
     """
 
-    __slots__ = ("before_root", "buf", "guard", "last", "micro", "pending")
+    __slots__ = ("before_root", "buf", "guard", "last", "micro", "pending", "window_full")
 
     def __init__(self, buf: ProbeBuffer, guard: Guard) -> None:
         self.buf = buf
@@ -95,7 +98,10 @@ class HookState:
         self.last: Tensor | None = None
         self.pending: tuple[Tensor, GradHooks] | None = None
         self.micro = 0  # root forward calls so far (not counted under torch.compile)
-        self.before_root: Callable[[], None] | None = None  # a step boundary, if any
+        #: Without an optimizer, each root call ends the last step: its boundary.
+        self.before_root: Callable[[], None] | None = None
+        #: The buffer passed :data:`MAX_WINDOW` entries: read it now.
+        self.window_full: Callable[[], None] | None = None
 
 
 class Hooks:
@@ -260,6 +266,8 @@ class Hooks:
             try:
                 if state.before_root is not None:
                     state.before_root()
+                elif len(sites) > MAX_WINDOW and state.window_full is not None:
+                    state.window_full()
                 sites.append(MICRO)
                 state.last = state.pending = None
                 if not torch.compiler.is_compiling():  # an int read there is guarded on

@@ -121,9 +121,6 @@ __all__ = ["Watch", "watch"]
 log = logging.getLogger("nand")
 
 POLICIES = ("warn", "raise", "skip", "stop")
-#: Probe entries after which a window is read even without an optimizer step
-#: (an optimizer that never steps must not make the buffer grow forever).
-MAX_WINDOW = 100_000
 
 
 class Watch:
@@ -164,7 +161,7 @@ class Watch:
         names = [info.name for info in self._infos.values()]
         self.recorder = FlightRecorder(flight_steps, names)
         state = HookState(self._buf, self._guard)
-        state.before_root = self._before_root
+        state.window_full = self._window_full
         self._hooks = Hooks(state)
         grads_reduced = ddp.grads_are_reduced(model)
         self._hooks.install(self._root, self._infos, proxies=not grads_reduced)
@@ -175,6 +172,8 @@ class Watch:
             self._buf, session.who, self.recorder, len(names), root_type, agree
         )
         self._opt = self._hook_optimizer(optimizer, wrapped) if optimizer is not None else None
+        if self._opt is None:
+            state.before_root = self._root_step
         self._amp = (
             AmpWatch(scaler, optimizer, self._stepped, self._amp_skipped)
             if (scaler is not None and optimizer is not None)
@@ -295,9 +294,9 @@ class Watch:
             opt.stepped = False
         return stepped
 
-    def _before_root(self) -> None:
-        """Root pre-hook: without an optimizer, each root call is a step."""
-        if self._opt is None and self._buf.sites:
+    def _root_step(self) -> None:
+        """Root pre-hook without an optimizer: each root call is a step."""
+        if self._buf.sites:
             outcome = self._guarded_check(skipped=False)
             self.step += 1
             if self.session.per_step:
@@ -307,8 +306,10 @@ class Watch:
             event = outcome.event if outcome is not None else None
             if event is not None and self.policy in ("raise", "stop"):
                 raise NonFiniteError(event)
-        elif len(self._buf.sites) > MAX_WINDOW:
-            self._guarded_check(skipped=False)
+
+    def _window_full(self) -> None:
+        """An optimizer that never steps must not make the buffer grow forever."""
+        self._guarded_check(skipped=False)
 
     def _guarded_check(self, skipped: bool) -> Outcome | None:
         if self._guard.off:

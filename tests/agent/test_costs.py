@@ -118,6 +118,21 @@ def test_memory_stays_bounded_over_thousands_of_steps():
     assert len(w.recorder.rows) == 16 and len(w._buf) == 0
 
 
+def test_an_optimizer_that_never_steps_does_not_grow_the_buffer(monkeypatch):
+    # Forward/backward forever, never opt.step() (evaluation with grads, or a
+    # forgotten step): the window is read once it passes MAX_WINDOW entries.
+    from nand.agent import hooks
+
+    monkeypatch.setattr(hooks, "MAX_WINDOW", 50)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with nand.watch(model, opt) as w:
+        for _ in range(40):
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            assert len(w._buf) <= 50 + 20  # one root call adds ~8 entries
+        assert w.host_reads >= 4 and w.step == 0
+
+
 def test_a_healthy_run_reports_nothing(caplog):
     caplog.set_level(logging.INFO, logger="nand")
     model = mlp()
