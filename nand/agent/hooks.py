@@ -23,6 +23,10 @@ Per module call:
   them in the forward hook.
 - a parent whose output is its last child's output (``Sequential``) adds no
   probe: the child already took it.
+- in an exact ``nn.Sequential`` the data flow is known: a finite-preserving
+  child that feeds a probed leaf gets no hook at all, the leaf does not
+  examine its input, and a root ending in a probed leaf gets no forward hook
+  (``modules.Chains``). For an MLP that leaves one hook per Linear.
 - the **root** pre-hook marks a micro-step and probes the input data
   (positional and keyword, nested); the root's outputs get a "loss" tensor hook:
   the gradient arriving there comes from the loss computation.
@@ -41,7 +45,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from nand.agent.grads import BiasProxy, GradHooks
-from nand.agent.modules import CONTAINERS, ModuleInfo, proxy_bias
+from nand.agent.modules import CONTAINERS, Chains, ModuleInfo, proxy_bias
 from nand.agent.probes import MICRO, ProbeBuffer, Site, iter_tensors
 from nand.agent.safety import Guard
 
@@ -122,15 +126,17 @@ class Hooks:
         if any(info.allow_neginf for info in infos.values()):
             self._finite_nodes = NEGINF_SAFE_NODES
         biased = self._install_proxies(root, infos) if proxies else {}
+        chains = Chains(root, infos)
         for module, info in infos.items():
-            if isinstance(module, CONTAINERS):
+            if isinstance(module, CONTAINERS) or module in chains.unhooked:
                 continue
             if module is root:
-                self._install_root(module, info)
+                self._install_root(module, info, with_hook=not chains.root_is_last_leaf)
             elif info.safe:
                 self.handles.append(module.register_forward_hook(self._safe_hook(info)))
             elif info.leaf:
-                leaf_hook = self._leaf_hook(info, biased.get(module))
+                trusting = module in chains.trusting
+                leaf_hook = self._leaf_hook(info, biased.get(module), trusting)
                 self.handles.append(module.register_forward_hook(leaf_hook))
             else:
                 self.handles.append(module.register_forward_pre_hook(self._container_pre(info)))
@@ -154,14 +160,19 @@ class Hooks:
             self.handles.append(proxy.handle)
         return found
 
-    def _install_root(self, module: nn.Module, info: ModuleInfo) -> None:
+    def _install_root(self, module: nn.Module, info: ModuleInfo, with_hook: bool) -> None:
         pre = self._root_pre(info)
         self.handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
-        self.handles.append(module.register_forward_hook(self._root_hook(info)))
+        if with_hook:
+            self.handles.append(module.register_forward_hook(self._root_hook(info)))
 
     # --- the hooks ------------------------------------------------------------
 
-    def _leaf_hook(self, info: ModuleInfo, proxy: BiasProxy | None) -> Callable[..., None]:
+    def _leaf_hook(
+        self, info: ModuleInfo, proxy: BiasProxy | None, trusting: bool
+    ) -> Callable[..., None]:
+        """``trusting``: the input comes straight from an unhooked
+        finite-preserving module (see ``modules.Chains``); not examined."""
         state, pairs, sites = self.state, self.state.buf.pairs, self.state.buf.sites
         out_site = info.output_site("")
         assert out_site.backward is not None
@@ -172,10 +183,10 @@ class Hooks:
             if state.guard.off:
                 return
             try:
-                if state.pending is not None or (
-                    args and (len(args) > 1 or args[0] is not state.last)
-                ):
-                    self._take_inputs(info, args, output, module)
+                if state.pending is not None:
+                    self._settle(info, args)
+                if not trusting and args and (len(args) > 1 or args[0] is not state.last):
+                    self._check_inputs(args, output, info, module)
                 if isinstance(output, Tensor):
                     if allow:
                         self._probe_output(out_site, output)

@@ -10,6 +10,7 @@ first use and cached, so hooks allocate no new bookkeeping per call.
 from __future__ import annotations
 
 import fnmatch
+import itertools
 from collections.abc import Iterable
 
 from torch import Tensor, nn
@@ -177,3 +178,65 @@ def proxy_bias(root: nn.Module, infos: dict[nn.Module, ModuleInfo]) -> dict[nn.M
         ):
             found[module] = bias
     return found
+
+
+class Chains:
+    """What the data flow of exact ``nn.Sequential`` containers makes certain.
+
+    ``nn.Sequential.forward`` hands each child's output to the next child and
+    nothing else, so there:
+
+    - a finite-preserving child followed by a probed leaf needs no hook at all
+      (``unhooked``): it cannot make anything non-finite, the leaf's input is
+      its output and not inline code, and when it masks (ReLU), a leaf with a
+      benign backward needs no gradient probe between them;
+    - that leaf need not examine its input (``trusting``);
+    - a root ``Sequential`` whose last child is a probed leaf returns that
+      leaf's output, already probed (``root_is_last_leaf``): no root forward hook.
+
+    Only for modules registered once in the model: a module that is also used
+    elsewhere keeps every check.
+    """
+
+    def __init__(self, root: nn.Module, infos: dict[nn.Module, ModuleInfo]) -> None:
+        self.unhooked: set[nn.Module] = set()
+        self.trusting: set[nn.Module] = set()
+        self.root_is_last_leaf = False
+        uses: dict[int, int] = {}
+        for _, module in root.named_modules(remove_duplicate=False):
+            uses[id(module)] = uses.get(id(module), 0) + 1
+        for seq in infos:
+            if type(seq) is not nn.Sequential:
+                continue
+            children = list(seq._modules.values())  # call order, repeats included
+            for i, (before, after) in enumerate(itertools.pairwise(children)):
+                feeder = infos.get(children[i - 1]) if i > 0 and children[i - 1] else None
+                if feeder is not None and feeder.masking:
+                    continue  # its gradient probe is handed on through ``before``'s hook
+                if self._chained(before, after, infos, uses):
+                    assert before is not None and after is not None
+                    self.unhooked.add(before)
+                    self.trusting.add(after)
+        if type(root) is nn.Sequential and len(root) > 0:
+            last = root[-1]
+            self.root_is_last_leaf = _probed_leaf(infos.get(last)) and uses[id(last)] == 1
+
+    @staticmethod
+    def _chained(
+        before: nn.Module | None,
+        after: nn.Module | None,
+        infos: dict[nn.Module, ModuleInfo],
+        uses: dict[int, int],
+    ) -> bool:
+        first = infos.get(before) if before is not None else None
+        second = infos.get(after) if after is not None else None
+        if first is None or second is None or not first.safe or first.allow_neginf:
+            return False
+        if not _probed_leaf(second) or (first.masking and not second.benign):
+            return False
+        return uses[id(before)] == 1 and uses[id(after)] == 1
+
+
+def _probed_leaf(info: ModuleInfo | None) -> bool:
+    """A leaf that probes its own output (not a finite-preserving one)."""
+    return info is not None and info.leaf and not info.safe

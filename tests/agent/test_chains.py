@@ -1,0 +1,100 @@
+"""Exact ``nn.Sequential`` chains: finite-preserving children go unhooked, blame unchanged."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+import nand
+from nand.agent.modules import Chains, module_table
+from tests.agent.models import mlp, train, where
+
+
+class SafeLog(nn.Module):
+    """A leaf whose backward is not benign: NaN where x == 0, exactly where a relu cut."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.where(x > 0, torch.log(x), torch.zeros_like(x))
+
+
+class MySequential(nn.Sequential):
+    """A subclass may run its children any way it likes: no chain is assumed."""
+
+
+def shared_relu() -> nn.Sequential:
+    relu = nn.ReLU()
+    return nn.Sequential(nn.Linear(8, 16), relu, nn.Linear(16, 16), relu, nn.Linear(16, 4))
+
+
+CASES: list[tuple[str, Callable[[], nn.Module], list[str], bool]] = [
+    ("mlp", mlp, ["1", "3"], True),
+    ("gelu", lambda: nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 4)), ["1"], True),
+    (
+        "relu-dropout-linear",  # the relu's probe is handed on through the dropout's hook
+        lambda: nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Dropout(0.1), nn.Linear(8, 4)),
+        [],
+        True,
+    ),
+    (
+        "relu-before-a-non-benign-backward",
+        lambda: nn.Sequential(nn.Linear(8, 8), nn.ReLU(), SafeLog(), nn.Linear(8, 4)),
+        [],
+        True,
+    ),
+    (
+        "tanh-before-a-non-benign-backward",  # tanh does not mask: nothing to probe between
+        lambda: nn.Sequential(nn.Linear(8, 8), nn.Tanh(), SafeLog(), nn.Linear(8, 4)),
+        ["1"],
+        True,
+    ),
+    ("shared-module", shared_relu, [], True),
+    (
+        "ends-in-a-relu",
+        lambda: nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4), nn.ReLU()),
+        ["1"],
+        False,
+    ),
+    ("subclass", lambda: MySequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)), [], False),
+]
+
+
+@pytest.mark.parametrize(
+    ("build", "unhooked", "last_leaf"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+)
+def test_which_children_go_unhooked(build, unhooked, last_leaf):
+    model = build()
+    infos = module_table(model, False, ())
+    chains = Chains(model, infos)
+    assert sorted(infos[m].name for m in chains.unhooked) == unhooked
+    assert chains.root_is_last_leaf is last_leaf
+
+
+def test_an_mlp_hooks_its_linears_and_the_root_pre_hook_only():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nand.watch(model, opt) as w:
+        assert [bool(m._forward_hooks) for m in model] == [True, False, True, False, True]
+        assert model._forward_pre_hooks and not model._forward_hooks
+        train(model, opt, 3)
+    assert w.first is None
+    window = w.flight_window()
+    acts = dict(zip(window.modules, window.act_max_abs[-1], strict=True))
+    assert all(acts[name] is not None for name in ("0", "2", "4"))  # the Linears' figures
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_a_linear_after_an_unhooked_relu_is_still_blamed_for_its_output(inplace):
+    model = mlp(inplace=inplace)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with nand.watch(model, opt) as w:
+        for step in range(3):
+            if step == 1:
+                with torch.no_grad():  # finite, but its products overflow float32
+                    model[2].weight.fill_(1e38)
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert where(w.first) == (1, 0, "forward", "2", "produced")
