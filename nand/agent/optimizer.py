@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -150,6 +150,14 @@ def _usable(t: Any) -> bool:
     return isinstance(t, Tensor) and t.is_floating_point() and not t.is_sparse and t.numel() > 0
 
 
+class ReadWindow(Protocol):
+    """What the last step boundary read (``boundary.Boundary``)."""
+
+    clean: bool  # nothing non-finite, suspects included
+    read_norms: list[float]  # the multi-tensor norms, in launch order
+    read_spans: dict[str, tuple[int, int]]  # (start, count) of "grad" and "param" among them
+
+
 class OptimizerHooks:
     """Hooks one optimizer; ``boundary`` is called from the pre-hook."""
 
@@ -161,8 +169,7 @@ class OptimizerHooks:
         names: dict[Any, tuple[str, str]],
         boundary: Callable[[], None],
         after_step: Callable[[], None],
-        window_clean: Callable[[], bool],
-        window_norms: Callable[[], tuple[list[float], dict[str, tuple[int, int]]]],
+        window: ReadWindow,
     ) -> None:
         self.optimizer = optimizer
         self.buf = buf
@@ -170,9 +177,7 @@ class OptimizerHooks:
         self.names = names  # param -> (qualified name, owning module type)
         self.boundary = boundary
         self.after_step = after_step
-        self.window_clean = window_clean  # the last boundary read nothing non-finite
-        #: The norms that boundary read, and where the gradients and parameters sat.
-        self.window_norms = window_norms
+        self.window = window
         self.stepped = False  # set by the pre-hook; AMP reads and clears it
         self.stepped_once = False  # params/state are checked from the 2nd boundary on
         self._queued = False  # params/state of the last step are already in the buffer
@@ -258,8 +263,9 @@ class OptimizerHooks:
         here (this window's norms, the hyperparameters this update uses), and
         deciding now spares the post-hook a second visit to cold code."""
         self._refresh()  # the parameter groups may have changed
-        self._state_due = not self._state_implied(state_read)
-        self._params_due = not self._params_implied()
+        clean = self.window.clean
+        self._state_due = not self._state_implied(state_read, clean)
+        self._params_due = not self._params_implied(clean)
 
     def _post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """Large models: the parameters and state, right after the update wrote
@@ -290,30 +296,30 @@ class OptimizerHooks:
         self.state_trusted = self._state_due = False
         self._state_key = None
 
-    def _state_implied(self, state_read: bool) -> bool:
+    def _state_implied(self, state_read: bool, clean: bool) -> bool:
         """Whether the state this update writes is finite by :func:`state_follows`.
 
-        The window just read held this step's gradients and, when
-        ``state_read``, the state before the update.
+        The window just read (``clean``: all finite) held this step's
+        gradients and, when ``state_read``, the state before the update.
         """
-        if self._state_half or not self.window_clean() or not state_follows(self.optimizer):
+        if self._state_half or not clean or not state_follows(self.optimizer):
             self.state_trusted = False  # checked at every step until proven again
         elif state_read:
             self.state_trusted = True  # read finite, and finite gradients go in
         return self.state_trusted
 
-    def _params_implied(self) -> bool:
+    def _params_implied(self, clean: bool) -> bool:
         """Whether the parameters this update writes are finite by :func:`update_bound`.
 
-        From the norms read just before it: the gradients, and the parameters
-        before the update when they were read.
+        From the norms read just before it (``clean``: all finite): the
+        gradients, and the parameters before the update when they were read.
         """
-        norms, spans = self.window_norms()
+        norms, spans = self.window.read_norms, self.window.read_spans
         if "param" in spans:  # read: a bound from what they were
             start, n = spans["param"]
             read = norms[start : start + n]
             self._bound = max(read, default=0.0) if math.isfinite(sum(read)) else None
-        if self._bound is None or not (self.window_clean() and self.state_trusted):
+        if self._bound is None or not (clean and self.state_trusted):
             self._bound = None
             return False
         start, n = spans.get("grad", (0, 0))

@@ -41,21 +41,22 @@ log = logging.getLogger("nand")
 class Session:
     def __init__(self, who: Identity, sinks: list[Sink]) -> None:
         self.who = who
-        self.sinks = sinks
+        self.sinks: list[Sink] = []
+        #: A sink takes heartbeats and commands (see ``Sink.per_step``).
+        self.per_step = False
+        for sink in sinks:
+            self.add_sink(sink)
         self.stop_at: int | None = None
         self.heartbeat_s = config.get_float(config.NAND_HEARTBEAT_S, 5.0)
         self._last_beat = time.monotonic()
         self._last_step = 0
-        self._per_step = False
-        self._per_step_of = -1  # the number of sinks _per_step was found for
 
-    @property
-    def per_step(self) -> bool:
-        """Whether a sink takes heartbeats and commands (see ``Sink.per_step``)."""
-        if len(self.sinks) != self._per_step_of:  # one added (tests) or dropped
-            self._per_step_of = len(self.sinks)
-            self._per_step = any(getattr(sink, "per_step", True) for sink in self.sinks)
-        return self._per_step
+    def add_sink(self, sink: Sink) -> None:
+        self.sinks.append(sink)
+        self._sinks_changed()
+
+    def _sinks_changed(self) -> None:
+        self.per_step = any(getattr(sink, "per_step", True) for sink in self.sinks)
 
     @classmethod
     def open(
@@ -167,3 +168,4 @@ class Session:
         )
         if sink in self.sinks:
             self.sinks.remove(sink)
+            self._sinks_changed()

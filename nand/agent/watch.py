@@ -371,8 +371,7 @@ class Watch:
             names,
             self._on_step,
             self._after_step,
-            window_clean=lambda: self._boundary.clean,
-            window_norms=lambda: (self._boundary.read_norms, self._boundary.read_spans),
+            window=self._boundary,
         )
 
     def _set_dtype(self) -> None:

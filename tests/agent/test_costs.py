@@ -172,7 +172,7 @@ def test_a_failing_sink_is_dropped_without_breaking_training(caplog):
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     with nand.watch(model, opt, log_events=False) as w:
-        w.session.sinks.append(Broken())
+        w.session.add_sink(Broken())
         train(model, opt, 3)
     assert w.step == 3 and w.session.sinks == []
 

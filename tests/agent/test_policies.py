@@ -39,7 +39,7 @@ class RecordingSink:
 
 def watch_with(sink: RecordingSink, model, opt, **kwargs) -> Watch:
     w = nand.watch(model, opt, log_events=False, **kwargs)
-    w.session.sinks.append(sink)
+    w.session.add_sink(sink)
     return w
 
 
@@ -109,7 +109,7 @@ def test_sinks_get_hello_first_event_with_flight_and_bye(kind):
 def test_hello_describes_identity_versions_modules_and_optimizer(kind):
     sink = RecordingSink()
     session = Session.open(server=None, run="run-x", events_file=None, log_events=False)
-    session.sinks.append(sink)
+    session.add_sink(sink)
     model = mlp()
     Watch(
         model,
