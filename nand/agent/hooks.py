@@ -166,6 +166,10 @@ class Hooks:
         if with_hook:
             self.handles.append(module.register_forward_hook(self._root_hook(info)))
 
+    def _lists(self) -> tuple[list[Tensor], list[Site | None]]:
+        """The buffer's lists the hooks append to (cleared in place, never rebound)."""
+        return self.state.buf.pairs, self.state.buf.sites
+
     # --- the hooks ------------------------------------------------------------
 
     def _leaf_hook(
@@ -173,14 +177,16 @@ class Hooks:
     ) -> Callable[..., None]:
         """``trusting``: the input comes straight from an unhooked
         finite-preserving module (see ``modules.Chains``); not examined."""
-        state, pairs, sites = self.state, self.state.buf.pairs, self.state.buf.sites
+        # The hot path: everything it uses is bound here, once.
+        state, guard, pairs, sites = self.state, self.state.guard, *self._lists()
+        aminmax, is_compiling = torch.aminmax, torch.compiler.is_compiling
         out_site = info.output_site("")
         assert out_site.backward is not None
         grad_hooks = self._grad_hook(out_site.backward)
         allow = info.allow_neginf
 
         def leaf_hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-            if state.guard.off:
+            if guard.off:
                 return
             try:
                 if state.pending is not None:
@@ -191,20 +197,18 @@ class Hooks:
                     if allow:
                         self._probe_output(out_site, output)
                     elif output.is_floating_point() and output.numel():
-                        pairs.extend(torch.aminmax(output.detach()))
+                        pairs.extend(aminmax(output.detach()))
                         sites.append(out_site)
                         out_site.shape, out_site.dtype = output.shape, output.dtype
                         if output.requires_grad and (
-                            proxy is None
-                            or torch.compiler.is_compiling()
-                            or not proxy.take(state.micro)
+                            proxy is None or is_compiling() or not proxy.take(state.micro)
                         ):
                             grad_hooks.attach(output)
                     state.last = output
                 else:
                     self._probe_structure(info, output)
             except Exception as exc:
-                state.guard.failed(exc, f"forward hook of {info.name!r}")
+                guard.failed(exc, f"forward hook of {info.name!r}")
 
         return leaf_hook
 
@@ -268,11 +272,12 @@ class Hooks:
         return container_hook
 
     def _root_pre(self, info: ModuleInfo) -> Callable[..., None]:
-        state, sites = self.state, self.state.buf.sites
+        state, guard, pairs, sites = self.state, self.state.guard, *self._lists()
+        aminmax, is_compiling = torch.aminmax, torch.compiler.is_compiling
         first = info.input_site("args[0]")
 
         def root_pre(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if state.guard.off:
+            if guard.off:
                 return
             try:
                 if state.before_root is not None:
@@ -281,18 +286,20 @@ class Hooks:
                     state.window_full()
                 sites.append(MICRO)
                 state.last = state.pending = None
-                if not torch.compiler.is_compiling():  # an int read there is guarded on
+                if not is_compiling():  # an int read there is guarded on
                     state.micro += 1
                 if not kwargs and len(args) == 1 and isinstance(args[0], Tensor):
                     x = args[0]  # the common case, without walking structures
                     if x.is_floating_point() and x.numel():
-                        self._probe(first, x)
+                        pairs.extend(aminmax(x.detach()))
+                        sites.append(first)
+                        first.shape, first.dtype = x.shape, x.dtype
                         state.last = x
                     return
                 for path, t in iter_tensors((args, kwargs)):
                     self._probe_input(info, path, t)
             except Exception as exc:
-                state.guard.failed(exc, "forward pre-hook of the root module")
+                guard.failed(exc, "forward pre-hook of the root module")
 
         return root_pre
 

@@ -89,12 +89,14 @@ def test_an_mlp_hooks_its_linears_and_the_root_pre_hook_only():
 def test_a_linear_after_an_unhooked_relu_is_still_blamed_for_its_output(inplace):
     model = mlp(inplace=inplace)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with torch.no_grad():
+        model[0].weight.fill_(1.0)  # every hidden unit of the first layer is 8 on ones(4, 8)
     with nand.watch(model, opt) as w:
         for step in range(3):
             if step == 1:
-                with torch.no_grad():  # finite, but its products overflow float32
+                with torch.no_grad():  # finite, but 1e38 * 16 * 8 overflows float32
                     model[2].weight.fill_(1e38)
-            model(torch.randn(4, 8)).pow(2).mean().backward()
+            model(torch.ones(4, 8)).pow(2).mean().backward()
             opt.step()
             opt.zero_grad()
     assert where(w.first) == (1, 0, "forward", "2", "produced")
