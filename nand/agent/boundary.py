@@ -20,7 +20,7 @@ from torch import Tensor
 from nand.agent.amp import AmpWatch
 from nand.agent.ddp import LocalGradCheck
 from nand.agent.identity import Identity
-from nand.agent.probes import ProbeBuffer
+from nand.agent.probes import ProbeBuffer, Site
 from nand.agent.recorder import FlightRecorder
 from nand.agent.report import build_event
 from nand.agent.step_check import Finding, StepRow, first_finding, is_bad, near_limit
@@ -111,7 +111,9 @@ class Boundary:
             self.recorder.push(row)
         out.row = row
         if not self.warned_headroom:
-            self._headroom(row)
+            near = near_limit(row)
+            if near is not None:
+                self._warn_headroom(row, *near)
         start = len(buf.pairs)
         self.read_norms = values[start : start + len(buf.norms)]
         self.read_spans = dict(buf.spans)
@@ -212,13 +214,9 @@ class Boundary:
         norm_scale = scale if self.amp.grads_scaled() else 1.0
         return (scale if scale > 0 else 1.0), (norm_scale if norm_scale > 0 else 1.0), overflow
 
-    def _headroom(self, row: StepRow) -> None:
-        """Warn once when an activation comes within 2x of its dtype's limit."""
-        found = near_limit(row)
-        if found is None:
-            return
+    def _warn_headroom(self, row: StepRow, site: Site, value: float) -> None:
+        """Warn once: an activation came within 2x of its dtype's limit."""
         self.warned_headroom = True
-        site, value = found
         limit = torch.finfo(site.dtype).max if site.dtype is not None else math.inf
         log.warning(
             "nand: overflow headroom: %s (%s) reached max |x| %.4g at step %d, %.0f%% of the "

@@ -85,7 +85,10 @@ class BiasProxy:
 
     def __init__(self, state: HookState, site: Site, bias: Tensor) -> None:
         pairs, sites, guard = state.buf.pairs, state.buf.sites, state.guard
-        self.armed = -1  # the micro-step whose first call this proxy stands for
+        #: The micro-step whose first call this proxy stands for: the module's
+        #: forward hook arms it (outside ``torch.compile``, where reading the
+        #: micro-step counter would make dynamo guard on it, a recompile a step).
+        self.armed = -1
 
         def accumulated(param: Tensor) -> None:
             if self.armed != state.micro or guard.off:
@@ -100,14 +103,3 @@ class BiasProxy:
                 guard.failed(exc, f"gradient hook of {site.module!r}")
 
         self.handle = bias.register_post_accumulate_grad_hook(accumulated)
-
-    def take(self, micro: int) -> bool:
-        """Whether this call's output gradient is left to the bias (first call only).
-
-        Not to be called under ``torch.compile`` (the caller checks first):
-        reading ``micro`` there would make dynamo guard on it, a recompile a step.
-        """
-        if self.armed == micro:
-            return False
-        self.armed = micro
-        return True

@@ -200,10 +200,12 @@ class Hooks:
                         pairs.extend(aminmax(output.detach()))
                         sites.append(out_site)
                         out_site.shape, out_site.dtype = output.shape, output.dtype
-                        if output.requires_grad and (
-                            proxy is None or is_compiling() or not proxy.take(state.micro)
-                        ):
-                            grad_hooks.attach(output)
+                        if not output.requires_grad:
+                            pass
+                        elif proxy is None or is_compiling() or proxy.armed == state.micro:
+                            grad_hooks.attach(output)  # no proxy, or not this module's first call
+                        else:
+                            proxy.armed = state.micro  # the bias gradient stands for this one
                     state.last = output
                 else:
                     self._probe_structure(info, output)

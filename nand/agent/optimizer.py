@@ -264,7 +264,13 @@ class OptimizerHooks:
         deciding now spares the post-hook a second visit to cold code."""
         self._refresh()  # the parameter groups may have changed
         clean = self.window.clean
-        self._state_due = not self._state_implied(state_read, clean)
+        # The state this update writes is finite by state_follows when the
+        # window (this step's gradients, and the state itself when read) was.
+        if self._state_half or not clean or not state_follows(self.optimizer):
+            self.state_trusted = False  # checked at every step until proven again
+        elif state_read:
+            self.state_trusted = True  # read finite, and finite gradients go in
+        self._state_due = not self.state_trusted
         self._params_due = not self._params_implied(clean)
 
     def _post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -295,18 +301,6 @@ class OptimizerHooks:
         # New state tensors, not checked yet; what the buffer holds is the old.
         self.state_trusted = self._state_due = False
         self._state_key = None
-
-    def _state_implied(self, state_read: bool, clean: bool) -> bool:
-        """Whether the state this update writes is finite by :func:`state_follows`.
-
-        The window just read (``clean``: all finite) held this step's
-        gradients and, when ``state_read``, the state before the update.
-        """
-        if self._state_half or not clean or not state_follows(self.optimizer):
-            self.state_trusted = False  # checked at every step until proven again
-        elif state_read:
-            self.state_trusted = True  # read finite, and finite gradients go in
-        return self.state_trusted
 
     def _params_implied(self, clean: bool) -> bool:
         """Whether the parameters this update writes are finite by :func:`update_bound`.
