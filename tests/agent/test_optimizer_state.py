@@ -157,6 +157,22 @@ def test_sgd_with_momentum_parameters_are_read_every_step():
     assert normed_per_step(opt, model, 3) == [6, 12, 12]  # the momentum is implied, not them
 
 
+def test_a_hyperparameter_changed_mid_run_is_taken_into_account():
+    # Coupled weight decay added to SGD with momentum: the momentum buffer is
+    # no longer implied by the gradients, it is read from the next step on.
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    per_step = []
+    with nand.watch(model, opt), counting_norms() as counts:
+        for step in range(5):
+            if step == 2:
+                opt.param_groups[0]["weight_decay"] = 1e-4
+            before = sum(counts)
+            train(model, opt, 1)
+            per_step.append(sum(counts) - before)
+    assert per_step == [6, 12, 12, 18, 18]  # + the 6 momentum buffers
+
+
 def test_a_learning_rate_that_could_overflow_the_parameters_makes_nand_read_them():
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
