@@ -66,17 +66,18 @@ class BiasProxy:
 
     For a Linear, convolution or norm, ``bias.grad`` is the output gradient
     summed over every position but the channel: non-finite exactly when the
-    output gradient is (short of the sum overflowing). A hook registered once on
-    the bias, after its gradient is accumulated, probes that small vector; the
-    engine runs gradient accumulation as soon as the module's backward is done,
-    so the entry lands where a probe on the output gradient would (just after
-    the module's backward instead of just before it, with nothing of nand's in
-    between). That spares registering a hook on every call's output, and
-    reducing a large gradient (a feed-forward block's 8 MB) to a vector's.
+    output gradient is (short of the sum overflowing). A tensor hook registered
+    once on the bias probes the gradient arriving for it (this micro-step's,
+    before it is added to ``.grad``); the engine runs the bias's accumulation
+    as soon as the module's backward is done, so the entry lands where a probe
+    on the output gradient would (just after the module's backward instead of
+    just before it, with nothing of nand's in between). That spares
+    registering a hook on every call's output, and reducing a large gradient
+    (a feed-forward block's 8 MB) to a vector's.
 
     It stands for the module's *first* call in a micro-step: a second call's
-    output gets a real probe (:meth:`take` says no), and the bias's sum then
-    holds the first call's gradient plus one already probed. Under
+    output gets a real probe, and the bias's gradient then holds the first
+    call's part plus one already probed. Under
     ``torch.compile`` the forward hooks take real probes (the compiled backward
     would accumulate every bias at its end, out of order).
     """
@@ -90,16 +91,16 @@ class BiasProxy:
         #: micro-step counter would make dynamo guard on it, a recompile a step).
         self.armed = -1
 
-        def accumulated(param: Tensor) -> None:
+        aminmax = torch.aminmax
+
+        def received(grad: Tensor) -> None:
             if self.armed != state.micro or guard.off:
                 return  # not proxied this micro-step (compiled, or called under no_grad)
             self.armed = -1
             try:
-                grad = param.grad
-                if grad is not None:
-                    pairs.extend(torch.aminmax(grad))
-                    sites.append(site)
+                pairs.extend(aminmax(grad))
+                sites.append(site)
             except Exception as exc:
                 guard.failed(exc, f"gradient hook of {site.module!r}")
 
-        self.handle = bias.register_post_accumulate_grad_hook(accumulated)
+        self.handle = bias.register_hook(received)

@@ -3,21 +3,23 @@
 - **pre-hook** (before ``optimizer.step`` applies anything): one
   ``_foreach_norm`` over the ``.grad`` of every parameter; then the step
   boundary runs (``Watch._on_step``): the one host read, the policy. Raising
-  here (``raise``/``stop``) leaves the weights untouched. From that read and
-  the hyperparameters the update is about to use, it decides whether what the
+  here (``raise``/``stop``) leaves the weights untouched. Once the boundary
+  lets the update go ahead, the step is counted, and from that read and the
+  hyperparameters the update is about to use it decides whether what the
   update writes must be read at the next boundary (the two "implied finite"
-  items below), so the post-hook has almost nothing to do.
-- **post-hook**: counts the step, and launches one ``_foreach_norm`` over the
+  items below).
+- **parameters and state**, when due, get one ``_foreach_norm`` over the
   parameters and float optimizer state (Adam's ``exp_avg``/``exp_avg_sq``;
-  ``step`` counters skipped) right after the update wrote them, while they
-  are still in cache (on CPU ~30% cheaper than the same pass at the next
-  pre-hook). The results are read with the next step's boundary and labelled
-  with this step (phase ``param``/``optimizer_state`` come after ``grad`` in
-  the logical order); if the post-hook did not run (a raised step), the next
-  pre-hook takes them instead; ``close`` reads the last step's. A small
-  model's parameters and state (under :data:`FUSE_BELOW_BYTES`) stay in cache
-  anyway: the next pre-hook takes them in the same launch as the gradients,
-  one multi-tensor launch per step instead of two.
+  ``step`` counters skipped). A small model's (under
+  :data:`FUSE_BELOW_BYTES`) ride in the next pre-hook's launch with the
+  gradients: one multi-tensor launch per step. A large model's are taken by
+  a **post-hook**, registered only then, right after the update wrote them,
+  while they are still in cache (on CPU ~30% cheaper than the same pass at
+  the next pre-hook). The results are read with the next step's boundary and
+  labelled with this step (phase ``param``/``optimizer_state`` come after
+  ``grad`` in the logical order); if the post-hook did not run (a raised
+  step), the next pre-hook takes them instead; ``close`` reads the last
+  step's.
 - **optimizer state implied finite**: for ``SGD``, ``Adam`` and ``AdamW``
   the state after an update is a convex or geometric mix of the state before
   and the gradient (``g``, ``g*g``; see :func:`state_follows`). When this

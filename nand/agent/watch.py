@@ -52,8 +52,8 @@ step ends the incident.
 Cost: every probed value gets one ``aminmax`` (detection and max|x| in one
 pass), kept on the device. A Linear's, convolution's or norm's output
 gradient is not hooked per call: a hook registered once on its bias probes
-``bias.grad`` (the output gradient summed over the batch) as it is
-accumulated, so its gradient figure is the bias gradient's max|x| (real
+the bias's gradient (the output gradient summed over the batch) as it
+arrives, so its gradient figure is the bias gradient's max|x| (real
 probes under DDP/FSDP, ``torch.compile``, and for a second call in a
 micro-step). Gradients get one ``_foreach_norm`` before the optimizer step;
 parameters and optimizer state one right after it (post-hook, while still in
@@ -65,9 +65,11 @@ without momentum) by a host-side bound on what one update can move
 step (one ``torch.stack`` + one ``tolist``). Modules that cannot make a finite
 value non-finite (ReLU, GELU, Dropout, Softmax, ...) are not probed in forward
 (their neighbours are), nor is an inline relu/gelu/silu/tanh/sigmoid of the
-last probed output. ReLU-like ones keep a gradient probe (their backward can
-hide a NaN the next module made) unless what consumes them has a benign
-backward (Linear, convolutions, norms). Param and optimizer-state results are
+last probed output; in an exact ``nn.Sequential`` one that feeds a probed
+layer has no hook at all (an MLP has one hook per Linear). ReLU-like ones
+keep a gradient probe (their backward can hide a NaN the next module made)
+unless what consumes them has a benign backward (Linear, convolutions,
+norms). Param and optimizer-state results are
 read with the next step's boundary (or at ``close``), so a non-finite
 *update* from finite gradients is reported with its step but found one step
 later, and ``raise`` cannot prevent that one. Measured on CPU, 1 thread

@@ -97,6 +97,8 @@ def test_close_leaves_no_hook_behind():
         assert not m._forward_hooks and not m._forward_pre_hooks
         assert not m._backward_hooks and not m._forward_hooks_with_kwargs
     assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+    for p in model.parameters():  # the bias proxies' hooks
+        assert not p._backward_hooks and not getattr(p, "_post_accumulate_grad_hooks", None)
     assert "update" not in scaler.__dict__ and scaler.update == update
     w.close()  # idempotent
 
