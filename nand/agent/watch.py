@@ -73,10 +73,10 @@ norms). Param and optimizer-state results are
 read with the next step's boundary (or at ``close``), so a non-finite
 *update* from finite gradients is reported with its step but found one step
 later, and ``raise`` cannot prevent that one. Measured on CPU, 1 thread
-(``python benchmarks/overhead.py``): 1.32-1.37x on an MLP 64-256-256-10 SGD
-step (target 1.3x, not met: per-operation dispatch of ~10 small reductions
-and the boundary's Python), 1.05x on a 4-layer TransformerEncoder AdamW step
-(target 1.05x); see ``benchmarks/README.md``.
+(``python benchmarks/overhead.py``): 1.29-1.32x on an MLP 64-256-256-10 SGD
+step (target 1.3x, on the line: mostly Python that runs once a step, cold),
+1.05x on a 4-layer TransformerEncoder AdamW step (target 1.05x); see
+``benchmarks/README.md``.
 
 Limits: ``torch.compile`` — call ``nand.watch`` *before* compiling or before
 the first compiled call; hooks added later are ignored by dynamo. Tensor hooks
