@@ -179,7 +179,8 @@ class Hooks:
         finite-preserving module (see ``modules.Chains``); not examined."""
         # The hot path: everything it uses is bound here, once.
         state, guard, pairs, sites = self.state, self.state.guard, *self._lists()
-        aminmax, is_compiling = torch.aminmax, torch.compiler.is_compiling
+        # is_dynamo_compiling: False in eager at the cost of a call (dynamo makes it True)
+        aminmax, is_compiling = torch.aminmax, torch.compiler.is_dynamo_compiling
         out_site = info.output_site("")
         assert out_site.backward is not None
         grad_hooks = self._grad_hook(out_site.backward)
@@ -275,7 +276,8 @@ class Hooks:
 
     def _root_pre(self, info: ModuleInfo) -> Callable[..., None]:
         state, guard, pairs, sites = self.state, self.state.guard, *self._lists()
-        aminmax, is_compiling = torch.aminmax, torch.compiler.is_compiling
+        # is_dynamo_compiling: False in eager at the cost of a call (dynamo makes it True)
+        aminmax, is_compiling = torch.aminmax, torch.compiler.is_dynamo_compiling
         first = info.input_site("args[0]")
 
         def root_pre(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

@@ -42,6 +42,29 @@ def test_a_model_compiled_after_watch_keeps_backward_checks():
     assert (w.first.step, w.first.phase, w.first.module) == (2, "backward", "1")
 
 
+@pytest.mark.parametrize("whole", [True, False], ids=["model", "one-layer"])
+def test_a_compiled_model_is_not_recompiled_every_step(whole):
+    # The hooks read a per-micro-step counter only outside dynamo: read in a
+    # traced hook, dynamo would guard on its value and recompile every step.
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with nand.watch(model, opt) as w:
+        if whole:
+            run = torch.compile(model, backend=counter)
+        else:  # a layer compiled on its own: its hooks traced, the root's not
+            model[2] = torch.compile(model[2], backend=counter)
+            run = model
+        train(run, opt, 3)
+        warm = counter.frame_count
+        train(run, opt, 5)
+    assert warm > 0 and counter.frame_count == warm
+    assert w.first is None
+
+
 def test_a_watched_compiled_model_reports_names_without_orig_mod():
     torch._dynamo.reset()
     model = mlp(plant_after=0)
