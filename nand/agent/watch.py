@@ -73,9 +73,9 @@ norms). Param and optimizer-state results are
 read with the next step's boundary (or at ``close``), so a non-finite
 *update* from finite gradients is reported with its step but found one step
 later, and ``raise`` cannot prevent that one. Measured on CPU, 1 thread
-(``python benchmarks/overhead.py``): 1.29-1.32x on an MLP 64-256-256-10 SGD
+(``python benchmarks/overhead.py``): 1.31x on an MLP 64-256-256-10 SGD
 step (target 1.3x, on the line: mostly Python that runs once a step, cold),
-1.05x on a 4-layer TransformerEncoder AdamW step (target 1.05x); see
+1.04x on a 4-layer TransformerEncoder AdamW step (target 1.05x); see
 ``benchmarks/README.md``.
 
 Limits: ``torch.compile`` — call ``nand.watch`` *before* compiling or before
