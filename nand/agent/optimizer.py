@@ -370,7 +370,7 @@ class OptimizerHooks:
             self._params_due |= force
             if self._params_due or self._state_due:
                 self._refresh()
-                grads, sites = list(grads), list(sites)  # not the cached lists
+                sites = list(sites)  # not the cached list
                 self._take_params_and_state(grads, sites)
         self._queued = False
         try:
