@@ -225,10 +225,10 @@ class Hooks:
             if state.guard.off:
                 return
             try:
-                if state.pending is not None or (
-                    args and (len(args) > 1 or args[0] is not state.last)
-                ):
-                    self._take_inputs(info, args, output, module)
+                if state.pending is not None:
+                    self._settle(info, args)
+                if args and (len(args) > 1 or args[0] is not state.last):
+                    self._check_inputs(args, output, info, module)
                 if isinstance(output, Tensor):
                     if grad_hooks is not None and output.requires_grad:
                         # Masking: the probe waits for the consumer. A value
@@ -336,20 +336,6 @@ class Hooks:
         return root_hook
 
     # --- helpers (called from the hooks) ---------------------------------------
-
-    def _take_inputs(
-        self, info: ModuleInfo, args: tuple[Any, ...], output: Any, module: nn.Module
-    ) -> None:
-        """What reached a leaf: a pending masking value's consumer, inline code.
-
-        The hooks call it only when there is something to do: a value pending,
-        or an input that is not the last recorded output.
-        """
-        state = self.state
-        if state.pending is not None:
-            self._settle(info, args)
-        if args and (len(args) > 1 or args[0] is not state.last):
-            self._check_inputs(args, output, info, module)
 
     def _check_inputs(
         self, args: tuple[Any, ...], output: Any, info: ModuleInfo, module: nn.Module

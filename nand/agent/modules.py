@@ -210,7 +210,7 @@ class Chains:
                 continue
             children = list(seq._modules.values())  # call order, repeats included
             for i, (before, after) in enumerate(itertools.pairwise(children)):
-                feeder = infos.get(children[i - 1]) if i > 0 and children[i - 1] else None
+                feeder = infos.get(children[i - 1]) if i > 0 else None
                 if feeder is not None and feeder.masking:
                     continue  # its gradient probe is handed on through ``before``'s hook
                 if self._chained(before, after, infos, uses):
