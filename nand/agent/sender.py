@@ -256,12 +256,14 @@ class Sender(threading.Thread):
                 self.mailbox.drop("rejected")
             elif self.mode == "spool":
                 self._append_to_spool(frame)
+            elif self.memory_frames >= self.settings.queue_max:
+                # Checked before each frame, not after: a whole batch (up to
+                # the mailbox's size) must not sit in memory beyond the bound,
+                # not even for the moment before it is spooled.
+                self._to_spool()
+                self._append_to_spool(frame)
             else:
                 self._queue.append(frame)
-                # Checked per frame: a whole batch (up to the mailbox's size)
-                # must not sit in memory beyond the bound first.
-                if self.memory_frames > self.settings.queue_max:
-                    self._to_spool()
         self.stats["routed"] += len(batch)
 
     def _encode(self, out: Outgoing) -> Frame | None:

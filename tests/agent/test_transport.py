@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import socket
 import time
+from collections import deque
 
 import pytest
 import zmq
 
+from nand import wire
 from nand.agent import spool as sp
 from nand.agent.identity import Identity
+from nand.agent.mailbox import Mailbox, Outgoing
+from nand.agent.sender import Envelope, Sender
 from nand.agent.transport import ServerSink
+from nand.agent.transport_settings import TransportSettings
 from nand.events import Event, FlightWindow, StepSummary
 from nand.testing import Receiver
 
@@ -283,3 +288,28 @@ def test_a_quiet_training_thread_is_kept_alive_with_its_last_step_and_a_finished
     time.sleep(0.6)
     assert len(rx.messages[sink.agent]) == count  # after bye: silence
     sink.close()
+
+
+class _DequeThatRecordsItsPeak(deque):
+    peak = 0
+
+    def append(self, item) -> None:
+        super().append(item)
+        self.peak = max(self.peak, len(self))
+
+
+def test_the_sender_never_holds_more_frames_than_queue_max_even_mid_batch(tmp_path):
+    """The bound holds at every append, not only once a batch is routed
+    (another thread reads the count, and a batch can be the mailbox's size)."""
+    settings = TransportSettings.resolve(queue_max=5, spool_dir=tmp_path)
+    mailbox = Mailbox(settings.queue_max)
+    sender = Sender(
+        "tcp://127.0.0.1:9", Envelope("a1", "run-t", 1), mailbox, settings, tmp_path / "spool"
+    )
+    sender._queue = recording = _DequeThatRecordsItsPeak()
+    sender._route([Outgoing("heartbeat", seq, 0.0, {"step": seq}) for seq in range(1, 13)])
+    assert recording.peak <= 5
+    assert sender.mode == "spool" and sender.stats["spooled"] == 12
+    seqs = [wire.decode(payload)["seq"] for _, payload in sp.read_records(tmp_path / "spool")]
+    sender.backlog.close()
+    assert seqs == list(range(1, 13))  # every frame on disk, in order
