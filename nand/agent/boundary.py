@@ -23,7 +23,7 @@ from nand.agent.identity import Identity
 from nand.agent.probes import ProbeBuffer, Site
 from nand.agent.recorder import FlightRecorder
 from nand.agent.report import build_event
-from nand.agent.step_check import Finding, StepRow, first_finding, is_bad, near_limit
+from nand.agent.step_check import Finding, StepRow, first_finding, near_limit
 from nand.events import Event
 
 log = logging.getLogger("nand")
@@ -82,45 +82,49 @@ class Boundary:
         """Read the window and analyse it; the buffer is cleared afterwards.
 
         ``record``: keep the step's figures in the flight recorder (not for the
-        last look at ``close``, which holds parameters only).
+        last look at ``close``, which holds parameters only). This runs once a
+        step, and a call made once a step costs several times its warm figure:
+        the healthy path is written out here rather than split up.
         """
-        self.clean = False
-        self.read_norms, self.read_spans = [], {}
-        try:
-            return self._check(step, prev_step, prev_micro, skipped, record)
-        finally:
-            self.buf.clear()
-            self.loss_tensor = None
-
-    def _check(
-        self, step: int, prev_step: int, prev_micro: int, skipped: bool, record: bool
-    ) -> Outcome:
         buf = self.buf
-        has_extras = self.amp is not None or self.ddp is not None or self.loss_tensor is not None
-        extras = self._extras() if has_extras else []
-        values, any_bad = self.read(extras)
-        out = Outcome(any_rank_bad=any_bad, micro_steps=buf.sites.count(None))
-        if values is None:
+        self.clean = False
+        self.read_norms = []
+        try:
+            has_extras = (
+                self.amp is not None or self.ddp is not None or self.loss_tensor is not None
+            )
+            extras = self._extras() if has_extras else []
+            values, any_bad = self.read(extras)
+            out = Outcome(any_rank_bad=any_bad, micro_steps=buf.sites.count(None))
+            if values is None:
+                return out
+            scale = norm_scale = 1.0
+            if has_extras and self.amp is not None:
+                scale, norm_scale, out.overflow = self._amp_figures(values, extras, skipped)
+            loss = values[-1] if "loss" in extras else None
+            row = StepRow(step, values, buf.sites[:], buf.norm_sites[:], scale, norm_scale, loss)
+            if record:
+                self.recorder.rows.append(row)
+            out.row = row
+            if not self.warned_headroom:
+                near = near_limit(row)
+                if near is not None:
+                    self._warn_headroom(row, *near)
+            start = len(buf.pairs)
+            self.read_norms = values[start : start + len(buf.norms)]
+            # Handed over, not copied: the optimizer hooks fill a fresh one.
+            self.read_spans, buf.spans = buf.spans, {}
+            # Anything non-finite, extras aside. A float64 sum overflows only
+            # for float64 figures near their limit: then the slow path finds
+            # nothing, a false alarm that costs a look.
+            n_main = len(values) - len(extras)
+            self.clean = math.isfinite(sum(values[:n_main] if extras else values))
+            if not self.clean:
+                out.event = self._finding_event(values, extras, step, prev_step, prev_micro, scale)
             return out
-        scale = norm_scale = 1.0
-        if self.amp is not None:
-            scale, norm_scale, out.overflow = self._amp_figures(values, extras, skipped)
-        loss = values[-1] if "loss" in extras else None
-        row = StepRow(step, values, buf.sites[:], buf.norm_sites[:], scale, norm_scale, loss)
-        if record:
-            self.recorder.push(row)
-        out.row = row
-        if not self.warned_headroom:
-            near = near_limit(row)
-            if near is not None:
-                self._warn_headroom(row, *near)
-        start = len(buf.pairs)
-        self.read_norms = values[start : start + len(buf.norms)]
-        self.read_spans = dict(buf.spans)
-        self.clean = not is_bad(values, len(values) - len(extras))
-        if not self.clean:
-            out.event = self._finding_event(values, extras, step, prev_step, prev_micro, scale)
-        return out
+        finally:
+            buf.clear()
+            self.loss_tensor = None
 
     def _finding_event(
         self,
@@ -180,13 +184,14 @@ class Boundary:
         the same read. A GPU version would copy ``gathered`` non-blocking into
         pinned memory and read it one step late (not implemented: no GPU here).
         """
-        gathered = self.buf.gather()
+        buf = self.buf
         if not self.agree:
-            if gathered is None:
+            everything = buf.pairs + buf.norms + buf.extras  # (ProbeBuffer.gather, inline)
+            if not everything:
                 return None, False
             self.reads += 1
-            return gathered.tolist(), False
-        values = self._agreed(gathered, len(extras)).tolist()
+            return torch.stack(everything).tolist(), False
+        values = self._agreed(buf.gather(), len(extras)).tolist()
         self.reads += 1
         return (values[:-1] or None), values[-1] > 0
 

@@ -47,9 +47,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeGuard
 
 import torch
 from torch import Tensor
@@ -78,26 +79,42 @@ def state_follows(optimizer: torch.optim.Optimizer) -> bool:
     kind = type(optimizer)
     if kind not in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW):
         return False
-    for group in optimizer.param_groups:
-        decay = group.get("weight_decay", 0)
-        if kind is torch.optim.SGD:
-            if not (_unit(group.get("momentum", 0)) and _unit(group.get("dampening", 0), 1.0)):
-                return False
-            if decay != 0 and group.get("momentum", 0) != 0:
-                return False
-        else:
-            betas = group.get("betas", (0.9, 0.999))
-            if not all(_unit(b) for b in betas):
-                return False
-            decoupled = kind is torch.optim.AdamW or group.get("decoupled_weight_decay", False)
-            if decay != 0 and not decoupled:
-                return False
-    return True
+    return all(_group_follows(kind, group) for group in optimizer.param_groups)
+
+
+def _group_follows(kind: type, group: dict[str, Any]) -> bool:
+    decay = group.get("weight_decay", 0)
+    if kind is torch.optim.SGD:
+        if not (_unit(group.get("momentum", 0)) and _unit(group.get("dampening", 0), 1.0)):
+            return False
+        return decay == 0 or group.get("momentum", 0) == 0
+    if not all(_unit(b) for b in group.get("betas", (0.9, 0.999))):
+        return False
+    decoupled = kind is torch.optim.AdamW or group.get("decoupled_weight_decay", False)
+    return decay == 0 or bool(decoupled)
 
 
 #: Slack on Adam's step bound: it holds in exact arithmetic, and ``m / sqrt(v)``
 #: is computed in the state's dtype (a few ulps off; float16 ~1e-3).
 ROUNDING = 1.1
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class UpdateTerms:
+    """:func:`update_bound` of one group with its learning rate left out.
+
+    After one update, ``max|p| <= |1 + lr*grow| * max|p| before + lr * (fixed +
+    per_grad * grad_max)``: linear in ``lr``, so a schedule that changes it
+    every step needs no new derivation.
+    """
+
+    grow: float  # SGD: +weight decay; decoupled decay: -weight decay
+    fixed: float = 0.0  # Adam: the per-element step bound per unit of lr
+    per_grad: float = 0.0  # SGD: the step is lr * |g|
+
+    def bound(self, lr: float, grad_max: float) -> tuple[float, float]:
+        by_grad = self.per_grad * grad_max if self.per_grad else 0.0  # (0 * inf is NaN)
+        return abs(1.0 + lr * self.grow), lr * (self.fixed + by_grad)
 
 
 def update_bound(
@@ -106,9 +123,19 @@ def update_bound(
     """``(factor, shift)``: after one update, max|p| <= factor * max|p| before + shift.
 
     In exact arithmetic; the caller adds the rounding of the final write.
-
     ``grad_max`` bounds every gradient element (the largest gradient 2-norm of
     the window). ``None``: no bound for this group (the parameters are read).
+    The derivation is :func:`update_terms`'.
+    """
+    terms = update_terms(optimizer, group)
+    lr = group.get("lr")
+    if terms is None or not _plain_number(lr):
+        return None
+    return terms.bound(float(lr), grad_max)
+
+
+def update_terms(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> UpdateTerms | None:
+    """The bound of one update, per unit of learning rate (``None``: no bound).
 
     - SGD without momentum: ``p - lr * (g + wd * p)``.
     - Adam/AdamW: with ``m`` and ``v`` built from the same gradients (the
@@ -120,25 +147,64 @@ def update_bound(
       weight decay included, it is part of ``g``); decoupled decay scales the
       parameters by ``1 - lr * wd`` first.
     """
-    if not (_plain_number(group.get("lr")) and _plain_number(group.get("weight_decay", 0))):
+    if not _plain_number(group.get("weight_decay", 0)):
         return None
-    lr, decay = float(group["lr"]), float(group.get("weight_decay", 0))
+    decay = float(group.get("weight_decay", 0))
     kind = type(optimizer)
     if kind is torch.optim.SGD:
         if group.get("momentum", 0) != 0:
             return None
-        return 1.0 + lr * decay, lr * grad_max
+        return UpdateTerms(grow=decay, per_grad=1.0)
     if kind in (torch.optim.Adam, torch.optim.AdamW):
         b1, b2 = group.get("betas", (0.9, 0.999))
         if not (_unit(b1) and _unit(b2)) or b1 * b1 >= b2:
             return None
-        shift = ROUNDING * lr / math.sqrt((1.0 - b2) * (1.0 - b1 * b1 / b2))
+        fixed = ROUNDING / math.sqrt((1.0 - b2) * (1.0 - b1 * b1 / b2))
         decoupled = kind is torch.optim.AdamW or group.get("decoupled_weight_decay", False)
-        return (abs(1.0 - lr * decay) if decoupled else 1.0), shift
+        return UpdateTerms(grow=-decay if decoupled else 0.0, fixed=fixed)
     return None
 
 
-def _plain_number(value: Any) -> bool:
+#: What :func:`state_follows` and :func:`update_terms` read of a group (not ``lr``).
+RULE_KEYS = ("weight_decay", "momentum", "dampening", "betas", "decoupled_weight_decay")
+
+
+class GroupRules:
+    """:func:`state_follows` and :func:`update_terms` of one optimizer, derived
+    again only when a hyperparameter they read changes (compared every step,
+    one tuple per group); the learning rate is applied per step."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.follows = False
+        self.terms: list[UpdateTerms | None] = []
+        self._seen: list[tuple[Any, ...]] | None = None
+
+    def update(self) -> None:
+        groups = self.optimizer.param_groups
+        seen = [tuple(map(group.get, RULE_KEYS)) for group in groups]
+        try:
+            same = seen == self._seen  # identical objects compare without a look inside
+        except Exception:  # e.g. a new tensor for betas: no truth value
+            same = False
+        if not same:
+            self._seen = seen
+            self.follows = state_follows(self.optimizer)
+            self.terms = [update_terms(self.optimizer, group) for group in groups]
+
+    def bound_after(self, bound: float, grad_max: float) -> float | None:
+        """max|p| after this update (exact arithmetic) from ``bound`` before it."""
+        after = 0.0
+        for terms, group in zip(self.terms, self.optimizer.param_groups, strict=True):
+            lr = group["lr"]
+            if terms is None or not _plain_number(lr):
+                return None
+            factor, shift = terms.bound(lr, grad_max)
+            after = max(after, bound * factor + shift)
+        return after
+
+
+def _plain_number(value: Any) -> TypeGuard[int | float]:
     """A non-negative Python number (a tensor lr would need a host read)."""
     return isinstance(value, (int, float)) and 0.0 <= value < math.inf
 
@@ -170,15 +236,13 @@ class OptimizerHooks:
         guard: Guard,
         names: dict[Any, tuple[str, str]],
         boundary: Callable[[], None],
-        after_step: Callable[[], None],
         window: ReadWindow,
     ) -> None:
         self.optimizer = optimizer
         self.buf = buf
         self.guard = guard
         self.names = names  # param -> (qualified name, owning module type)
-        self.boundary = boundary
-        self.after_step = after_step
+        self.boundary = boundary  # counts the step when the update goes ahead
         self.window = window
         self.stepped = False  # set by the pre-hook; AMP reads and clears it
         self.stepped_once = False  # params/state are checked from the 2nd boundary on
@@ -197,6 +261,7 @@ class OptimizerHooks:
         self._state_half = False  # float16 state: g*g can overflow it
         #: The state is finite as far as the proof goes (see state_follows);
         #: a state that was there before nand is not known to be.
+        self._rules = GroupRules(optimizer)
         self.state_trusted = state_follows(optimizer) and not optimizer.state
         self._state_due = False  # the last step's state is checked (read next boundary)
         #: An upper bound on every parameter's max|x| (None: not known, read them).
@@ -248,13 +313,9 @@ class OptimizerHooks:
         self._params_due = self._state_due = True
         self.boundary()  # guarded itself; may raise NonFiniteError / StopRequested
         if self.guard.off:
-            return  # switched off by its own error: nothing counted from here on
-        # The update goes ahead: it is counted here, not in a post-hook (one
-        # hook call less per step; an optimizer that raises mid-update is
-        # counted all the same).
-        self.stepped_once = True
+            return  # switched off by its own error
+        self.stepped_once = True  # the update goes ahead
         try:
-            self.after_step()
             self._plan(state_read)
         except Exception as exc:
             self.guard.failed(exc, "optimizer pre-step hook")
@@ -265,10 +326,11 @@ class OptimizerHooks:
         here (this window's norms, the hyperparameters this update uses), and
         deciding now spares the post-hook a second visit to cold code."""
         self._refresh()  # the parameter groups may have changed
+        self._rules.update()  # and the hyperparameters
         clean = self.window.clean
         # The state this update writes is finite by state_follows when the
         # window (this step's gradients, and the state itself when read) was.
-        if self._state_half or not clean or not state_follows(self.optimizer):
+        if self._state_half or not clean or not self._rules.follows:
             self.state_trusted = False  # checked at every step until proven again
         elif state_read:
             self.state_trusted = True  # read finite, and finite gradients go in
@@ -319,17 +381,12 @@ class OptimizerHooks:
             self._bound = None
             return False
         start, n = spans.get("grad", (0, 0))
-        grad_max = max(norms[start : start + n], default=0.0)
-        bound = 0.0
-        for group in self.optimizer.param_groups:
-            step = update_bound(self.optimizer, group, grad_max)
-            if step is None:
-                self._bound = None
-                return False
-            bound = max(bound, self._bound * step[0] + step[1])
+        bound = self._rules.bound_after(self._bound, max(norms[start : start + n], default=0.0))
         # Writing p - step rounds once more: a relative ulp or two of the dtype.
-        bound *= self._rounding
-        self._bound = bound if bound < self._limit else None
+        if bound is not None and bound * self._rounding < self._limit:
+            self._bound = bound * self._rounding
+        else:
+            self._bound = None
         return self._bound is not None
 
     def param_behind(self, finding: Finding, micro: int) -> Finding | None:

@@ -1,8 +1,10 @@
 """The once-per-step look at the probe results, and the slow path.
 
-:func:`scan` runs every optimizer step on the values read from the device in
-one go: it says whether anything is non-finite and collects the telemetry
-(per-module max|x| of activations and gradients, gradient norm). It is plain
+Every optimizer step the boundary (``boundary.Boundary.check``) keeps the
+values read from the device in one go as a :class:`StepRow` and sums them to
+see whether anything is non-finite; :func:`near_limit` looks for overflow
+headroom, and :func:`telemetry` turns a row into per-module max|x| of
+activations and gradients and the gradient norm when someone asks. Plain
 Python over a short list of floats.
 
 :func:`first_finding` runs only when something was non-finite. It replays the
@@ -65,11 +67,6 @@ class Telemetry:
     grad: list[float | None]  # per module index: max |gradient out of it|, unscaled
     grad_norm: float | None
     max_act: float | None
-
-
-def is_bad(values: list[float], n_main: int) -> bool:
-    """Anything non-finite among the first ``n_main`` values (no overflow: float64)."""
-    return not math.isfinite(sum(values[:n_main]))
 
 
 def near_limit(row: StepRow) -> tuple[Site, float] | None:

@@ -254,19 +254,24 @@ class Watch:
     # --- step boundaries --------------------------------------------------------
 
     def _on_step(self) -> None:
-        """Optimizer pre-hook: read the window; apply the policy before the update."""
+        """Optimizer pre-hook: read the window; apply the policy before the
+        update; count the update that goes ahead (here, not in a post-hook:
+        one hook call less per step, and an optimizer that raises mid-update
+        is counted all the same)."""
         outcome = self._guarded_check(skipped=False)
-        if self.session.per_step:
-            self.session.poll(self)
-        if self.session.stop_at is not None and self.step >= self.session.stop_at:
-            raise StopRequested(self.session.stop_at, "requested by the server")
-        if outcome is None:
-            return
-        if outcome.overflow:
-            assert self._opt is not None
-            self._opt.drop_grads()  # a fused optimizer got found_inf; nothing to apply
-        elif outcome.event is not None or outcome.any_rank_bad:
-            self._apply_policy(outcome)
+        session = self.session
+        if session.per_step:
+            session.poll(self)
+        if session.stop_at is not None and self.step >= session.stop_at:
+            raise StopRequested(session.stop_at, "requested by the server")
+        if outcome is not None:
+            if outcome.overflow:
+                assert self._opt is not None
+                self._opt.drop_grads()  # a fused optimizer got found_inf; nothing to apply
+            elif outcome.event is not None or outcome.any_rank_bad:
+                self._apply_policy(outcome)
+        if not self._guard.off:  # switched off by its own error: nothing counted from here on
+            self.step += 1
 
     def _apply_policy(self, outcome: Outcome) -> None:
         """A non-finite step (here or, agreed, on another rank): warn, skip or raise."""
@@ -281,9 +286,6 @@ class Watch:
             raise NonFiniteError(event)
         else:
             raise StopRequested(self.step, "a non-finite value on another rank")
-
-    def _after_step(self) -> None:
-        self.step += 1
 
     def _amp_skipped(self) -> None:
         """GradScaler.update without an optimizer step: an overflow step."""
@@ -372,7 +374,6 @@ class Watch:
             self._guard,
             names,
             self._on_step,
-            self._after_step,
             window=self._boundary,
         )
 
