@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+from torch.utils.hooks import RemovableHandle
 
 from nand.agent.probes import Site
 
@@ -67,13 +68,13 @@ class BiasProxy:
     For a Linear, convolution or norm, ``bias.grad`` is the output gradient
     summed over every position but the channel: non-finite exactly when the
     output gradient is (short of the sum overflowing). A tensor hook registered
-    once on the bias probes the gradient arriving for it (this micro-step's,
-    before it is added to ``.grad``); the engine runs the bias's accumulation
-    as soon as the module's backward is done, so the entry lands where a probe
-    on the output gradient would (just after the module's backward instead of
-    just before it, with nothing of nand's in between). That spares
-    registering a hook on every call's output, and reducing a large gradient
-    (a feed-forward block's 8 MB) to a vector's.
+    once on the bias (:meth:`listen`) probes the gradient arriving for it (this
+    micro-step's, before it is added to ``.grad``); the engine runs the bias's
+    accumulation as soon as the module's backward is done, so the entry lands
+    where a probe on the output gradient would (just after the module's
+    backward instead of just before it, with nothing of nand's in between).
+    That spares registering a hook on every call's output, and reducing a
+    large gradient (a feed-forward block's 8 MB) to a vector's.
 
     It stands for the module's *first* call in a micro-step: a second call's
     output gets a real probe, and the bias's gradient then holds the first
@@ -82,15 +83,19 @@ class BiasProxy:
     would accumulate every bias at its end, out of order).
     """
 
-    __slots__ = ("armed", "handle")
+    __slots__ = ("armed", "bias", "site")
 
-    def __init__(self, state: HookState, site: Site, bias: Tensor) -> None:
-        pairs, sites, guard = state.buf.pairs, state.buf.sites, state.guard
+    def __init__(self, site: Site, bias: Tensor) -> None:
+        self.site = site
+        self.bias = bias
         #: The micro-step whose first call this proxy stands for: the module's
         #: forward hook arms it (outside ``torch.compile``, where reading the
         #: micro-step counter would make dynamo guard on it, a recompile a step).
         self.armed = -1
 
+    def listen(self, state: HookState) -> RemovableHandle:
+        """Probe the bias gradient as it arrives, with a hook of its own."""
+        pairs, sites, guard, site = state.buf.pairs, state.buf.sites, state.guard, self.site
         aminmax = torch.aminmax
 
         def received(grad: Tensor) -> None:
@@ -103,4 +108,42 @@ class BiasProxy:
             except Exception as exc:
                 guard.failed(exc, f"gradient hook of {site.module!r}")
 
-        self.handle = bias.register_hook(received)
+        return self.bias.register_hook(received)
+
+
+def read_together(state: HookState, chain: list[BiasProxy]) -> RemovableHandle:
+    """One hook for the bias proxies of a chain: read them all at its start.
+
+    ``chain`` are the proxies of an exact ``nn.Sequential``'s children, in
+    call order, when nothing else of nand's runs in backward (see
+    ``Hooks.install``). Their order in backward is then known, the reverse,
+    and one hook can probe them all: on the bias of the first, after its
+    gradient is accumulated. The engine runs a parameter's accumulation as
+    soon as its gradient is ready, so by then every later bias holds its own.
+    Each call from the autograd engine into Python costs ~20k instructions on
+    CPU (the probe itself a fraction): one per backward instead of one per
+    proxy.
+
+    The values are read from ``.grad`` after accumulation: under gradient
+    accumulation, the sum so far; a non-finite value still shows first in the
+    micro-step that made it.
+    """
+    pairs, sites, guard = state.buf.pairs, state.buf.sites, state.guard
+    aminmax = torch.aminmax
+    backward_order = chain[::-1]
+
+    def read(_: Tensor) -> None:
+        if guard.off:
+            return
+        micro = state.micro
+        try:
+            for proxy in backward_order:
+                grad = proxy.bias.grad
+                if proxy.armed == micro and grad is not None:
+                    proxy.armed = -1
+                    pairs.extend(aminmax(grad))
+                    sites.append(proxy.site)
+        except Exception as exc:
+            guard.failed(exc, "gradient hook of the chain's biases")
+
+    return chain[0].bias.register_post_accumulate_grad_hook(read)

@@ -44,7 +44,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from nand.agent.grads import BiasProxy, GradHooks
+from nand.agent.grads import BiasProxy, GradHooks, read_together
 from nand.agent.modules import CONTAINERS, Chains, ModuleInfo, proxy_bias
 from nand.agent.probes import MICRO, ProbeBuffer, Site, iter_tensors
 from nand.agent.safety import Guard
@@ -125,8 +125,8 @@ class Hooks:
         the local value is what tells produced from received)."""
         if any(info.allow_neginf for info in infos.values()):
             self._finite_nodes = NEGINF_SAFE_NODES
-        biased = self._install_proxies(root, infos) if proxies else {}
         chains = Chains(root, infos)
+        biased = self._install_proxies(root, infos, chains) if proxies else {}
         for module, info in infos.items():
             if isinstance(module, CONTAINERS) or module in chains.unhooked:
                 continue
@@ -148,16 +148,20 @@ class Hooks:
         self.handles.clear()
 
     def _install_proxies(
-        self, root: nn.Module, infos: dict[nn.Module, ModuleInfo]
+        self, root: nn.Module, infos: dict[nn.Module, ModuleInfo], chains: Chains
     ) -> dict[nn.Module, BiasProxy]:
-        """A bias hook for every module whose output gradient its bias gives."""
+        """Bias hooks for every module whose output gradient its bias gives:
+        one for all of them when they form the root's chain, else one each."""
         found: dict[nn.Module, BiasProxy] = {}
         for module, bias in proxy_bias(root, infos).items():
             site = infos[module].output_site("").backward
             assert site is not None
-            proxy = BiasProxy(self.state, site, bias)
-            found[module] = proxy
-            self.handles.append(proxy.handle)
+            found[module] = BiasProxy(site, bias)
+        chain = _proxy_chain(root, infos, chains, found)
+        if chain is not None:
+            self.handles.append(read_together(self.state, chain))
+        else:
+            self.handles.extend(proxy.listen(self.state) for proxy in found.values())
         return found
 
     def _install_root(self, module: nn.Module, info: ModuleInfo, with_hook: bool) -> None:
@@ -454,3 +458,35 @@ class Hooks:
             hooks = GradHooks(self.state, site)
             self._grad_hooks[id(site)] = hooks
         return hooks
+
+
+def _proxy_chain(
+    root: nn.Module,
+    infos: dict[nn.Module, ModuleInfo],
+    chains: Chains,
+    proxies: dict[nn.Module, BiasProxy],
+) -> list[BiasProxy] | None:
+    """The root's bias proxies in call order, when nothing else probes backward.
+
+    So when the root is an exact ``nn.Sequential`` ending in a probed leaf (no
+    loss hook of its own) and every module that gets a hook is one of its
+    children, registered once, whose gradient its bias gives: an MLP, a plain
+    CNN. Then no other probe can fire in backward between theirs, and their
+    order there is the reverse of the children's (``grads.read_together``).
+    One device: the engine's per-device threads would not keep that order.
+    """
+    if not chains.root_is_last_leaf:  # (an exact Sequential)
+        return None
+    children = list(root._modules.values())
+    uses: dict[int, int] = {}
+    for _, module in root.named_modules(remove_duplicate=False):
+        uses[id(module)] = uses.get(id(module), 0) + 1
+    for module in infos:
+        if module is root or isinstance(module, CONTAINERS) or module in chains.unhooked:
+            continue  # no hook
+        if module not in proxies or module not in children or uses[id(module)] != 1:
+            return None
+    chain = [proxies[module] for module in children if module in proxies]
+    if len(chain) < 2 or len({proxy.bias.device for proxy in chain}) != 1:
+        return None
+    return chain

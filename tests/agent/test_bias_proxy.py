@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 import pytest
 import torch
 from torch import nn
 
 import nand
+from nand.agent import hooks as hooks_module
 from nand.agent.grads import GradHooks
 from nand.agent.modules import module_table, proxy_bias
-from tests.agent.models import VALUES, BackwardPlant, arm_at, mlp, train, where
+from tests.agent.models import VALUES, BackwardPlant, BadBackward, arm_at, mlp, train, where
 
 KINDS = list(VALUES)
 
@@ -104,3 +108,100 @@ def test_which_modules_read_their_gradient_from_the_bias():
     infos = module_table(model, False, ("6",))
     chosen = {infos[m].name for m in proxy_bias(model, infos)}
     assert chosen == {"4", "5", "8"}  # 0 and 7 share a bias: neither
+
+
+# --- an exact Sequential whose only backward probes are bias proxies ---------
+
+
+def _together(enabled: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Read the chain's biases with one hook (the default) or one hook each."""
+    if not enabled:
+        monkeypatch.setattr(hooks_module, "_proxy_chain", lambda *args: None)
+
+
+def _corrupt_gradient_into(module: nn.Module, at: tuple[int, int], value: float) -> Callable:
+    """A user's hook makes one element of the gradient arriving at ``module``'s output ``value``."""
+    armed = {"now": False}
+
+    def corrupt(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        grad.view(-1)[0] = value
+        return grad
+
+    def forward_hook(mod: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        if armed["now"]:
+            output.register_hook(corrupt)
+
+    module.register_forward_hook(forward_hook)
+
+    def before(step: int, micro: int) -> None:
+        armed["now"] = (step, micro) == at
+
+    return before
+
+
+def test_an_mlps_biases_are_read_by_one_hook_and_close_removes_it():
+    model = mlp()
+    biases = [model[i].bias for i in (0, 2, 4)]
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nand.watch(model, opt):
+        assert len(biases[0]._post_accumulate_grad_hooks or {}) == 1  # the first Linear's
+        assert not any(b._post_accumulate_grad_hooks for b in biases[1:])
+        assert not any(b._backward_hooks for b in biases)  # no hook per bias
+        train(model, opt, 2)
+    assert not any(b._post_accumulate_grad_hooks or b._backward_hooks for b in biases)
+
+
+def test_a_chain_with_another_backward_probe_keeps_one_hook_per_bias():
+    model = nn.Sequential(nn.Linear(8, 16), BackwardPlant(), nn.Tanh(), nn.Linear(16, 4))
+    with nand.watch(model):
+        assert all(len(model[i].bias._backward_hooks or {}) == 1 for i in (0, 3))
+        assert not model[0].bias._post_accumulate_grad_hooks
+
+
+@pytest.mark.parametrize("accum", [1, 3])
+def test_biases_read_together_give_each_layers_gradient_figure(accum):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    seen: list[list[float]] = []
+    opt.register_step_pre_hook(
+        lambda *_: seen.append([float(model[i].bias.grad.abs().max()) for i in (0, 2, 4)])
+    )
+    with nand.watch(model, opt) as w:
+        train(model, opt, 3, accum=accum)
+    window = w.flight_window()
+    for figures, read in zip(window.grad_max_abs, seen, strict=True):
+        by_module = dict(zip(window.modules, figures, strict=True))
+        # The last micro-step's reading is the accumulated gradient the step applies.
+        assert [by_module[name] for name in ("0", "2", "4")] == pytest.approx(read, rel=1e-6)
+
+
+@pytest.mark.parametrize("together", [True, False])
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_gradient_made_non_finite_in_backward_is_blamed_alike_either_way(
+    kind, together, monkeypatch
+):
+    _together(together, monkeypatch)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    before = _corrupt_gradient_into(model[2], (2, 1), VALUES[kind])
+    with nand.watch(model, opt) as w:
+        train(model, opt, 4, accum=2, before=before)
+    # Finite into the last Linear's output, not into the middle one's: what
+    # ran between them (the last Linear's backward, the ReLU's) made it.
+    assert where(w.first) == (2, 1, "backward", "4", "produced")
+
+
+@pytest.mark.parametrize("together", [True, False])
+def test_a_non_finite_loss_gradient_is_blamed_on_the_loss_either_way(together, monkeypatch):
+    _together(together, monkeypatch)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def loss_fn(out: object, step: int) -> torch.Tensor:
+        assert isinstance(out, torch.Tensor)
+        return (BadBackward.apply(out, math.nan) if step == 1 else out).pow(2).mean()
+
+    with nand.watch(model, opt) as w:
+        train(model, opt, 3, loss_fn=loss_fn)
+    assert where(w.first) == (1, 0, "loss", "", "produced")
