@@ -50,6 +50,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from operator import is_not
 from typing import Any, Protocol, TypeGuard
 
 import torch
@@ -171,24 +172,27 @@ RULE_KEYS = ("weight_decay", "momentum", "dampening", "betas", "decoupled_weight
 
 class GroupRules:
     """:func:`state_follows` and :func:`update_terms` of one optimizer, derived
-    again only when a hyperparameter they read changes (compared every step,
-    one tuple per group); the learning rate is applied per step."""
+    again only when a hyperparameter they read changes; the learning rate,
+    which a schedule changes every step, is applied per step.
+
+    Changes are seen by identity (one C-level pass a step): a value that is
+    replaced, even by an equal one, is derived again; a value that could change
+    in place (a list, a tensor) makes the rules derived at every step.
+    """
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
         self.follows = False
         self.terms: list[UpdateTerms | None] = []
-        self._seen: list[tuple[Any, ...]] | None = None
+        self._seen: list[Any] = []
+        self._mutable = True  # nothing derived yet
 
     def update(self) -> None:
         groups = self.optimizer.param_groups
-        seen = [tuple(map(group.get, RULE_KEYS)) for group in groups]
-        try:
-            same = seen == self._seen  # identical objects compare without a look inside
-        except Exception:  # e.g. a new tensor for betas: no truth value
-            same = False
-        if not same:
+        seen = [value for group in groups for value in map(group.get, RULE_KEYS)]
+        if self._mutable or len(seen) != len(self._seen) or any(map(is_not, seen, self._seen)):
             self._seen = seen
+            self._mutable = not all(map(_immutable, seen))
             self.follows = state_follows(self.optimizer)
             self.terms = [update_terms(self.optimizer, group) for group in groups]
 
@@ -202,6 +206,13 @@ class GroupRules:
             factor, shift = terms.bound(lr, grad_max)
             after = max(after, bound * factor + shift)
         return after
+
+
+def _immutable(value: Any) -> bool:
+    """Whether a hyperparameter's value is pinned by its identity."""
+    if isinstance(value, tuple):
+        return all(map(_immutable, value))
+    return value is None or type(value) in (bool, int, float, str)
 
 
 def _plain_number(value: Any) -> TypeGuard[int | float]:

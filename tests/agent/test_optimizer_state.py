@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import nand
-from nand.agent.optimizer import state_follows, update_bound
+from nand.agent.optimizer import GroupRules, state_follows, update_bound
 from tests.agent.models import mlp, train
 
 
@@ -205,3 +205,37 @@ def test_adams_step_never_exceeds_its_bound_whatever_the_gradients(make, betas):
         opt.step()
         worst = max(worst, float((p.detach() - before).abs().max()))
     assert 0 < worst <= shift
+
+
+def test_the_cached_group_rules_follow_every_change_of_the_hyperparameters():
+    p = nn.Parameter(torch.zeros(4))
+    opt = torch.optim.AdamW([p], lr=0.1, weight_decay=0.01)
+    group = opt.param_groups[0]
+    rules = GroupRules(opt)
+
+    def agrees_with_a_fresh_derivation() -> bool:
+        rules.update()
+        expected = update_bound(opt, group, grad_max=2.0)
+        after = rules.bound_after(3.0, grad_max=2.0)
+        if expected is None or after is None:
+            bound_agrees = expected is after
+        else:
+            bound_agrees = after == pytest.approx(3.0 * expected[0] + expected[1])
+        return bound_agrees and rules.follows == state_follows(opt)
+
+    changes = [
+        {},
+        {"lr": 0.05},  # a schedule: no new derivation, the lr is applied per step
+        {"weight_decay": 0.2},
+        {"betas": (0.5, 0.6)},
+        {"betas": (0.95, 0.9)},  # b1² >= b2: no bound
+        {"betas": (torch.tensor(0.9), 0.999)},  # a tensor: not proven
+        {"betas": (0.9, 0.999)},  # equal to the tensor's values, but proven again
+        {"lr": torch.tensor(0.1)},  # a tensor lr: no bound
+        {"lr": 0.1, "betas": [0.9, 0.999]},
+    ]
+    for change in changes:
+        group.update(change)
+        assert agrees_with_a_fresh_derivation(), change
+    group["betas"][1] = 0.5  # the same list, changed in place: b1² >= b2 now
+    assert agrees_with_a_fresh_derivation() and rules.bound_after(3.0, grad_max=2.0) is None
