@@ -130,19 +130,19 @@ def read_together(state: HookState, chain: list[BiasProxy]) -> RemovableHandle:
     """
     pairs, sites, guard = state.buf.pairs, state.buf.sites, state.guard
     aminmax = torch.aminmax
-    backward_order = chain[::-1]
+    backward_order = [(proxy, proxy.bias, proxy.site) for proxy in reversed(chain)]
 
     def read(_: Tensor) -> None:
         if guard.off:
             return
         micro = state.micro
         try:
-            for proxy in backward_order:
-                grad = proxy.bias.grad
+            for proxy, bias, site in backward_order:
+                grad = bias.grad
                 if proxy.armed == micro and grad is not None:
                     proxy.armed = -1
                     pairs.extend(aminmax(grad))
-                    sites.append(proxy.site)
+                    sites.append(site)
         except Exception as exc:
             guard.failed(exc, "gradient hook of the chain's biases")
 
