@@ -97,6 +97,10 @@ def make_step(kind: str, case: Any, base: nn.Module, use_adam: bool) -> Step:
     return step
 
 
+#: Untimed steps at the start of every repeat.
+WARM_STEPS = 2
+
+
 def bench(
     name: str, case_fn: Callable[[], Any], use_adam: bool, reps: int, steps: int, kinds: list[str]
 ) -> None:
@@ -112,6 +116,11 @@ def bench(
     for rep in range(reps):
         order = kinds if rep % 2 == 0 else kinds[::-1]
         for k in order:
+            # Untimed: switching detectors leaves the caches full of the last
+            # one's code and data, a cost that a training run (one detector,
+            # every step) never pays.
+            for _ in range(WARM_STEPS):
+                fns[k]()
             c0, t0 = time.process_time(), time.perf_counter()
             for _ in range(steps):
                 fns[k]()

@@ -26,10 +26,17 @@ Per module call:
 - in an exact ``nn.Sequential`` the data flow is known: a finite-preserving
   child that feeds a probed leaf gets no hook at all, the leaf does not
   examine its input, and a root ending in a probed leaf gets no forward hook
-  (``modules.Chains``). For an MLP that leaves one hook per Linear.
+  (``modules.Chains``). For an MLP that leaves one hook per Linear, and
+  one on the first Linear's bias.
 - the **root** pre-hook marks a micro-step and probes the input data
   (positional and keyword, nested); the root's outputs get a "loss" tensor hook:
-  the gradient arriving there comes from the loss computation.
+  the gradient arriving there comes from the loss computation. An exact
+  ``nn.Sequential`` that starts with a probed leaf hands it its input as is:
+  that leaf's hook does the pre-hook's work, and the root has no hook at all
+  when it also ends in one.
+- when the only gradient probes left are the bias proxies of such a root's
+  children, their order in backward is known, and one hook reads them all
+  (``grads.read_together``).
 
 Under ``torch.compile`` these hooks are inlined when they are registered before
 the first compiled call; tensor hooks cause graph breaks (see ``watch.py``).
@@ -131,12 +138,15 @@ class Hooks:
             if isinstance(module, CONTAINERS) or module in chains.unhooked:
                 continue
             if module is root:
-                self._install_root(module, info, with_hook=not chains.root_is_last_leaf)
+                pre = None if chains.takes_root is not None else self._root_pre(info)
+                self._install_root(module, info, pre, with_hook=not chains.root_is_last_leaf)
             elif info.safe:
                 self.handles.append(module.register_forward_hook(self._safe_hook(info)))
             elif info.leaf:
                 trusting = module in chains.trusting
                 leaf_hook = self._leaf_hook(info, biased.get(module), trusting)
+                if module is chains.takes_root:
+                    leaf_hook = _taking_the_root(root, self._root_pre(infos[root]), leaf_hook)
                 self.handles.append(module.register_forward_hook(leaf_hook))
             else:
                 self.handles.append(module.register_forward_pre_hook(self._container_pre(info)))
@@ -164,9 +174,15 @@ class Hooks:
             self.handles.extend(proxy.listen(self.state) for proxy in found.values())
         return found
 
-    def _install_root(self, module: nn.Module, info: ModuleInfo, with_hook: bool) -> None:
-        pre = self._root_pre(info)
-        self.handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+    def _install_root(
+        self,
+        module: nn.Module,
+        info: ModuleInfo,
+        pre: Callable[..., None] | None,
+        with_hook: bool,
+    ) -> None:
+        if pre is not None:
+            self.handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
         if with_hook:
             self.handles.append(module.register_forward_hook(self._root_hook(info)))
 
@@ -490,3 +506,16 @@ def _proxy_chain(
     if len(chain) < 2 or len({proxy.bias.device for proxy in chain}) != 1:
         return None
     return chain
+
+
+def _taking_the_root(
+    root: nn.Module, root_pre: Callable[..., None], leaf_hook: Callable[..., None]
+) -> Callable[..., None]:
+    """The first child's hook, doing the root pre-hook's work first (see
+    ``modules.Chains.takes_root``): it saves the root a hooked call."""
+
+    def first_child_hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        root_pre(root, args, {})
+        leaf_hook(module, args, output)
+
+    return first_child_hook

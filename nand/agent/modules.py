@@ -192,7 +192,12 @@ class Chains:
       benign backward needs no gradient probe between them;
     - that leaf need not examine its input (``trusting``);
     - a root ``Sequential`` whose last child is a probed leaf returns that
-      leaf's output, already probed (``root_is_last_leaf``): no root forward hook.
+      leaf's output, already probed (``root_is_last_leaf``): no root forward hook;
+    - a root ``Sequential`` whose first child is a probed leaf hands it its
+      input unchanged (``takes_root``, that child): its hook can do the
+      root's pre-hook's work (mark the micro-step, probe the input), and the
+      root needs no pre-hook. Calling that child on its own, outside the
+      model, would then count as a micro-step.
 
     Only for modules registered once in the model: a module that is also used
     elsewhere keeps every check.
@@ -202,6 +207,7 @@ class Chains:
         self.unhooked: set[nn.Module] = set()
         self.trusting: set[nn.Module] = set()
         self.root_is_last_leaf = False
+        self.takes_root: nn.Module | None = None
         uses: dict[int, int] = {}
         for _, module in root.named_modules(remove_duplicate=False):
             uses[id(module)] = uses.get(id(module), 0) + 1
@@ -218,8 +224,10 @@ class Chains:
                     self.unhooked.add(before)
                     self.trusting.add(after)
         if type(root) is nn.Sequential and len(root) > 0:
-            last = root[-1]
+            first, last = root[0], root[-1]
             self.root_is_last_leaf = _probed_leaf(infos.get(last)) and uses[id(last)] == 1
+            if _probed_leaf(infos.get(first)) and uses[id(first)] == 1:
+                self.takes_root = first
 
     @staticmethod
     def _chained(

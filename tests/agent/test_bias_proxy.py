@@ -161,19 +161,28 @@ def test_a_chain_with_another_backward_probe_keeps_one_hook_per_bias():
 
 @pytest.mark.parametrize("accum", [1, 3])
 def test_biases_read_together_give_each_layers_gradient_figure(accum):
+    torch.manual_seed(0)
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    seen: list[list[float]] = []
-    opt.register_step_pre_hook(
-        lambda *_: seen.append([float(model[i].bias.grad.abs().max()) for i in (0, 2, 4)])
-    )
+    readings: list[list[float]] = []  # after each micro-step's backward, per Linear
+
+    def read_biases(*_: object) -> None:
+        readings.append([float(model[i].bias.grad.abs().max()) for i in (0, 2, 4)])
+
+    def before(step: int, micro: int) -> None:
+        if micro > 0:
+            read_biases()  # the gradient accumulated so far
+
+    opt.register_step_pre_hook(read_biases)
     with nand.watch(model, opt) as w:
-        train(model, opt, 3, accum=accum)
+        train(model, opt, 3, accum=accum, before=before)
     window = w.flight_window()
-    for figures, read in zip(window.grad_max_abs, seen, strict=True):
+    for step, figures in enumerate(window.grad_max_abs):
         by_module = dict(zip(window.modules, figures, strict=True))
-        # The last micro-step's reading is the accumulated gradient the step applies.
-        assert [by_module[name] for name in ("0", "2", "4")] == pytest.approx(read, rel=1e-6)
+        # Read from .grad once accumulated: each micro-step's sum so far.
+        this_step = readings[step * accum : (step + 1) * accum]
+        expected = [max(r) for r in zip(*this_step, strict=True)]
+        assert [by_module[name] for name in ("0", "2", "4")] == pytest.approx(expected, rel=1e-6)
 
 
 @pytest.mark.parametrize("together", [True, False])

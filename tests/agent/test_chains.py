@@ -10,7 +10,7 @@ from torch import nn
 
 import nand
 from nand.agent.modules import Chains, module_table
-from tests.agent.models import mlp, train, where
+from tests.agent.models import VALUES, mlp, train, where
 
 
 class SafeLog(nn.Module):
@@ -27,6 +27,11 @@ class MySequential(nn.Sequential):
 def shared_relu() -> nn.Sequential:
     relu = nn.ReLU()
     return nn.Sequential(nn.Linear(8, 16), relu, nn.Linear(16, 16), relu, nn.Linear(16, 4))
+
+
+def shared_first() -> nn.Sequential:
+    linear = nn.Linear(8, 8)
+    return nn.Sequential(linear, nn.ReLU(), linear)
 
 
 CASES: list[tuple[str, Callable[[], nn.Module], list[str], bool]] = [
@@ -72,12 +77,13 @@ def test_which_children_go_unhooked(build, unhooked, last_leaf):
     assert chains.root_is_last_leaf is last_leaf
 
 
-def test_an_mlp_hooks_its_linears_and_the_root_pre_hook_only():
+def test_an_mlp_hooks_its_linears_only():
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with nand.watch(model, opt) as w:
         assert [bool(m._forward_hooks) for m in model] == [True, False, True, False, True]
-        assert model._forward_pre_hooks and not model._forward_hooks
+        # The first Linear does the root's pre-hook's work: its input is the root's.
+        assert not model._forward_pre_hooks and not model._forward_hooks
         train(model, opt, 3)
     assert w.first is None
     window = w.flight_window()
@@ -100,3 +106,47 @@ def test_a_linear_after_an_unhooked_relu_is_still_blamed_for_its_output(inplace)
             opt.step()
             opt.zero_grad()
     assert where(w.first) == (1, 0, "forward", "2", "produced")
+
+
+@pytest.mark.parametrize(
+    ("build", "takes_root"),
+    [
+        (mlp, True),
+        (lambda: nn.Sequential(nn.Dropout(0.1), nn.Linear(8, 4)), False),  # not a probed leaf
+        (shared_first, False),  # called twice a micro-step
+        (lambda: MySequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)), False),
+    ],
+    ids=["mlp", "starts-with-dropout", "shared-first", "subclass"],
+)
+def test_which_first_children_take_the_roots_pre_hook(build, takes_root):
+    model = build()
+    with nand.watch(model):
+        assert bool(model._forward_pre_hooks) is not takes_root
+    chains = Chains(model, module_table(model, False, ()))
+    assert (chains.takes_root is model[0]) is takes_root
+
+
+@pytest.mark.parametrize("kind", list(VALUES))
+def test_with_the_first_child_taking_the_root_the_input_and_micro_steps_are_found(kind):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def inputs(step: int) -> tuple[tuple, dict]:
+        x = torch.randn(4, 8)
+        if step == 2 and calls["n"] % 2 == 1:  # the second micro-step of step 2
+            x[0, 0] = VALUES[kind]
+        calls["n"] += 1
+        return (x,), {}
+
+    calls = {"n": 0}
+    with nand.watch(model, opt) as w:
+        train(model, opt, 4, accum=2, inputs=inputs)
+    assert where(w.first) == (2, 1, "input", "", "data")
+
+
+def test_without_an_optimizer_each_call_of_a_chain_is_still_a_step():
+    model = mlp()
+    with nand.watch(model) as w:
+        for _ in range(5):
+            model(torch.randn(4, 8)).sum().backward()
+    assert w.step == 5 and w.host_reads == 5
