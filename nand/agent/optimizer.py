@@ -207,7 +207,9 @@ class GroupRules:
             if terms is None or not _plain_number(lr):
                 return None
             factor, shift = terms.bound(lr, grad_max)
-            after = max(after, bound * factor + shift)
+            grown = bound * factor + shift
+            if grown > after:
+                after = grown
         return after
 
 
@@ -261,13 +263,14 @@ class OptimizerHooks:
         self.stepped = False  # set by the pre-hook; AMP reads and clears it
         self.stepped_once = False  # params/state are checked from the 2nd boundary on
         self._queued = False  # params/state of the last step are already in the buffer
-        self._params_key: tuple[int, int] | None = None
+        self._params_seen = (-1, -1)  # (groups, parameters) the cached lists were made from
+        self._params_version = 0  # bumped when they are remade
         self._params: list[Tensor] = []
         self._grad_sites: list[Site] = []  # one per parameter, in order
         #: Every gradient can go straight into one ``_foreach_norm``: no DTensor
         #: (its local shard is read instead) and none sparse (no kernel) so far.
         self._grads_plain = True
-        self._state_key: tuple[object, int] | None = None
+        self._collected = (-1, -1)  # (params version, states) the lists were collected at
         self._state: tuple[list[Tensor], list[Site]] = ([], [])
         self._params_only: tuple[list[Tensor], list[Site]] = ([], [])
         self._plain = True  # no DTensor among params/state: no local() per step
@@ -300,9 +303,10 @@ class OptimizerHooks:
         """The optimizer's parameters (cached until the param groups change)."""
         groups = self.optimizer.param_groups
         n = len(groups)  # one group is the common case: no generator per step
-        key = (n, len(groups[0]["params"]) if n == 1 else sum(len(g["params"]) for g in groups))
-        if key != self._params_key:
-            self._params_key = key
+        count = len(groups[0]["params"]) if n == 1 else sum(len(g["params"]) for g in groups)
+        if n != self._params_seen[0] or count != self._params_seen[1]:
+            self._params_seen = (n, count)
+            self._params_version += 1
             self._params = [p for g in groups for p in g["params"]]
             self._grad_sites = [self._site(p, "grad", "") for p in self._params]
             self._grads_plain = not any(hasattr(p, "to_local") for p in self._params)
@@ -378,7 +382,7 @@ class OptimizerHooks:
     def _loaded(self, optimizer: Any) -> None:
         # New state tensors, not checked yet; what the buffer holds is the old.
         self.state_trusted = self._state_due = False
-        self._state_key = None
+        self._collected = (-1, -1)
 
     def _params_implied(self, clean: bool) -> bool:
         """Whether the parameters this update writes are finite by :func:`update_bound`.
@@ -395,7 +399,8 @@ class OptimizerHooks:
             self._bound = None
             return False
         start, n = spans.get("grad", (0, 0))
-        bound = self._rules.bound_after(self._bound, max(norms[start : start + n], default=0.0))
+        grad_max = max(norms[start : start + n]) if n else 0.0
+        bound = self._rules.bound_after(self._bound, grad_max)
         # Writing p - step rounds once more: a relative ulp or two of the dtype.
         if bound is not None and bound * self._rounding < self._limit:
             self._bound = bound * self._rounding
@@ -487,9 +492,9 @@ class OptimizerHooks:
 
     def _refresh(self) -> None:
         """Rebuild the cached lists when the parameters or the state's keys change."""
-        key = (self._params_key, len(self.optimizer.state))
-        if key != self._state_key:
-            self._state_key = key
+        version, states = self._params_version, len(self.optimizer.state)
+        if version != self._collected[0] or states != self._collected[1]:
+            self._collected = (version, states)
             self._collect()
 
     def _collect(self) -> None:
