@@ -95,7 +95,8 @@ class Boundary:
             )
             extras = self._extras() if has_extras else []
             values, any_bad = self.read(extras)
-            out = Outcome(any_rank_bad=any_bad, micro_steps=buf.sites.count(None))
+            # (Positional: keywords would build a dict for the class call, each step.)
+            out = Outcome(None, any_bad, False, None, buf.sites.count(None))
             if values is None:
                 return out
             scale = norm_scale = 1.0
@@ -107,7 +108,7 @@ class Boundary:
                 self.recorder.rows.append(row)
             out.row = row
             if not self.warned_headroom:
-                near = near_limit(row)
+                near = near_limit(row, len(buf.pairs))
                 if near is not None:
                     self._warn_headroom(row, *near)
             start = len(buf.pairs)

@@ -74,8 +74,10 @@ class ProbeBuffer:
         self.sites.clear()
         self.norms.clear()
         self.norm_sites.clear()
-        self.extras.clear()
-        self.spans.clear()
+        if self.extras:  # (usually empty: a test is cheaper than a call)
+            self.extras.clear()
+        if self.spans:
+            self.spans.clear()
 
     def __len__(self) -> int:
         return len(self.sites) + len(self.norm_sites)

@@ -69,9 +69,14 @@ class Telemetry:
     max_act: float | None
 
 
-def near_limit(row: StepRow) -> tuple[Site, float] | None:
-    """The first forward site whose max|x| exceeds half its dtype's largest value."""
-    pairs = row.values[: 2 * (len(row.sites) - row.sites.count(None))]
+def near_limit(row: StepRow, n_pair_values: int | None = None) -> tuple[Site, float] | None:
+    """The first forward site whose max|x| exceeds half its dtype's largest value.
+
+    ``n_pair_values``: how many of ``row.values`` are (min, max) pairs, when known.
+    """
+    if n_pair_values is None:
+        n_pair_values = 2 * (len(row.sites) - row.sites.count(None))
+    pairs = row.values[:n_pair_values]
     # Fast exit for the healthy common case (NaN makes max/min unreliable, but
     # then the detailed loop below runs, which skips non-finite figures).
     if not pairs or max(max(pairs), -min(pairs)) < _HEADROOM_FLOOR:

@@ -330,7 +330,7 @@ class Watch:
 
     def _report(self, outcome: Outcome, beat: bool = True) -> None:
         """Record, log and send an incident; one message per incident, no flood."""
-        self._micro = max(outcome.micro_steps - 1, 0)
+        self._micro = outcome.micro_steps - 1 if outcome.micro_steps else 0
         event = outcome.event
         if outcome.overflow and event is not None and event.phase in ("input", "forward"):
             outcome.overflow = False  # the scaler skipped it, but the forward was bad: an incident
