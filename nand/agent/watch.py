@@ -73,10 +73,10 @@ norms). Param and optimizer-state results are
 read with the next step's boundary (or at ``close``), so a non-finite
 *update* from finite gradients is reported with its step but found one step
 later, and ``raise`` cannot prevent that one. Measured on CPU, 1 thread
-(``python benchmarks/overhead.py``): 1.31x on an MLP 64-256-256-10 SGD
-step (target 1.3x, on the line: mostly Python that runs once a step, cold),
-1.04x on a 4-layer TransformerEncoder AdamW step (target 1.05x); see
-``benchmarks/README.md``.
+(``python benchmarks/overhead.py``): 1.29-1.31x on an MLP 64-256-256-10
+SGD step (target 1.3x, on the line: torch ops' dispatch and Python that
+runs once a step), 1.03-1.06x on a 4-layer TransformerEncoder AdamW step
+(target 1.05x); see ``benchmarks/README.md``.
 
 Limits: ``torch.compile`` — call ``nand.watch`` *before* compiling or before
 the first compiled call; hooks added later are ignored by dynamo. Tensor hooks
@@ -299,7 +299,8 @@ class Watch:
         return stepped
 
     def _root_step(self) -> None:
-        """Root pre-hook without an optimizer: each root call is a step."""
+        """Without an optimizer each root call is a step: called from the
+        root's pre-hook (or the first child's hook that does its work)."""
         if self._buf.sites:
             outcome = self._guarded_check(skipped=False)
             self.step += 1
