@@ -185,14 +185,13 @@ class Boundary:
         the same read. A GPU version would copy ``gathered`` non-blocking into
         pinned memory and read it one step late (not implemented: no GPU here).
         """
-        buf = self.buf
+        gathered = self.buf.gather()
         if not self.agree:
-            everything = buf.pairs + buf.norms + buf.extras  # (ProbeBuffer.gather, inline)
-            if not everything:
+            if gathered is None:
                 return None, False
             self.reads += 1
-            return torch.stack(everything).tolist(), False
-        values = self._agreed(buf.gather(), len(extras)).tolist()
+            return gathered.tolist(), False
+        values = self._agreed(gathered, len(extras)).tolist()
         self.reads += 1
         return (values[:-1] or None), values[-1] > 0
 

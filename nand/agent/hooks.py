@@ -494,13 +494,10 @@ def _proxy_chain(
     if not chains.root_is_last_leaf:  # (an exact Sequential)
         return None
     children = list(root._modules.values())
-    uses: dict[int, int] = {}
-    for _, module in root.named_modules(remove_duplicate=False):
-        uses[id(module)] = uses.get(id(module), 0) + 1
     for module in infos:
         if module is root or isinstance(module, CONTAINERS) or module in chains.unhooked:
             continue  # no hook
-        if module not in proxies or module not in children or uses[id(module)] != 1:
+        if module not in proxies or module not in children or not chains.once(module):
             return None
     chain = [proxies[module] for module in children if module in proxies]
     if len(chain) < 2 or len({proxy.bias.device for proxy in chain}) != 1:

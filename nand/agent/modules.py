@@ -208,9 +208,10 @@ class Chains:
         self.trusting: set[nn.Module] = set()
         self.root_is_last_leaf = False
         self.takes_root: nn.Module | None = None
-        uses: dict[int, int] = {}
+        self._uses: dict[int, int] = {}
         for _, module in root.named_modules(remove_duplicate=False):
-            uses[id(module)] = uses.get(id(module), 0) + 1
+            self._uses[id(module)] = self._uses.get(id(module), 0) + 1
+        uses = self._uses
         for seq in infos:
             if type(seq) is not nn.Sequential:
                 continue
@@ -228,6 +229,10 @@ class Chains:
             self.root_is_last_leaf = _probed_leaf(infos.get(last)) and uses[id(last)] == 1
             if _probed_leaf(infos.get(first)) and uses[id(first)] == 1:
                 self.takes_root = first
+
+    def once(self, module: nn.Module) -> bool:
+        """Whether ``module`` is registered once in the model (called from one place)."""
+        return self._uses.get(id(module), 0) == 1
 
     @staticmethod
     def _chained(
