@@ -211,7 +211,6 @@ class Chains:
         self._uses: dict[int, int] = {}
         for _, module in root.named_modules(remove_duplicate=False):
             self._uses[id(module)] = self._uses.get(id(module), 0) + 1
-        uses = self._uses
         for seq in infos:
             if type(seq) is not nn.Sequential:
                 continue
@@ -220,34 +219,34 @@ class Chains:
                 feeder = infos.get(children[i - 1]) if i > 0 else None
                 if feeder is not None and feeder.masking:
                     continue  # its gradient probe is handed on through ``before``'s hook
-                if self._chained(before, after, infos, uses):
+                if self._chained(before, after, infos):
                     assert before is not None and after is not None
                     self.unhooked.add(before)
                     self.trusting.add(after)
         if type(root) is nn.Sequential and len(root) > 0:
             first, last = root[0], root[-1]
-            self.root_is_last_leaf = _probed_leaf(infos.get(last)) and uses[id(last)] == 1
-            if _probed_leaf(infos.get(first)) and uses[id(first)] == 1:
+            self.root_is_last_leaf = _probed_leaf(infos.get(last)) and self.once(last)
+            if _probed_leaf(infos.get(first)) and self.once(first):
                 self.takes_root = first
 
     def once(self, module: nn.Module) -> bool:
         """Whether ``module`` is registered once in the model (called from one place)."""
         return self._uses.get(id(module), 0) == 1
 
-    @staticmethod
     def _chained(
+        self,
         before: nn.Module | None,
         after: nn.Module | None,
         infos: dict[nn.Module, ModuleInfo],
-        uses: dict[int, int],
     ) -> bool:
-        first = infos.get(before) if before is not None else None
-        second = infos.get(after) if after is not None else None
+        if before is None or after is None:
+            return False
+        first, second = infos.get(before), infos.get(after)
         if first is None or second is None or not first.safe or first.allow_neginf:
             return False
         if not _probed_leaf(second) or (first.masking and not second.benign):
             return False
-        return uses[id(before)] == 1 and uses[id(after)] == 1
+        return self.once(before) and self.once(after)
 
 
 def _probed_leaf(info: ModuleInfo | None) -> bool:

@@ -69,13 +69,11 @@ class Telemetry:
     max_act: float | None
 
 
-def near_limit(row: StepRow, n_pair_values: int | None = None) -> tuple[Site, float] | None:
+def near_limit(row: StepRow, n_pair_values: int) -> tuple[Site, float] | None:
     """The first forward site whose max|x| exceeds half its dtype's largest value.
 
-    ``n_pair_values``: how many of ``row.values`` are (min, max) pairs, when known.
+    ``n_pair_values``: how many of ``row.values`` are (min, max) pairs.
     """
-    if n_pair_values is None:
-        n_pair_values = 2 * (len(row.sites) - row.sites.count(None))
     pairs = row.values[:n_pair_values]
     # Fast exit for the healthy common case (NaN makes max/min unreliable, but
     # then the detailed loop below runs, which skips non-finite figures).

@@ -259,11 +259,7 @@ class Watch:
         one hook call less per step, and an optimizer that raises mid-update
         is counted all the same)."""
         outcome = self._guarded_check(skipped=False)
-        session = self.session
-        if session.per_step:
-            session.poll(self)
-        if session.stop_at is not None and self.step >= session.stop_at:
-            raise StopRequested(session.stop_at, "requested by the server")
+        self._serve_session()
         if outcome is not None:
             if outcome.overflow:
                 assert self._opt is not None
@@ -304,13 +300,18 @@ class Watch:
         if self._buf.sites:
             outcome = self._guarded_check(skipped=False)
             self.step += 1
-            if self.session.per_step:
-                self.session.poll(self)
-            if self.session.stop_at is not None and self.step >= self.session.stop_at:
-                raise StopRequested(self.session.stop_at, "requested by the server")
+            self._serve_session()
             event = outcome.event if outcome is not None else None
             if event is not None and self.policy in ("raise", "stop"):
                 raise NonFiniteError(event)
+
+    def _serve_session(self) -> None:
+        """After a boundary: take the server's commands, stop if it asked to."""
+        session = self.session
+        if session.per_step:
+            session.poll(self)
+        if session.stop_at is not None and self.step >= session.stop_at:
+            raise StopRequested(session.stop_at, "requested by the server")
 
     def _window_full(self) -> None:
         """An optimizer that never steps must not make the buffer grow forever."""
