@@ -50,7 +50,8 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from operator import is_not
+from itertools import repeat
+from operator import attrgetter, is_, is_not
 from typing import Any, Protocol, TypeGuard
 
 import torch
@@ -228,6 +229,9 @@ def _plain_number(value: Any) -> TypeGuard[int | float]:
 def _unit(value: Any, top: float = 1.0 - 1e-12) -> bool:
     """A plain number in [0, top] (a tensor hyperparameter is not proven)."""
     return isinstance(value, (int, float)) and 0.0 <= value <= top
+
+
+_GRAD = attrgetter("grad")
 
 
 def _usable(t: Any) -> bool:
@@ -435,8 +439,8 @@ class OptimizerHooks:
         ``force``: the parameters even if implied finite (the last look at ``close``).
         """
         params = self.params()
-        grads = [g for p in params if (g := p.grad) is not None]
-        if len(grads) == len(params) and self._grads_plain:
+        grads = list(map(_GRAD, params))  # (C loops: no bytecode per parameter)
+        if self._grads_plain and not any(map(is_, grads, repeat(None))):
             sites = self._grad_sites  # every parameter has a plain gradient: the common case
         else:
             grads, sites = self._usable_grads(params)
