@@ -73,7 +73,9 @@ class Boundary:
         #: The norms of the last window read, and where gradients and parameters sat.
         self.read_norms: list[float] = []
         self.read_spans: dict[str, tuple[int, int]] = {}
-        #: Slow path: a forward finding explained by a non-finite parameter.
+        #: Slow path: a forward finding explained by non-finite input data
+        #: that was held rather than probed, or by a non-finite parameter.
+        self.input_behind: Callable[[Finding], Finding | None] | None = None
         self.param_behind: Callable[[Finding, int], Finding | None] | None = None
 
     def check(
@@ -139,6 +141,8 @@ class Boundary:
         """The slow path: the window's first verified non-finite entry, as an event."""
         grad_cause = self._grad_cause(values, extras)
         finding = first_finding(self.buf, values, grad_cause, prev_micro)
+        if finding is not None and finding.phase == "forward" and self.input_behind:
+            finding = self.input_behind(finding) or finding
         if finding is not None and finding.phase == "forward" and self.param_behind:
             finding = self.param_behind(finding, prev_micro) or finding
         if finding is None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
 from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
@@ -33,7 +32,7 @@ class GradHooks:
     __slots__ = ("node_hook", "tensor_hook")
 
     def __init__(self, state: HookState, site: Site) -> None:
-        pairs, sites, guard = state.buf.pairs, state.buf.sites, state.guard
+        probe, guard = state.buf.probe, state.guard
 
         def tensor_hook(grad: Tensor) -> None:
             if guard.off:
@@ -41,8 +40,7 @@ class GradHooks:
             try:
                 # The gradient of a probed float output: float and non-empty
                 # too; it does not require grad (no create_graph): no detach.
-                pairs.extend(torch.aminmax(grad))
-                sites.append(site)
+                probe(grad, site)
             except Exception as exc:
                 guard.failed(exc, f"gradient hook of {site.module!r}")
 
@@ -95,16 +93,14 @@ class BiasProxy:
 
     def listen(self, state: HookState) -> RemovableHandle:
         """Probe the bias gradient as it arrives, with a hook of its own."""
-        pairs, sites, guard, site = state.buf.pairs, state.buf.sites, state.guard, self.site
-        aminmax = torch.aminmax
+        probe, guard, site = state.buf.probe, state.guard, self.site
 
         def received(grad: Tensor) -> None:
             if self.armed != state.micro or guard.off:
                 return  # not proxied this micro-step (compiled, or called under no_grad)
             self.armed = -1
             try:
-                pairs.extend(aminmax(grad))
-                sites.append(site)
+                probe(grad, site)
             except Exception as exc:
                 guard.failed(exc, f"gradient hook of {site.module!r}")
 
@@ -128,8 +124,7 @@ def read_together(state: HookState, chain: list[BiasProxy]) -> RemovableHandle:
     accumulation, the sum so far; a non-finite value still shows first in the
     micro-step that made it.
     """
-    pairs, sites, guard = state.buf.pairs, state.buf.sites, state.guard
-    aminmax = torch.aminmax
+    probe, guard = state.buf.probe, state.guard
     backward_order = [(proxy, proxy.bias, proxy.site) for proxy in reversed(chain)]
 
     def read(_: Tensor) -> None:
@@ -141,8 +136,7 @@ def read_together(state: HookState, chain: list[BiasProxy]) -> RemovableHandle:
                 grad = bias.grad
                 if proxy.armed == micro and grad is not None:
                     proxy.armed = -1
-                    pairs.extend(aminmax(grad))
-                    sites.append(site)
+                    probe(grad, site)
         except Exception as exc:
             guard.failed(exc, "gradient hook of the chain's biases")
 

@@ -33,7 +33,9 @@ Per module call:
   the gradient arriving there comes from the loss computation. An exact
   ``nn.Sequential`` that starts with a probed leaf hands it its input as is:
   that leaf's hook does the pre-hook's work, and the root has no hook at all
-  when it also ends in one.
+  when it also ends in one. When that leaf is an ``nn.Linear``, whose output
+  is non-finite whenever its input is, the input is kept rather than probed,
+  and looked at only when that output was (:meth:`Hooks.input_behind`).
 - when the only gradient probes left are the bias proxies of such a root's
   children, their order in backward is known, and one hook reads them all
   (``grads.read_together``).
@@ -44,6 +46,7 @@ the first compiled call; tensor hooks cause graph breaks (see ``watch.py``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -55,6 +58,7 @@ from nand.agent.grads import BiasProxy, GradHooks, read_together
 from nand.agent.modules import CONTAINERS, Chains, ModuleInfo, proxy_bias
 from nand.agent.probes import MICRO, ProbeBuffer, Site, iter_tensors
 from nand.agent.safety import Guard
+from nand.agent.step_check import Finding
 
 #: Autograd nodes of elementwise ops that cannot make a finite value
 #: non-finite, when written inline (``F.relu(self.linear1(x))``); of those, the
@@ -123,6 +127,9 @@ class Hooks:
         self.handles: list[RemovableHandle] = []
         self._grad_hooks: dict[int, GradHooks] = {}
         self._finite_nodes = FINITE_NODES
+        #: (the first child's output site, the root's input site) when the
+        #: root's input is held rather than probed (see ``input_behind``).
+        self._held_for: tuple[Site, Site] | None = None
 
     def install(
         self, root: nn.Module, infos: dict[nn.Module, ModuleInfo], *, proxies: bool = True
@@ -146,11 +153,33 @@ class Hooks:
                 trusting = module in chains.trusting
                 leaf_hook = self._leaf_hook(info, biased.get(module), trusting)
                 if module is chains.takes_root:
-                    leaf_hook = _taking_the_root(root, self._root_pre(infos[root]), leaf_hook)
+                    hold = _implies_its_input(module, info)
+                    if hold:
+                        self._held_for = (info.output_site(""), infos[root].input_site("args[0]"))
+                    root_pre = self._root_pre(infos[root], hold)
+                    leaf_hook = _taking_the_root(root, root_pre, leaf_hook)
                 self.handles.append(module.register_forward_hook(leaf_hook))
             else:
                 self.handles.append(module.register_forward_pre_hook(self._container_pre(info)))
                 self.handles.append(module.register_forward_hook(self._container_hook(info)))
+
+    def input_behind(self, finding: Finding) -> Finding | None:
+        """A forward finding at the first child's output whose input was held,
+        not probed: the input data, when that was non-finite. The slow path
+        (see :func:`_implies_its_input`)."""
+        if self._held_for is None or finding.site is not self._held_for[0]:
+            return None
+        held = self.state.buf.held
+        x = held[finding.micro] if finding.micro < len(held) else None
+        if x is None or not x.is_floating_point() or bool(torch.isfinite(x).all()):
+            return None
+        site = self._held_for[1]
+        site.shape, site.dtype = x.shape, x.dtype
+        # With the tensor at hand the event counts its NaNs and infinities.
+        return Finding(
+            site, "input", site.module, site.module_type, finding.micro, 0, 0,
+            math.nan, math.nan, "data", tensor=x.detach(),
+        )  # fmt: skip
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -186,10 +215,6 @@ class Hooks:
         if with_hook:
             self.handles.append(module.register_forward_hook(self._root_hook(info)))
 
-    def _lists(self) -> tuple[list[Tensor], list[Site | None]]:
-        """The buffer's lists the hooks append to (cleared in place, never rebound)."""
-        return self.state.buf.pairs, self.state.buf.sites
-
     # --- the hooks ------------------------------------------------------------
 
     def _leaf_hook(
@@ -198,9 +223,9 @@ class Hooks:
         """``trusting``: the input comes straight from an unhooked
         finite-preserving module (see ``modules.Chains``); not examined."""
         # The hot path: everything it uses is bound here, once.
-        state, guard, pairs, sites = self.state, self.state.guard, *self._lists()
+        state, guard, probe = self.state, self.state.guard, self.state.buf.probe
         # is_dynamo_compiling: False in eager at the cost of a call (dynamo makes it True)
-        aminmax, is_compiling = torch.aminmax, torch.compiler.is_dynamo_compiling
+        is_compiling = torch.compiler.is_dynamo_compiling
         out_site = info.output_site("")
         assert out_site.backward is not None
         grad_hooks = self._grad_hook(out_site.backward)
@@ -218,8 +243,7 @@ class Hooks:
                     if allow:
                         self._probe_output(out_site, output)
                     elif output.is_floating_point() and output.numel():
-                        pairs.extend(aminmax(output.detach()))
-                        sites.append(out_site)
+                        probe(output.detach(), out_site)
                         out_site.shape, out_site.dtype = output.shape, output.dtype
                         if not output.requires_grad:
                             pass
@@ -294,10 +318,15 @@ class Hooks:
 
         return container_hook
 
-    def _root_pre(self, info: ModuleInfo) -> Callable[..., None]:
-        state, guard, pairs, sites = self.state, self.state.guard, *self._lists()
+    def _root_pre(self, info: ModuleInfo, hold: bool = False) -> Callable[..., None]:
+        """``hold``: the first child's output is non-finite whenever a plain
+        tensor input is (see :func:`_implies_its_input`): that input is kept
+        for :meth:`input_behind` instead of probed."""
+        state, guard, buf = self.state, self.state.guard, self.state.buf
+        probe, sites = buf.probe, buf.sites
+        held = buf.held if hold else None
         # is_dynamo_compiling: False in eager at the cost of a call (dynamo makes it True)
-        aminmax, is_compiling = torch.aminmax, torch.compiler.is_dynamo_compiling
+        is_compiling = torch.compiler.is_dynamo_compiling
         first = info.input_site("args[0]")
 
         def root_pre(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -314,12 +343,17 @@ class Hooks:
                     state.micro += 1
                 if not kwargs and len(args) == 1 and isinstance(args[0], Tensor):
                     x = args[0]  # the common case, without walking structures
+                    if held is not None:
+                        held.append(x)  # one per micro-step
+                        state.last = x
+                        return
                     if x.is_floating_point() and x.numel():
-                        pairs.extend(aminmax(x.detach()))
-                        sites.append(first)
+                        probe(x.detach(), first)
                         first.shape, first.dtype = x.shape, x.dtype
                         state.last = x
                     return
+                if held is not None:
+                    held.append(None)  # probed below
                 for path, t in iter_tensors((args, kwargs)):
                     self._probe_input(info, path, t)
             except Exception as exc:
@@ -451,11 +485,16 @@ class Hooks:
                 self._grad_hook(site.backward).attach(t)
 
     def _probe(self, site: Site, t: Tensor) -> None:
-        lo, hi = torch.aminmax(t.detach())
-        # An allow-listed module may emit -inf on purpose: only its max is
-        # watched (NaN and +inf still reach it).
-        self.state.buf.pairs.extend((hi, hi) if site.allow_neginf else (lo, hi))
-        self.state.buf.sites.append(site)
+        buf = self.state.buf
+        if site.allow_neginf:
+            # An allow-listed module may emit -inf on purpose: only its max is
+            # watched (NaN and +inf still reach it); outside the slab.
+            _, hi = torch.aminmax(t.detach())
+            buf.pairs += (hi, hi)
+            buf.sites.append(site)
+            buf.spilled = True
+        else:
+            buf.probe(t.detach(), site)
         site.shape, site.dtype = t.shape, t.dtype
 
     def _probe_input(self, info: ModuleInfo, path: str, t: Tensor) -> None:
@@ -503,6 +542,19 @@ def _proxy_chain(
     if len(chain) < 2 or len({proxy.bias.device for proxy in chain}) != 1:
         return None
     return chain
+
+
+def _implies_its_input(module: nn.Module, info: ModuleInfo) -> bool:
+    """Whether ``module``'s probed output is non-finite whenever its input is,
+    so that probing the input too would read the same news twice.
+
+    An exact ``nn.Linear`` with outputs: each output of a row sums the whole
+    input row times the weights, and NaN or an infinity times anything (0
+    included) is non-finite, as is any sum with it (inf - inf is NaN). Not
+    when only its max is watched (allow-listed: a -inf input could come out
+    as -inf alone).
+    """
+    return type(module) is nn.Linear and module.out_features > 0 and not info.allow_neginf
 
 
 def _taking_the_root(

@@ -182,6 +182,7 @@ class Watch:
             else None
         )
         self._boundary.amp = self._amp
+        self._boundary.input_behind = self._hooks.input_behind
         self._boundary.param_behind = self._opt.param_behind if self._opt is not None else None
         self._boundary.grads_reduced = grads_reduced
         self._boundary.ddp = _install_ddp_check(model)

@@ -150,3 +150,60 @@ def test_without_an_optimizer_each_call_of_a_chain_is_still_a_step():
         for _ in range(5):
             model(torch.randn(4, 8)).sum().backward()
     assert w.step == 5 and w.host_reads == 5
+
+
+@pytest.mark.parametrize("kind", list(VALUES))
+def test_an_input_held_for_the_first_linear_is_reported_as_the_data_with_its_values(kind):
+    # The first Linear's output is non-finite whenever its input is: the input
+    # is kept, not probed, and looked at only when that output is bad.
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nand.watch(model, opt) as w:
+        for step in range(3):
+            x = torch.randn(4, 8)
+            if step == 1:
+                x[2, 3] = VALUES[kind]
+            model(x).sum().backward()
+            assert len(w._buf.held) == 1 and w._buf.held[0] is x
+            assert all(s is None or s.phase != "input" for s in w._buf.sites)
+            opt.step()
+            opt.zero_grad()
+    assert where(w.first) == (1, 0, "input", "", "data")
+    assert w.first.shape == [4, 8] and w.first.dtype == "float32"
+    # The tensor was at hand: its non-finite values are counted.
+    counts = {"nan": w.first.nan, "+inf": w.first.posinf, "-inf": w.first.neginf}
+    assert counts == {name: int(name == kind) for name in VALUES}
+    assert not w._buf.held
+
+
+def test_the_first_linear_is_blamed_for_its_own_overflow_on_finite_input():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with nand.watch(model, opt) as w:
+        for step in range(3):
+            x = torch.ones(4, 8)
+            if step == 2:
+                x *= 1e38  # finite, but summed over 8 inputs it overflows float32
+                with torch.no_grad():
+                    model[0].weight.fill_(1.0)
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert where(w.first) == (2, 0, "forward", "0", "produced")
+
+
+def test_an_allow_listed_first_linear_still_probes_the_input():
+    # Only its max is watched, so a -inf input could leave it finite-looking.
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nand.watch(model, opt, allow_nonfinite=["0"]) as w:
+        model(torch.randn(4, 8)).sum().backward()
+        assert not w._buf.held
+        assert any(s is not None and s.phase == "input" for s in w._buf.sites)
+        x = torch.randn(4, 8)
+        x[0, 0] = float("-inf")
+        opt.step()
+        opt.zero_grad()
+        model(x).sum().backward()
+        opt.step()
+    assert where(w.first) == (1, 0, "input", "", "data")
