@@ -4,7 +4,8 @@ Called from the optimizer pre-hook (before the update is applied), from the
 GradScaler wrapper on an overflow-skipped step, from the root pre-hook when
 there is no optimizer, and from ``close``. Everything here runs at most once
 per step; only :meth:`Boundary.read` touches device values, in one
-``tolist()`` of one stacked tensor.
+``tolist()`` of one gathered tensor (a slice of the probe buffer's slab, or
+a stack when the window spilled, see ``probes.ProbeBuffer``).
 """
 
 from __future__ import annotations
@@ -182,7 +183,7 @@ class Boundary:
         return "received" if self.grads_reduced else "produced"
 
     def read(self, extras: list[str]) -> tuple[list[float] | None, bool]:
-        """THE host read of the step: one stacked tensor, one ``tolist()``.
+        """THE host read of the step: one gathered tensor, one ``tolist()``.
 
         With ``agree``, the 0-d "anything non-finite here" flag is all-reduced
         (MAX) first, so every rank takes the same decision; it rides along in

@@ -62,21 +62,21 @@ each only when not implied finite: the state of ``SGD``/``Adam``/``AdamW``
 by finite gradients (``optimizer.state_follows``), their parameters (SGD
 without momentum) by a host-side bound on what one update can move
 (``optimizer.update_bound``). The host reads everything once per optimizer
-step (one ``torch.stack`` + one ``tolist``). Modules that cannot make a finite
-value non-finite (ReLU, GELU, Dropout, Softmax, ...) are not probed in forward
-(their neighbours are), nor is an inline relu/gelu/silu/tanh/sigmoid of the
-last probed output; in an exact ``nn.Sequential`` one that feeds a probed
-layer has no hook at all (an MLP has one hook per Linear). ReLU-like ones
-keep a gradient probe (their backward can hide a NaN the next module made)
-unless what consumes them has a benign backward (Linear, convolutions,
-norms). Param and optimizer-state results are
-read with the next step's boundary (or at ``close``), so a non-finite
-*update* from finite gradients is reported with its step but found one step
-later, and ``raise`` cannot prevent that one. Measured on CPU, 1 thread
-(``python benchmarks/overhead.py``): 1.29-1.31x on an MLP 64-256-256-10
-SGD step (target 1.3x, on the line: torch ops' dispatch and Python that
-runs once a step), 1.03-1.06x on a 4-layer TransformerEncoder AdamW step
-(target 1.05x); see ``benchmarks/README.md``.
+step (one ``tolist`` of the probe buffer's slab, see ``probes.ProbeBuffer``).
+Modules that cannot make a finite value non-finite (ReLU, GELU, Dropout,
+Softmax, ...) are not probed in forward (their neighbours are), nor is an
+inline relu/gelu/silu/tanh/sigmoid of the last probed output; in an exact
+``nn.Sequential`` one that feeds a probed layer has no hook at all (an MLP has
+one hook per Linear). ReLU-like ones keep a gradient probe (their backward can
+hide a NaN the next module made) unless what consumes them has a benign
+backward (Linear, convolutions, norms). Param and optimizer-state results are
+read with the next step's boundary (or at ``close``), so a non-finite *update*
+from finite gradients is reported with its step but found one step later, and
+``raise`` cannot prevent that one. Measured on CPU, 1 thread (``python
+benchmarks/overhead.py``): 1.29-1.32x on an MLP 64-256-256-10 SGD step (target
+1.3x, on the line: torch ops' dispatch and Python that runs once a step),
+1.03-1.06x on a 4-layer TransformerEncoder AdamW step (target 1.05x); see
+``benchmarks/README.md``.
 
 Limits: ``torch.compile`` — call ``nand.watch`` *before* compiling or before
 the first compiled call; hooks added later are ignored by dynamo. Tensor hooks
