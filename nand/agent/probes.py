@@ -66,8 +66,8 @@ class ProbeBuffer:
     Probes write their (min, max) straight into a preallocated float32 vector,
     the *slab*, through 0-d views of it made once (``aminmax(out=...)``): no
     two new tensors per probe, and the step's read is one slice of the slab
-    rather than a ``stack`` of every result (on CPU, stacking 20 results cost
-    more than the three probes of an MLP's forward). ``pairs`` then holds those
+    rather than a ``stack`` of every result (on CPU, stacking an MLP's 20
+    results costs about what two of its probes do). ``pairs`` then holds those
     views. A probe the slab cannot take (another dtype or device, no room
     left, under ``torch.compile``) appends results of its own; that window is
     stacked, and the slab is refitted for the next one: moved to the device of
