@@ -486,15 +486,8 @@ class Hooks:
 
     def _probe(self, site: Site, t: Tensor) -> None:
         buf = self.state.buf
-        if site.allow_neginf:
-            # An allow-listed module may emit -inf on purpose: only its max is
-            # watched (NaN and +inf still reach it); outside the slab.
-            _, hi = torch.aminmax(t.detach())
-            buf.pairs += (hi, hi)
-            buf.sites.append(site)
-            buf.spilled = True
-        else:
-            buf.probe(t.detach(), site)
+        # An allow-listed module may emit -inf on purpose: only its max is watched.
+        (buf.probe_max if site.allow_neginf else buf.probe)(t.detach(), site)
         site.shape, site.dtype = t.shape, t.dtype
 
     def _probe_input(self, info: ModuleInfo, path: str, t: Tensor) -> None:

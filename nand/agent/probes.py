@@ -91,11 +91,7 @@ class ProbeBuffer:
         #: Per micro-step, input data kept unprobed for the slow path (see
         #: ``Hooks.input_behind``); None where it was probed.
         self.held: list[Tensor | None] = []
-        self.slab = torch.empty(0)
-        self.slots: list[Tensor] = []  # the slab's elements as 0-d views
-        self.room = 0  # a probe at pairs index < room fits in the slab
-        self.device = self.slab.device
-        self._make_slab(SLAB_START, self.device)
+        self._make_slab(SLAB_START, torch.device("cpu"))
         #: Some result of this window is not in the slab: it is stacked.
         self.spilled = False
 
@@ -111,6 +107,14 @@ class ProbeBuffer:
         else:
             pairs.extend(_aminmax(t))
             self.spilled = True
+        self.sites.append(site)
+
+    def probe_max(self, t: Tensor, site: Site) -> None:
+        """Only the max of ``t``, as both figures: for a module allow-listed to
+        emit -inf on purpose (NaN and +inf still reach its max). Not in the slab."""
+        hi = _aminmax(t)[1]
+        self.pairs += (hi, hi)
+        self.spilled = True
         self.sites.append(site)
 
     def clear(self) -> None:
@@ -137,8 +141,8 @@ class ProbeBuffer:
 
     def _make_slab(self, size: int, device: torch.device) -> None:
         self.slab = torch.empty(size, device=device)
-        self.slots = list(self.slab.unbind())
-        self.room = size - 1
+        self.slots: list[Tensor] = list(self.slab.unbind())  # its elements as 0-d views
+        self.room = size - 1  # a probe at pairs index < room fits in the slab
         self.device = device
 
     def __len__(self) -> int:

@@ -179,16 +179,16 @@ def test_an_input_held_for_the_first_linear_is_reported_as_the_data_with_its_val
 def test_the_first_linear_is_blamed_for_its_own_overflow_on_finite_input():
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
+
+    def inputs(step: int) -> tuple[tuple, dict]:
+        if step < 2:
+            return (torch.ones(4, 8),), {}
+        with torch.no_grad():
+            model[0].weight.fill_(1.0)
+        return (torch.full((4, 8), 1e38),), {}  # finite; summed over 8 inputs it overflows
+
     with nand.watch(model, opt) as w:
-        for step in range(3):
-            x = torch.ones(4, 8)
-            if step == 2:
-                x *= 1e38  # finite, but summed over 8 inputs it overflows float32
-                with torch.no_grad():
-                    model[0].weight.fill_(1.0)
-            model(x).sum().backward()
-            opt.step()
-            opt.zero_grad()
+        train(model, opt, 3, inputs=inputs)
     assert where(w.first) == (2, 0, "forward", "0", "produced")
 
 
