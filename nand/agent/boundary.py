@@ -24,7 +24,13 @@ from nand.agent.identity import Identity
 from nand.agent.probes import ProbeBuffer, Site
 from nand.agent.recorder import FlightRecorder
 from nand.agent.report import build_event
-from nand.agent.step_check import Finding, StepRow, first_finding, near_limit
+from nand.agent.step_check import (
+    HEADROOM_FLOOR,
+    Finding,
+    StepRow,
+    first_finding,
+    near_limit,
+)
 from nand.events import Event
 
 log = logging.getLogger("nand")
@@ -86,8 +92,9 @@ class Boundary:
 
         ``record``: keep the step's figures in the flight recorder (not for the
         last look at ``close``, which holds parameters only). This runs once a
-        step, and a call made once a step costs several times its warm figure:
-        the healthy path is written out here rather than split up.
+        step, where each Python call costs microseconds (see
+        ``OptimizerHooks._pre``): the healthy path is written out here, the
+        read and the headroom test's fast exit included.
         """
         buf = self.buf
         self.clean = False
@@ -97,7 +104,16 @@ class Boundary:
                 self.amp is not None or self.ddp is not None or self.loss_tensor is not None
             )
             extras = self._extras() if has_extras else []
-            values, any_bad = self.read(extras)
+            # THE host read of the step: one gathered tensor, one tolist(). A
+            # GPU version would copy it non-blocking into pinned memory and
+            # read it one step late (not implemented: no GPU here).
+            if self.agree:
+                values, any_bad = self._read_agreed(extras)
+            else:
+                gathered = buf.gather()
+                values = gathered.tolist() if gathered is not None else None
+                self.reads += values is not None
+                any_bad = False
             # (Positional: keywords would build a dict for the class call, each step.)
             out = Outcome(None, any_bad, False, None, buf.sites.count(None))
             if values is None:
@@ -110,12 +126,15 @@ class Boundary:
             if record:
                 self.recorder.rows.append(row)
             out.row = row
-            if not self.warned_headroom:
-                near = near_limit(row, len(buf.pairs))
-                if near is not None:
-                    self._warn_headroom(row, *near)
-            start = len(buf.pairs)
-            self.read_norms = values[start : start + len(buf.norms)]
+            n_pairs = len(buf.pairs)
+            if n_pairs and not self.warned_headroom:
+                pairs = values[:n_pairs]
+                # (near_limit's fast exit, written out: no figure near any dtype's limit)
+                if not max(max(pairs), -min(pairs)) < HEADROOM_FLOOR:  # (NaN: look)
+                    near = near_limit(row, n_pairs)
+                    if near is not None:
+                        self._warn_headroom(row, *near)
+            self.read_norms = values[n_pairs : n_pairs + len(buf.norms)]
             # Handed over, not copied: the optimizer hooks fill a fresh one.
             self.read_spans, buf.spans = buf.spans, {}
             # Anything non-finite, extras aside. A float64 sum overflows only
@@ -182,21 +201,11 @@ class Boundary:
             return "received" if math.isfinite(local) else "produced"
         return "received" if self.grads_reduced else "produced"
 
-    def read(self, extras: list[str]) -> tuple[list[float] | None, bool]:
-        """THE host read of the step: one gathered tensor, one ``tolist()``.
-
-        With ``agree``, the 0-d "anything non-finite here" flag is all-reduced
-        (MAX) first, so every rank takes the same decision; it rides along in
-        the same read. A GPU version would copy ``gathered`` non-blocking into
-        pinned memory and read it one step late (not implemented: no GPU here).
-        """
-        gathered = self.buf.gather()
-        if not self.agree:
-            if gathered is None:
-                return None, False
-            self.reads += 1
-            return gathered.tolist(), False
-        values = self._agreed(gathered, len(extras)).tolist()
+    def _read_agreed(self, extras: list[str]) -> tuple[list[float] | None, bool]:
+        """The host read when every rank must take the same decision: the 0-d
+        "anything non-finite here" flag is all-reduced (MAX) first, and rides
+        along in the same read."""
+        values = self._agreed(self.buf.gather(), len(extras)).tolist()
         self.reads += 1
         return (values[:-1] or None), values[-1] > 0
 

@@ -201,14 +201,20 @@ class GroupRules:
             self.terms = [update_terms(self.optimizer, group) for group in groups]
 
     def bound_after(self, bound: float, grad_max: float) -> float | None:
-        """max|p| after this update (exact arithmetic) from ``bound`` before it."""
+        """max|p| after this update (exact arithmetic) from ``bound`` before it.
+
+        Runs once a step, where each Python call costs microseconds (see
+        :meth:`OptimizerHooks._pre`): :meth:`UpdateTerms.bound` and
+        :func:`_plain_number` are written out here; a test holds the two to
+        the same figures.
+        """
         after = 0.0
         for terms, group in zip(self.terms, self.optimizer.param_groups, strict=True):
             lr = group["lr"]
-            if terms is None or not _plain_number(lr):
-                return None
-            factor, shift = terms.bound(lr, grad_max)
-            grown = bound * factor + shift
+            if terms is None or not isinstance(lr, (int, float)) or not 0.0 <= lr < math.inf:
+                return None  # (a tensor lr would need a host read)
+            by_grad = terms.per_grad * grad_max if terms.per_grad else 0.0  # (0 * inf is NaN)
+            grown = bound * abs(1.0 + lr * terms.grow) + lr * (terms.fixed + by_grad)
             if grown > after:
                 after = grown
         return after
@@ -322,6 +328,13 @@ class OptimizerHooks:
             p.grad = None
 
     def _pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """The step boundary, before the update.
+
+        This runs once a step, in code the step's kernels have pushed out of
+        the caches, where each Python call costs a few microseconds (several
+        times its warm figure; see benchmarks/README.md). So the healthy path
+        is written as few calls: :meth:`add_norms`, the boundary, :meth:`_plan`.
+        """
         if self.guard.off:
             return
         self.stepped = True
@@ -346,18 +359,42 @@ class OptimizerHooks:
         """After this step's read, before its update: must the next boundary
         read what this update writes? Everything the answer depends on is known
         here (this window's norms, the hyperparameters this update uses), and
-        deciding now spares the post-hook a second visit to cold code."""
-        self._refresh()  # the parameter groups may have changed
-        self._rules.update()  # and the hyperparameters
-        clean = self.window.clean
+        deciding now spares the post-hook a second visit to cold code.
+
+        Whether the parameters are implied finite is :func:`update_bound`'s
+        question, from the norms read just before the update (``clean``: all
+        finite): the gradients, and the parameters before it when they were
+        read. Written out in one method (see :meth:`_pre`).
+        """
+        if (self._params_version, len(self.optimizer.state)) != self._collected:
+            self._refresh()  # the parameter groups or the state's keys changed
+        rules = self._rules
+        rules.update()  # the hyperparameters may have changed
+        window = self.window
+        clean = window.clean
         # The state this update writes is finite by state_follows when the
         # window (this step's gradients, and the state itself when read) was.
-        if self._state_half or not clean or not self._rules.follows:
+        if self._state_half or not clean or not rules.follows:
             self.state_trusted = False  # checked at every step until proven again
         elif state_read:
             self.state_trusted = True  # read finite, and finite gradients go in
         self._state_due = not self.state_trusted
-        self._params_due = not self._params_implied(clean)
+        norms, spans = window.read_norms, window.read_spans
+        if "param" in spans:  # read: a bound from what they were
+            start, n = spans["param"]
+            read = norms[start : start + n]
+            self._bound = max(read, default=0.0) if math.isfinite(sum(read)) else None
+        bound = None
+        if self._bound is not None and clean and self.state_trusted:
+            start, n = spans.get("grad", (0, 0))
+            grad_max = max(norms[start : start + n]) if n else 0.0
+            bound = rules.bound_after(self._bound, grad_max)
+        # Writing p - step rounds once more: a relative ulp or two of the dtype.
+        if bound is not None and bound * self._rounding < self._limit:
+            self._bound = bound * self._rounding
+        else:
+            self._bound = None  # not known: the next boundary reads them
+        self._params_due = self._bound is None
 
     def _post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """Large models: the parameters and state, right after the update wrote
@@ -388,30 +425,6 @@ class OptimizerHooks:
         self.state_trusted = self._state_due = False
         self._collected = (-1, -1)
 
-    def _params_implied(self, clean: bool) -> bool:
-        """Whether the parameters this update writes are finite by :func:`update_bound`.
-
-        From the norms read just before it (``clean``: all finite): the
-        gradients, and the parameters before the update when they were read.
-        """
-        norms, spans = self.window.read_norms, self.window.read_spans
-        if "param" in spans:  # read: a bound from what they were
-            start, n = spans["param"]
-            read = norms[start : start + n]
-            self._bound = max(read, default=0.0) if math.isfinite(sum(read)) else None
-        if self._bound is None or not (clean and self.state_trusted):
-            self._bound = None
-            return False
-        start, n = spans.get("grad", (0, 0))
-        grad_max = max(norms[start : start + n]) if n else 0.0
-        bound = self._rules.bound_after(self._bound, grad_max)
-        # Writing p - step rounds once more: a relative ulp or two of the dtype.
-        if bound is not None and bound * self._rounding < self._limit:
-            self._bound = bound * self._rounding
-        else:
-            self._bound = None
-        return self._bound is not None
-
     def param_behind(self, finding: Finding, micro: int) -> Finding | None:
         """A forward finding at a module whose own parameter is non-finite.
 
@@ -438,7 +451,10 @@ class OptimizerHooks:
 
         ``force``: the parameters even if implied finite (the last look at ``close``).
         """
-        params = self.params()
+        params = self._params
+        groups = self.optimizer.param_groups
+        if len(groups) != 1 or self._params_seen != (1, len(groups[0]["params"])):
+            params = self.params()  # several groups, or new parameters: the full check
         grads = list(map(_GRAD, params))  # (C loops: no bytecode per parameter)
         if self._grads_plain and not any(map(is_, grads, repeat(None))):
             sites = self._grad_sites  # every parameter has a plain gradient: the common case

@@ -40,7 +40,7 @@ _ACT_KINDS = frozenset({"output", "inline"})
 #: Below this max|x| no activation can be near any float dtype's limit (fp16:
 #: 65504), so the per-site headroom check is skipped.
 HEADROOM_FRACTION = 0.5
-_HEADROOM_FLOOR = HEADROOM_FRACTION * 65504.0
+HEADROOM_FLOOR = HEADROOM_FRACTION * 65504.0
 
 
 @dataclasses.dataclass(slots=True)
@@ -77,7 +77,7 @@ def near_limit(row: StepRow, n_pair_values: int) -> tuple[Site, float] | None:
     pairs = row.values[:n_pair_values]
     # Fast exit for the healthy common case (NaN makes max/min unreliable, but
     # then the detailed loop below runs, which skips non-finite figures).
-    if not pairs or max(max(pairs), -min(pairs)) < _HEADROOM_FLOOR:
+    if not pairs or max(max(pairs), -min(pairs)) < HEADROOM_FLOOR:
         return None
     for site, m in _site_maxima(row):
         dtype = site.dtype
