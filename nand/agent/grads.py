@@ -9,13 +9,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
 from torch import Tensor
+from torch.compiler import is_dynamo_compiling as is_compiling
 from torch.utils.hooks import RemovableHandle
 
 from nand.agent.probes import Site
 
 if TYPE_CHECKING:
     from nand.agent.hooks import HookState
+
+_FLOAT32, _aminmax = torch.float32, torch.aminmax
 
 
 class GradHooks:
@@ -45,9 +49,14 @@ class GradHooks:
                 guard.failed(exc, f"gradient hook of {site.module!r}")
 
         def node_hook(grad_outputs: tuple[Tensor | None, ...]) -> None:
+            # (tensor_hook's body, not a call to it: each costs microseconds in backward)
             grad = grad_outputs[0]
-            if grad is not None:
-                tensor_hook(grad)
+            if grad is None or guard.off:
+                return
+            try:
+                probe(grad, site)
+            except Exception as exc:
+                guard.failed(exc, f"gradient hook of {site.module!r}")
 
         self.tensor_hook = tensor_hook
         self.node_hook = node_hook
@@ -118,13 +127,14 @@ def read_together(state: HookState, chain: list[BiasProxy]) -> RemovableHandle:
     soon as its gradient is ready, so by then every later bias holds its own.
     Each call from the autograd engine into Python costs ~20k instructions on
     CPU (the probe itself a fraction): one per backward instead of one per
-    proxy.
+    proxy. For the same reason the probes are written out, not called.
 
     The values are read from ``.grad`` after accumulation: under gradient
     accumulation, the sum so far; a non-finite value still shows first in the
     micro-step that made it.
     """
-    probe, guard = state.buf.probe, state.guard
+    buf, guard = state.buf, state.guard
+    probe, pairs, sites = buf.probe, buf.pairs, buf.sites
     backward_order = [(proxy, proxy.bias, proxy.site) for proxy in reversed(chain)]
 
     def read(_: Tensor) -> None:
@@ -132,11 +142,23 @@ def read_together(state: HookState, chain: list[BiasProxy]) -> RemovableHandle:
             return
         micro = state.micro
         try:
+            eager = not is_compiling()  # (first: dynamo would guard on len())
             for proxy, bias, site in backward_order:
                 grad = bias.grad
                 if proxy.armed == micro and grad is not None:
                     proxy.armed = -1
-                    probe(grad, site)
+                    if (
+                        eager
+                        and (k := len(pairs)) < buf.room
+                        and grad.dtype is _FLOAT32
+                        and grad.device == buf.device
+                    ):  # ProbeBuffer.probe's slab path, written out (see Hooks._leaf_hook)
+                        into = buf.slots[k : k + 2]
+                        _aminmax(grad, out=into)
+                        pairs.extend(into)
+                        sites.append(site)
+                    else:
+                        probe(grad, site)
         except Exception as exc:
             guard.failed(exc, "gradient hook of the chain's biases")
 

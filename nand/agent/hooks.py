@@ -60,6 +60,8 @@ from nand.agent.probes import MICRO, ProbeBuffer, Site, iter_tensors
 from nand.agent.safety import Guard
 from nand.agent.step_check import Finding
 
+_FLOAT32, _aminmax = torch.float32, torch.aminmax
+
 #: Autograd nodes of elementwise ops that cannot make a finite value
 #: non-finite, when written inline (``F.relu(self.linear1(x))``); of those, the
 #: ones whose backward zeroes gradients where the input was cut.
@@ -151,13 +153,13 @@ class Hooks:
                 self.handles.append(module.register_forward_hook(self._safe_hook(info)))
             elif info.leaf:
                 trusting = module in chains.trusting
-                leaf_hook = self._leaf_hook(info, biased.get(module), trusting)
+                root_pre = None
                 if module is chains.takes_root:
                     hold = _implies_its_input(module, info)
                     if hold:
                         self._held_for = (info.output_site(""), infos[root].input_site("args[0]"))
                     root_pre = self._root_pre(infos[root], hold)
-                    leaf_hook = _taking_the_root(root, root_pre, leaf_hook)
+                leaf_hook = self._leaf_hook(info, biased.get(module), trusting, (root, root_pre))
                 self.handles.append(module.register_forward_hook(leaf_hook))
             else:
                 self.handles.append(module.register_forward_pre_hook(self._container_pre(info)))
@@ -218,20 +220,33 @@ class Hooks:
     # --- the hooks ------------------------------------------------------------
 
     def _leaf_hook(
-        self, info: ModuleInfo, proxy: BiasProxy | None, trusting: bool
+        self,
+        info: ModuleInfo,
+        proxy: BiasProxy | None,
+        trusting: bool,
+        takes_root: tuple[nn.Module, Callable[..., None] | None],
     ) -> Callable[..., None]:
         """``trusting``: the input comes straight from an unhooked
-        finite-preserving module (see ``modules.Chains``); not examined."""
-        # The hot path: everything it uses is bound here, once.
-        state, guard, probe = self.state, self.state.guard, self.state.buf.probe
+        finite-preserving module (see ``modules.Chains``); not examined.
+        ``takes_root``: (the root, its pre-hook) when this leaf does the root
+        pre-hook's work first (``modules.Chains.takes_root``), saving the
+        root a hooked call."""
+        # The hot path: everything it uses is bound here, once. Each Python
+        # call costs microseconds when the hook runs between kernels (see
+        # ``OptimizerHooks._pre``): the probe is written out, not called.
+        state, guard, buf = self.state, self.state.guard, self.state.buf
+        probe, pairs, sites = buf.probe, buf.pairs, buf.sites
         # is_dynamo_compiling: False in eager at the cost of a call (dynamo makes it True)
         is_compiling = torch.compiler.is_dynamo_compiling
         out_site = info.output_site("")
         assert out_site.backward is not None
         grad_hooks = self._grad_hook(out_site.backward)
         allow = info.allow_neginf
+        root, root_pre = takes_root
 
         def leaf_hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            if root_pre is not None:
+                root_pre(root, args, {})  # (guarded itself)
             if guard.off:
                 return
             try:
@@ -243,11 +258,23 @@ class Hooks:
                     if allow:
                         self._probe_output(out_site, output)
                     elif output.is_floating_point() and output.numel():
-                        probe(output.detach(), out_site)
+                        eager = not is_compiling()  # (first: dynamo would guard on len())
+                        if (
+                            eager
+                            and (k := len(pairs)) < buf.room
+                            and output.dtype is _FLOAT32
+                            and output.device == buf.device
+                        ):  # ProbeBuffer.probe's slab path, written out
+                            into = buf.slots[k : k + 2]
+                            _aminmax(output.detach(), out=into)
+                            pairs.extend(into)
+                            sites.append(out_site)
+                        else:
+                            probe(output.detach(), out_site)
                         out_site.shape, out_site.dtype = output.shape, output.dtype
                         if not output.requires_grad:
                             pass
-                        elif proxy is None or is_compiling() or proxy.armed == state.micro:
+                        elif proxy is None or not eager or proxy.armed == state.micro:
                             grad_hooks.attach(output)  # no proxy, or not this module's first call
                         else:
                             proxy.armed = state.micro  # the bias gradient stands for this one
@@ -548,16 +575,3 @@ def _implies_its_input(module: nn.Module, info: ModuleInfo) -> bool:
     as -inf alone).
     """
     return type(module) is nn.Linear and module.out_features > 0 and not info.allow_neginf
-
-
-def _taking_the_root(
-    root: nn.Module, root_pre: Callable[..., None], leaf_hook: Callable[..., None]
-) -> Callable[..., None]:
-    """The first child's hook, doing the root pre-hook's work first (see
-    ``modules.Chains.takes_root``): it saves the root a hooked call."""
-
-    def first_child_hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        root_pre(root, args, {})
-        leaf_hook(module, args, output)
-
-    return first_child_hook
