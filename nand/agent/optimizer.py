@@ -174,7 +174,8 @@ RULE_KEYS = ("weight_decay", "momentum", "dampening", "betas", "decoupled_weight
 class GroupRules:
     """:func:`state_follows` and :func:`update_terms` of one optimizer, derived
     again only when a hyperparameter they read changes; the learning rate,
-    which a schedule changes every step, is applied per step.
+    which a schedule changes every step, is applied per step (by
+    :meth:`OptimizerHooks._plan`, with :meth:`UpdateTerms.bound`'s formula).
 
     Changes are seen by identity (one C-level pass a step): a value that is
     replaced, even by an equal one, is derived again; a value that could change
@@ -199,25 +200,6 @@ class GroupRules:
             self._mutable = not all(map(_immutable, seen))
             self.follows = state_follows(self.optimizer)
             self.terms = [update_terms(self.optimizer, group) for group in groups]
-
-    def bound_after(self, bound: float, grad_max: float) -> float | None:
-        """max|p| after this update (exact arithmetic) from ``bound`` before it.
-
-        Runs once a step, where each Python call costs microseconds (see
-        :meth:`OptimizerHooks._pre`): :meth:`UpdateTerms.bound` and
-        :func:`_plain_number` are written out here; a test holds the two to
-        the same figures.
-        """
-        after = 0.0
-        for terms, group in zip(self.terms, self.optimizer.param_groups, strict=True):
-            lr = group["lr"]
-            if terms is None or not isinstance(lr, (int, float)) or not 0.0 <= lr < math.inf:
-                return None  # (a tensor lr would need a host read)
-            by_grad = terms.per_grad * grad_max if terms.per_grad else 0.0  # (0 * inf is NaN)
-            grown = bound * abs(1.0 + lr * terms.grow) + lr * (terms.fixed + by_grad)
-            if grown > after:
-                after = grown
-        return after
 
 
 def _immutable(value: Any) -> bool:
@@ -388,7 +370,18 @@ class OptimizerHooks:
         if self._bound is not None and clean and self.state_trusted:
             start, n = spans.get("grad", (0, 0))
             grad_max = max(norms[start : start + n]) if n else 0.0
-            bound = rules.bound_after(self._bound, grad_max)
+            # UpdateTerms.bound of each group, its largest: max|p| after this
+            # update, in exact arithmetic (written out, see _pre).
+            bound = 0.0
+            for terms, group in zip(rules.terms, self.optimizer.param_groups, strict=True):
+                lr = group["lr"]
+                if terms is None or not isinstance(lr, (int, float)) or not 0.0 <= lr < math.inf:
+                    bound = None  # (a tensor lr would need a host read)
+                    break
+                by_grad = terms.per_grad * grad_max if terms.per_grad else 0.0  # (0 * inf is NaN)
+                grown = self._bound * abs(1.0 + lr * terms.grow) + lr * (terms.fixed + by_grad)
+                if grown > bound:
+                    bound = grown
         # Writing p - step rounds once more: a relative ulp or two of the dtype.
         if bound is not None and bound * self._rounding < self._limit:
             self._bound = bound * self._rounding
