@@ -110,7 +110,14 @@ class Boundary:
             if self.agree:
                 values, any_bad = self._read_agreed(extras)
             else:
-                gathered = buf.gather()
+                n = len(buf.pairs) + len(buf.norms)
+                if not buf.spilled and not buf.extras and 0 < n <= len(buf.slots):
+                    # buf.gather's slab path, written out
+                    if buf.norms:
+                        torch._foreach_copy_(buf.slots[len(buf.pairs) : n], buf.norms)
+                    gathered: Tensor | None = buf.slab[:n]
+                else:
+                    gathered = buf.gather()
                 values = gathered.tolist() if gathered is not None else None
                 self.reads += values is not None
                 any_bad = False

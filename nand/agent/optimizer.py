@@ -186,8 +186,10 @@ class GroupRules:
         self.optimizer = optimizer
         self.follows = False
         self.terms: list[UpdateTerms | None] = []
-        self._seen: list[Any] = []
-        self._mutable = True  # nothing derived yet
+        #: The values the rules were derived from, and whether one of them
+        #: could change in place (both read by OptimizerHooks._plan's test).
+        self.seen: list[Any] = []
+        self.mutable = True  # nothing derived yet
 
     def update(self) -> None:
         groups = self.optimizer.param_groups
@@ -195,9 +197,9 @@ class GroupRules:
             seen = list(map(groups[0].get, RULE_KEYS))
         else:
             seen = [value for group in groups for value in map(group.get, RULE_KEYS)]
-        if self._mutable or len(seen) != len(self._seen) or any(map(is_not, seen, self._seen)):
-            self._seen = seen
-            self._mutable = not all(map(_immutable, seen))
+        if self.mutable or len(seen) != len(self.seen) or any(map(is_not, seen, self.seen)):
+            self.seen = seen
+            self.mutable = not all(map(_immutable, seen))
             self.follows = state_follows(self.optimizer)
             self.terms = [update_terms(self.optimizer, group) for group in groups]
 
@@ -350,8 +352,16 @@ class OptimizerHooks:
         """
         if (self._params_version, len(self.optimizer.state)) != self._collected:
             self._refresh()  # the parameter groups or the state's keys changed
-        rules = self._rules
-        rules.update()  # the hyperparameters may have changed
+        rules, groups = self._rules, self.optimizer.param_groups
+        # The hyperparameters may have changed: GroupRules.update's own test,
+        # written out for one group (see _pre).
+        if (
+            len(groups) != 1
+            or rules.mutable
+            or len(rules.seen) != len(RULE_KEYS)
+            or any(map(is_not, map(groups[0].get, RULE_KEYS), rules.seen))
+        ):
+            rules.update()
         window = self.window
         clean = window.clean
         # The state this update writes is finite by state_follows when the
@@ -373,7 +383,7 @@ class OptimizerHooks:
             # UpdateTerms.bound of each group, its largest: max|p| after this
             # update, in exact arithmetic (written out, see _pre).
             bound = 0.0
-            for terms, group in zip(rules.terms, self.optimizer.param_groups, strict=True):
+            for terms, group in zip(rules.terms, groups, strict=True):
                 lr = group["lr"]
                 if terms is None or not isinstance(lr, (int, float)) or not 0.0 <= lr < math.inf:
                     bound = None  # (a tensor lr would need a host read)
@@ -463,7 +473,12 @@ class OptimizerHooks:
                 self._take_params_and_state(grads, sites)
         self._queued = False
         try:
-            buf.add_norms(grads, sites)
+            if grads:  # buf.add_norms, written out (see _pre)
+                norms = torch._foreach_norm(grads)
+                if norms[0].dtype is torch.float64:
+                    buf.spilled = True  # (the float32 slab would round them)
+                buf.norms += norms
+                buf.norm_sites += sites
         except (NotImplementedError, RuntimeError):
             if not self._grads_plain:
                 raise

@@ -215,6 +215,20 @@ def test_a_hyperparameter_changed_mid_run_is_taken_into_account():
     assert per_step == [6, 12, 12, 18, 18]  # + the 6 momentum buffers
 
 
+def test_parameter_groups_added_and_removed_mid_run_keep_the_watch_on():
+    model = mlp()
+    first, *rest = list(model.parameters())
+    opt = torch.optim.SGD([first], lr=0.1)
+    with nand.watch(model, opt) as w:
+        train(model, opt, 3)
+        opt.add_param_group({"params": rest, "lr": 0.05})  # unfreezing the rest
+        train(model, opt, 3)
+        opt.param_groups.pop()
+        train(model, opt, 3)
+        assert not w._guard.off and w.step == 9 and w.first is None
+        assert w._opt._bound is not None  # carried again after each change
+
+
 def test_a_learning_rate_that_could_overflow_the_parameters_makes_nand_read_them():
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
