@@ -147,10 +147,10 @@ class Hooks:
             if isinstance(module, CONTAINERS) or module in chains.unhooked:
                 continue
             if module is root:
-                pre = None if chains.takes_root is not None else self._root_pre(info)
+                pre = None if chains.takes_root is not None else self._root_pre(root, info)
                 self._install_root(module, info, pre, with_hook=not chains.root_is_last_leaf)
             elif info.safe:
-                self.handles.append(module.register_forward_hook(self._safe_hook(info)))
+                self.handles.append(module.register_forward_hook(self._safe_hook(module, info)))
             elif info.leaf:
                 trusting = module in chains.trusting
                 root_pre = None
@@ -158,12 +158,18 @@ class Hooks:
                     hold = _implies_its_input(module, info)
                     if hold:
                         self._held_for = (info.output_site(""), infos[root].input_site("args[0]"))
-                    root_pre = self._root_pre(infos[root], hold)
-                leaf_hook = self._leaf_hook(info, biased.get(module), trusting, (root, root_pre))
+                    root_pre = self._root_pre(root, infos[root], hold)
+                leaf_hook = self._leaf_hook(
+                    module, info, biased.get(module), trusting, (root, root_pre)
+                )
                 self.handles.append(module.register_forward_hook(leaf_hook))
             else:
-                self.handles.append(module.register_forward_pre_hook(self._container_pre(info)))
-                self.handles.append(module.register_forward_hook(self._container_hook(info)))
+                self.handles.append(
+                    module.register_forward_pre_hook(self._container_pre(module, info))
+                )
+                self.handles.append(
+                    module.register_forward_hook(self._container_hook(module, info))
+                )
 
     def input_behind(self, finding: Finding) -> Finding | None:
         """A forward finding at the first child's output whose input was held,
@@ -215,12 +221,13 @@ class Hooks:
         if pre is not None:
             self.handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
         if with_hook:
-            self.handles.append(module.register_forward_hook(self._root_hook(info)))
+            self.handles.append(module.register_forward_hook(self._root_hook(module, info)))
 
     # --- the hooks ------------------------------------------------------------
 
     def _leaf_hook(
         self,
+        owner: nn.Module,
         info: ModuleInfo,
         proxy: BiasProxy | None,
         trusting: bool,
@@ -245,6 +252,8 @@ class Hooks:
         root, root_pre = takes_root
 
         def leaf_hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            if module is not owner:
+                return  # a copy's (deepcopy copies torch's hook dicts): not watched
             if root_pre is not None:
                 root_pre(root, args, {})  # (guarded itself)
             if guard.off:
@@ -286,14 +295,14 @@ class Hooks:
 
         return leaf_hook
 
-    def _safe_hook(self, info: ModuleInfo) -> Callable[..., None]:
+    def _safe_hook(self, owner: nn.Module, info: ModuleInfo) -> Callable[..., None]:
         state = self.state
         backward = info.output_site("").backward
         assert backward is not None
         grad_hooks = self._grad_hook(backward) if info.masking else None
 
         def safe_hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-            if state.guard.off:
+            if state.guard.off or module is not owner:  # (not a copy's: see leaf_hook)
                 return
             try:
                 if state.pending is not None:
@@ -312,11 +321,11 @@ class Hooks:
 
         return safe_hook
 
-    def _container_pre(self, info: ModuleInfo) -> Callable[..., None]:
+    def _container_pre(self, owner: nn.Module, info: ModuleInfo) -> Callable[..., None]:
         state = self.state
 
         def container_pre(module: nn.Module, args: tuple[Any, ...]) -> None:
-            if state.guard.off or not args:
+            if state.guard.off or not args or module is not owner:
                 return
             try:
                 self._check_inputs(args, None, info, module)
@@ -327,11 +336,11 @@ class Hooks:
 
         return container_pre
 
-    def _container_hook(self, info: ModuleInfo) -> Callable[..., None]:
+    def _container_hook(self, owner: nn.Module, info: ModuleInfo) -> Callable[..., None]:
         state = self.state
 
         def container_hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-            if state.guard.off:
+            if state.guard.off or module is not owner:
                 return
             try:
                 if isinstance(output, Tensor):
@@ -345,7 +354,9 @@ class Hooks:
 
         return container_hook
 
-    def _root_pre(self, info: ModuleInfo, hold: bool = False) -> Callable[..., None]:
+    def _root_pre(
+        self, owner: nn.Module, info: ModuleInfo, hold: bool = False
+    ) -> Callable[..., None]:
         """``hold``: the first child's output is non-finite whenever a plain
         tensor input is (see :func:`_implies_its_input`): that input is kept
         for :meth:`input_behind` instead of probed."""
@@ -357,7 +368,7 @@ class Hooks:
         first = info.input_site("args[0]")
 
         def root_pre(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if guard.off:
+            if guard.off or module is not owner:
                 return
             try:
                 if state.before_root is not None:
@@ -388,11 +399,11 @@ class Hooks:
 
         return root_pre
 
-    def _root_hook(self, info: ModuleInfo) -> Callable[..., None]:
+    def _root_hook(self, owner: nn.Module, info: ModuleInfo) -> Callable[..., None]:
         state = self.state
 
         def root_hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-            if state.guard.off:
+            if state.guard.off or module is not owner:
                 return
             try:
                 if state.pending is not None:  # consumed by the loss: unknown code
