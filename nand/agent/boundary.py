@@ -10,10 +10,10 @@ a stack when the window spilled, see ``probes.ProbeBuffer``).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -36,15 +36,21 @@ from nand.events import Event
 log = logging.getLogger("nand")
 
 
-@dataclasses.dataclass(slots=True)
-class Outcome:
-    """What one boundary found."""
+class Outcome(NamedTuple):
+    """What one boundary found that the caller acts on (what it read stays
+    on the boundary: ``row``, ``micro_steps``)."""
 
     event: Event | None = None  # this window's first verified non-finite entry
     any_rank_bad: bool = False  # agreed across ranks (skip/stop with a process group)
-    overflow: bool = False  # an AMP overflow step, skipped by the scaler
-    row: StepRow | None = None
-    micro_steps: int = 0  # root forward calls in the window
+    overflow: bool = False  # an AMP overflow step, skipped by the scaler (not an incident)
+
+
+#: A window with nothing to act on: the common case, one shared value.
+HEALTHY = Outcome()
+
+#: Builds a NamedTuple (Outcome, StepRow) in C: its own ``__new__`` is a
+#: Python call, microseconds a step in cold code (see ``Boundary.check``).
+_tuple_new = tuple.__new__
 
 
 class Boundary:
@@ -74,6 +80,10 @@ class Boundary:
         self.seq = 0
         self.warned_headroom = False
         self.reads = 0  # host reads done, for tests and the benchmark
+        #: What the last window read held: its figures (None: nothing read)
+        #: and its micro-steps (root forward calls).
+        self.row: StepRow | None = None
+        self.micro_steps = 0
         #: The last window read had nothing non-finite, suspects included
         #: (the optimizer hooks build on it, see ``optimizer.state_follows``).
         self.clean = False
@@ -94,7 +104,8 @@ class Boundary:
         last look at ``close``, which holds parameters only). This runs once a
         step, where each Python call costs microseconds (see
         ``OptimizerHooks._pre``): the healthy path is written out here, the
-        read and the headroom test's fast exit included.
+        read and the headroom test's fast exit included, and the step's
+        records are built without a Python constructor.
         """
         buf = self.buf
         self.clean = False
@@ -121,18 +132,21 @@ class Boundary:
                 values = gathered.tolist() if gathered is not None else None
                 self.reads += values is not None
                 any_bad = False
-            # (Positional: keywords would build a dict for the class call, each step.)
-            out = Outcome(None, any_bad, False, None, buf.sites.count(None))
+            self.micro_steps = buf.sites.count(None)
+            self.row = None
             if values is None:
-                return out
+                return Outcome(None, any_bad) if any_bad else HEALTHY
             scale = norm_scale = 1.0
+            overflow = False
             if has_extras and self.amp is not None:
-                scale, norm_scale, out.overflow = self._amp_figures(values, extras, skipped)
+                scale, norm_scale, overflow = self._amp_figures(values, extras, skipped)
             loss = values[-1] if "loss" in extras else None
-            row = StepRow(step, values, buf.sites[:], buf.norm_sites[:], scale, norm_scale, loss)
+            row = _tuple_new(
+                StepRow, (step, values, buf.sites[:], buf.norm_sites[:], scale, norm_scale, loss)
+            )
             if record:
                 self.recorder.rows.append(row)
-            out.row = row
+            self.row = row
             n_pairs = len(buf.pairs)
             if n_pairs and not self.warned_headroom:
                 pairs = values[:n_pairs]
@@ -149,9 +163,14 @@ class Boundary:
             # nothing, a false alarm that costs a look.
             n_main = len(values) - len(extras)
             self.clean = math.isfinite(sum(values[:n_main] if extras else values))
+            event = None
             if not self.clean:
-                out.event = self._finding_event(values, extras, step, prev_step, prev_micro, scale)
-            return out
+                event = self._finding_event(values, extras, step, prev_step, prev_micro, scale)
+                if overflow and event is not None and event.phase in ("input", "forward"):
+                    overflow = False  # the scaler skipped it, but the forward was bad: an incident
+            if event is None and not any_bad and not overflow:
+                return HEALTHY
+            return _tuple_new(Outcome, (event, any_bad, overflow))
         finally:
             buf.clear()
             self.loss_tensor = None

@@ -31,7 +31,6 @@ from nand.agent.sinks import JsonlSink, LogSink, server_sink
 from nand.events import Event, FlightWindow, StepSummary
 
 if TYPE_CHECKING:
-    from nand.agent.boundary import Outcome
     from nand.agent.hooks import ModuleInfo
     from nand.agent.watch import Watch
 
@@ -107,7 +106,7 @@ class Session:
     def event(self, event: Event, flight: FlightWindow | None) -> None:
         self._call("event", event, flight)
 
-    def step_done(self, watch: Watch, outcome: Outcome) -> None:
+    def step_done(self, watch: Watch) -> None:
         """Heartbeat when due, from the figures this step already read."""
         now = time.monotonic()
         if now - self._last_beat < self.heartbeat_s or not self.per_step:
@@ -115,11 +114,12 @@ class Session:
         rate = (watch.step - self._last_step) / (now - self._last_beat)
         self._last_beat, self._last_step = now, watch.step
         tele = watch.recorder.last()
+        rows = watch.recorder.rows
         amp = watch._amp
         summary = StepSummary(
             step=watch.step,
             steps_per_s=rate,
-            loss=outcome.row.loss if outcome.row else None,
+            loss=rows[-1].loss if rows else None,
             grad_norm=tele.grad_norm if tele else None,
             max_activation=tele.max_act if tele else None,
             amp_skipped=watch.amp_skipped,

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -43,8 +44,7 @@ HEADROOM_FRACTION = 0.5
 HEADROOM_FLOOR = HEADROOM_FRACTION * 65504.0
 
 
-@dataclasses.dataclass(slots=True)
-class StepRow:
+class StepRow(NamedTuple):
     """One step's raw figures, as read; the flight recorder keeps these.
 
     Turning them into per-module telemetry (:func:`telemetry`) happens only

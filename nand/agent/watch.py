@@ -106,7 +106,7 @@ from torch import Tensor, nn
 from nand import config
 from nand.agent import ddp
 from nand.agent.amp import AmpWatch
-from nand.agent.boundary import Boundary, Outcome
+from nand.agent.boundary import HEALTHY, Boundary, Outcome
 from nand.agent.hooks import Hooks, HookState
 from nand.agent.modules import module_table
 from nand.agent.names import param_names, unwrap
@@ -228,7 +228,7 @@ class Watch:
             if not self._guard.off and len(self._buf):
                 outcome = self._boundary.check(self.step, self.step - 1, self._micro, False, False)
                 self._report(outcome, beat=False)
-                if self._opt is None and outcome.micro_steps:
+                if self._opt is None and self._boundary.micro_steps:
                     self.step += 1  # without an optimizer, the last root call is a step
         except Exception as exc:
             self._guard.failed(exc, "close")
@@ -264,9 +264,10 @@ class Watch:
         outcome = None
         if not self._guard.off:
             try:
-                outcome = self._boundary.check(self.step, self.step - 1, self._micro, False)
-                if outcome.event is None and not outcome.overflow and not self.session.per_step:
-                    self._micro = outcome.micro_steps - 1 if outcome.micro_steps else 0
+                boundary = self._boundary
+                outcome = boundary.check(self.step, self.step - 1, self._micro, False)
+                if outcome is HEALTHY and not self.session.per_step:
+                    self._micro = boundary.micro_steps - 1 if boundary.micro_steps else 0
                     self._in_incident = False  # (what _report does with a healthy step)
                 else:
                     self._report(outcome)
@@ -348,10 +349,9 @@ class Watch:
 
     def _report(self, outcome: Outcome, beat: bool = True) -> None:
         """Record, log and send an incident; one message per incident, no flood."""
-        self._micro = outcome.micro_steps - 1 if outcome.micro_steps else 0
+        micro_steps = self._boundary.micro_steps
+        self._micro = micro_steps - 1 if micro_steps else 0
         event = outcome.event
-        if outcome.overflow and event is not None and event.phase in ("input", "forward"):
-            outcome.overflow = False  # the scaler skipped it, but the forward was bad: an incident
         if outcome.overflow:
             if self._amp is not None and self._amp.collapsing():
                 log.warning(
@@ -363,7 +363,7 @@ class Watch:
                 )
             return
         if beat and self.session.per_step:
-            self.session.step_done(self, outcome)
+            self.session.step_done(self)
         if event is None:
             self._in_incident = False
             return

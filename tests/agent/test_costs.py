@@ -151,7 +151,7 @@ def test_an_internal_error_is_logged_once_and_never_reaches_the_training_loop(ca
     def broken(*args: Any, **kwargs: Any) -> bool:
         raise RuntimeError("a bug inside nand")
 
-    monkeypatch.setattr(boundary, "StepRow", broken)  # made at every step
+    monkeypatch.setattr(boundary, "_tuple_new", broken)  # builds the step's records
     caplog.set_level(logging.ERROR, logger="nand")
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
