@@ -312,19 +312,45 @@ class OptimizerHooks:
             p.grad = None
 
     def _pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        """The step boundary, before the update.
+        """The step boundary, before the update: the norm launch, the
+        boundary's read and policy, the plan for the next step.
 
         This runs once a step, in code the step's kernels have pushed out of
         the caches, where each Python call costs a few microseconds (several
-        times its warm figure; see benchmarks/README.md). So the healthy path
-        is written as few calls: :meth:`add_norms`, the boundary, :meth:`_plan`.
+        times its warm figure; see benchmarks/README.md, round 7). So the
+        healthy path is written as few calls: the launch's common case is
+        written out here (:meth:`add_norms` takes the rest), then the
+        boundary and :meth:`_plan`.
         """
         if self.guard.off:
             return
         self.stepped = True
         state_read = self._state_due  # this window holds the state (see add_norms)
         try:
-            self.add_norms(with_params=self.stepped_once)
+            groups = self.optimizer.param_groups
+            grads = list(map(_GRAD, self._params))  # (C loops: no bytecode per parameter)
+            norms = None
+            if (
+                not (self._params_due or self._state_due or self._queued)
+                and self._grads_plain
+                and grads
+                and len(groups) == 1
+                and self._params_seen == (1, len(groups[0]["params"]))
+                and not any(map(is_, grads, repeat(None)))
+            ):  # the gradients alone, every one plain: ProbeBuffer.add_norms, written out
+                try:
+                    norms = torch._foreach_norm(grads)
+                except (NotImplementedError, RuntimeError):
+                    norms = None  # a sparse gradient: add_norms finds it, filters from then on
+            if norms is not None:
+                buf = self.buf
+                buf.spans["grad"] = (len(buf.norms), len(grads))
+                if norms[0].dtype is torch.float64:
+                    buf.spilled = True  # (the float32 slab would round them)
+                buf.norms += norms
+                buf.norm_sites += self._grad_sites
+            else:
+                self.add_norms(with_params=self.stepped_once)
         except Exception as exc:
             self.guard.failed(exc, "optimizer pre-step hook")
             return
@@ -452,12 +478,11 @@ class OptimizerHooks:
     def add_norms(self, with_params: bool, force: bool = False) -> None:
         """Grads, and (``with_params``) params and state when due: one foreach launch.
 
-        ``force``: the parameters even if implied finite (the last look at ``close``).
+        ``force``: the parameters even if implied finite (the last look at
+        ``close``). The common case (the gradients alone, all plain) is
+        written out in :meth:`_pre`.
         """
-        params = self._params
-        groups = self.optimizer.param_groups
-        if len(groups) != 1 or self._params_seen != (1, len(groups[0]["params"])):
-            params = self.params()  # several groups, or new parameters: the full check
+        params = self.params()
         grads = list(map(_GRAD, params))  # (C loops: no bytecode per parameter)
         if self._grads_plain and not any(map(is_, grads, repeat(None))):
             sites = self._grad_sites  # every parameter has a plain gradient: the common case
@@ -473,12 +498,7 @@ class OptimizerHooks:
                 self._take_params_and_state(grads, sites)
         self._queued = False
         try:
-            if grads:  # buf.add_norms, written out (see _pre)
-                norms = torch._foreach_norm(grads)
-                if norms[0].dtype is torch.float64:
-                    buf.spilled = True  # (the float32 slab would round them)
-                buf.norms += norms
-                buf.norm_sites += sites
+            buf.add_norms(grads, sites)
         except (NotImplementedError, RuntimeError):
             if not self._grads_plain:
                 raise
