@@ -49,7 +49,7 @@ class Outcome(NamedTuple):
 HEALTHY = Outcome()
 
 #: Builds a NamedTuple (Outcome, StepRow) in C: its own ``__new__`` is a
-#: Python call, microseconds a step in cold code (see ``Boundary.check``).
+#: Python call, several times its warm cost in cold code (see ``Boundary.check``).
 _tuple_new = tuple.__new__
 
 
@@ -102,7 +102,7 @@ class Boundary:
 
         ``record``: keep the step's figures in the flight recorder (not for the
         last look at ``close``, which holds parameters only). This runs once a
-        step, where each Python call costs microseconds (see
+        step, where a Python call costs several times its warm figure (see
         ``OptimizerHooks._pre``): the healthy path is written out here, the
         read and the headroom test's fast exit included, and the step's
         records are built without a Python constructor.

@@ -47,8 +47,8 @@ the first compiled call; tensor hooks cause graph breaks (see ``watch.py``).
 (an EMA model) carries these hooks: each returns at once when called for a
 module other than the one it was installed on.
 
-The hooks run between kernels, where each Python call costs microseconds
-(benchmarks/README.md, round 7): the hot ones write their probe out.
+The hooks run between kernels, where a Python call costs several times its
+warm figure (benchmarks/README.md, round 7): the hot ones write their probe out.
 """
 
 from __future__ import annotations
@@ -246,7 +246,7 @@ class Hooks:
         pre-hook's work first (``modules.Chains.takes_root``), saving the
         root a hooked call."""
         # The hot path: everything it uses is bound here, once. Each Python
-        # call costs microseconds when the hook runs between kernels (see
+        # call costs several times its warm figure between kernels (see
         # ``OptimizerHooks._pre``): the probe is written out, not called.
         state, guard, buf = self.state, self.state.guard, self.state.buf
         probe, pairs, sites = buf.probe, buf.pairs, buf.sites

@@ -100,7 +100,7 @@ class ProbeBuffer:
 
         The two hottest callers, ``Hooks._leaf_hook`` and
         ``grads.read_together``, write the slab path out instead of calling
-        this (a call there costs microseconds): a change here goes there too.
+        this (see ``OptimizerHooks._pre`` on calls): a change here goes there too.
         """
         pairs = self.pairs
         k = len(pairs)

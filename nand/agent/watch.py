@@ -260,7 +260,7 @@ class Watch:
         one hook call less per step, and an optimizer that raises mid-update
         is counted all the same). :meth:`_guarded_check`, :meth:`_report` and
         :meth:`_serve_session` are written out for a healthy step (see
-        ``OptimizerHooks._pre``: each call costs microseconds here)."""
+        ``OptimizerHooks._pre`` on what a call costs here)."""
         outcome = None
         if not self._guard.off:
             try:
