@@ -39,7 +39,8 @@ Attributes: ``first`` (the first :class:`nand.Event` on this rank), ``events``
 (incidents, bounded, the first always kept), ``step``, ``nonfinite_steps``,
 ``amp_skipped``, ``host_reads``; ``loss(t)`` records the loss for telemetry
 without a sync; ``flight_window()`` returns the flight recorder's window;
-``close()`` removes every hook (also on leaving the ``with`` block).
+``close()`` removes every hook, and the ``forward`` an exact ``nn.Sequential``
+root gets (``agent/sequential.py``), also on leaving the ``with`` block.
 
 One incident, one log line (``nand`` logger, WARNING), e.g.::
 

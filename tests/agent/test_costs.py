@@ -87,14 +87,16 @@ def test_hooks_never_sync_and_nand_reads_the_host_once_per_optimizer_step():
 
 
 def test_close_leaves_no_hook_behind():
-    model = nn.Sequential(mlp(), nn.TransformerEncoderLayer(4, 2, 8, batch_first=True))
+    layer = nn.TransformerEncoderLayer(4, 2, 8, batch_first=True)
+    model = nn.Sequential(mlp(), nn.Linear(4, 4), layer)
     opt = torch.optim.Adam(model.parameters())
     scaler = torch.amp.GradScaler("cpu")
     update = scaler.update
     w = nand.watch(model, opt, scaler=scaler)
+    assert "forward" in model.__dict__  # (an exact Sequential root: sequential.py)
     w.close()
     for m in model.modules():
-        assert not m._forward_hooks and not m._forward_pre_hooks
+        assert not m._forward_hooks and not m._forward_pre_hooks and "forward" not in vars(m)
         assert not m._backward_hooks and not m._forward_hooks_with_kwargs
     assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
     for p in model.parameters():  # the bias proxies' hooks
