@@ -10,14 +10,15 @@ For a child whose only hook is nand's leaf hook, that machinery does nothing
 but call ``child.forward(input)`` and then the hook with ``(child, (input,),
 output)``. :class:`SequentialForward`, set as the root's ``forward``, does
 that itself while it is exactly so; otherwise (another hook on the child, the
-child compiled on its own, under ``torch.compile`` or ``torch.jit.trace``, a
-global module hook) it calls the child as ``nn.Sequential.forward`` would.
+child compiled on its own, under ``torch.compile``, ``torch.jit.trace`` or
+``torch.fx``, a global module hook) it calls the child as
+``nn.Sequential.forward`` would.
 Nothing else changes: the same hooks run in the same order with the same
 arguments, and they stay registered on the children, so code that calls the
 children itself (``checkpoint_sequential``, a pipeline stage, a loop over
 ``model``) is checked as before.
 
-Copies and pickles of the root get ``nn.Sequential``'s own forward (see
+A deep copy of the root gets ``nn.Sequential``'s own forward (see
 :meth:`SequentialForward.__reduce__`); ``close`` removes it.
 """
 
@@ -86,8 +87,9 @@ class SequentialForward:
         return input
 
     def __reduce__(self) -> tuple[Any, ...]:
-        """A copy or pickle of the root gets ``nn.Sequential.forward``: unpickling
-        reads ``forward`` from the new root before its ``__dict__`` is filled."""
+        """A deep copy (or pickle) of the root gets ``nn.Sequential.forward``:
+        rebuilding it reads ``forward`` from the new root before its
+        ``__dict__`` is filled, which finds the class's."""
         return (getattr, (self.root, "forward"))
 
     def install(self) -> bool:
@@ -98,7 +100,9 @@ class SequentialForward:
         return True
 
     def remove(self) -> None:
-        """(A shallow copy of the root may still hold this object: with nand's
-        hooks gone from the children, it calls each of them as usual.)"""
+        """Give the root its own forward back. A shallow copy of the root may
+        still hold this object: it then calls each child as usual, and keeps
+        nothing of the watch alive."""
+        self.hooks = {}
         if self.root.__dict__.get("forward") is self:
             del self.root.__dict__["forward"]

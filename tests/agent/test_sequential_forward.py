@@ -145,6 +145,7 @@ def test_close_restores_the_forward_and_a_shallow_copy_goes_plain():
     shallow = copy.copy(model)  # shares the children and the forward object
     w.close()
     assert "forward" not in model.__dict__
+    assert shallow.__dict__["forward"].hooks == {}  # nothing of the watch kept alive
     calls: list[str] = []
     for name, child in model.named_children():
         child.register_forward_pre_hook(lambda *args, name=name: calls.append(name))
