@@ -187,9 +187,9 @@ class Hooks:
                     module.register_forward_hook(self._container_hook(module, info))
                 )
         if type(root) is nn.Sequential:
-            children = set(root._modules.values())
+            children = root._modules.values()
             forward = SequentialForward(
-                root, {m: hooked for m, hooked in leaf_hooks.items() if m in children}
+                root, {m: leaf_hooks[m] for m in children if m in leaf_hooks}
             )
             if forward.hooks and forward.install():
                 self._sequential = forward

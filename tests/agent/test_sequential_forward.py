@@ -3,7 +3,7 @@
 ``sequential.SequentialForward`` skips ``Module.__call__``'s hook machinery
 for a child whose only hook is nand's. It must change nothing a user can
 see: the same findings, every other hook run, children added later called,
-copies and pickles plain, nothing left behind by ``close``.
+a deep copy plain, nothing left behind by ``close``.
 """
 
 from __future__ import annotations
