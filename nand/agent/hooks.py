@@ -46,9 +46,11 @@ Per module call:
 Under ``torch.compile`` these hooks are inlined when they are registered before
 the first compiled call; tensor hooks cause graph breaks (see ``watch.py``).
 
-``copy.deepcopy`` copies torch's hook dicts, so a copy of a watched model
-(an EMA model) carries these hooks: each returns at once when called for a
-module other than the one it was installed on.
+Torch keeps these hooks in the modules' ``__dict__``: ``copy.deepcopy`` (an
+EMA model) and ``torch.save`` of a watched model copy them. Each is handed
+to torch as a :class:`SavableHook`, which copies as a no-op. A shallow copy
+shares the hook dicts themselves: each hook returns at once when called
+for a module other than the one it was installed on.
 
 The hooks run between kernels, where a Python call costs several times its
 warm figure (benchmarks/README.md, round 7): the hot ones write their probe out.
@@ -56,7 +58,9 @@ warm figure (benchmarks/README.md, round 7): the hot ones write their probe out.
 
 from __future__ import annotations
 
+import functools
 import math
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -108,6 +112,30 @@ def _finite_op_of(
     if len(nexts) != 1 or nexts[0][0] is not last.grad_fn or nexts[0][1] != last.output_nr:
         return None
     return name
+
+
+#: What a hook of nand's becomes in a pickle or a deep copy (see SavableHook).
+DORMANT_EVENT = "nand.hook: the model was copied or saved from a nand.watch; this hook does nothing"
+
+
+class SavableHook(functools.partial):
+    """A module hook as nand hands it to torch: called like the function it
+    wraps (a C call, no Python frame more), and a no-op once pickled or
+    deep-copied.
+
+    Torch keeps module hooks in the module's ``__dict__``, so
+    ``torch.save(model)`` and ``copy.deepcopy(model)`` take them along, and a
+    closure does not pickle. The copy gets ``partial(sys.audit, ...)``
+    instead: it takes any arguments and returns None (a forward hook's "leave
+    the output alone"), needs only the standard library to load, and tells
+    only an audit hook, if one is installed, that it was called. A parameter's
+    hooks torch does not save at all.
+    """
+
+    __slots__ = ()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (functools.partial, (sys.audit, DORMANT_EVENT))
 
 
 class HookState:
@@ -164,7 +192,9 @@ class Hooks:
                 pre = None if chains.takes_root is not None else self._root_pre(root, info)
                 self._install_root(module, info, pre, with_hook=not chains.root_is_last_leaf)
             elif info.safe:
-                self.handles.append(module.register_forward_hook(self._safe_hook(module, info)))
+                self.handles.append(
+                    module.register_forward_hook(SavableHook(self._safe_hook(module, info)))
+                )
             elif info.leaf:
                 trusting = module in chains.trusting
                 root_pre = None
@@ -176,15 +206,15 @@ class Hooks:
                 leaf_hook = self._leaf_hook(
                     module, info, biased.get(module), trusting, (root, root_pre)
                 )
-                handle = module.register_forward_hook(leaf_hook)
+                handle = module.register_forward_hook(SavableHook(leaf_hook))
                 self.handles.append(handle)
                 leaf_hooks[module] = (leaf_hook, handle.id)
             else:
                 self.handles.append(
-                    module.register_forward_pre_hook(self._container_pre(module, info))
+                    module.register_forward_pre_hook(SavableHook(self._container_pre(module, info)))
                 )
                 self.handles.append(
-                    module.register_forward_hook(self._container_hook(module, info))
+                    module.register_forward_hook(SavableHook(self._container_hook(module, info)))
                 )
         if type(root) is nn.Sequential:
             children = root._modules.values()
@@ -245,9 +275,13 @@ class Hooks:
         with_hook: bool,
     ) -> None:
         if pre is not None:
-            self.handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+            self.handles.append(
+                module.register_forward_pre_hook(SavableHook(pre), with_kwargs=True)
+            )
         if with_hook:
-            self.handles.append(module.register_forward_hook(self._root_hook(module, info)))
+            self.handles.append(
+                module.register_forward_hook(SavableHook(self._root_hook(module, info)))
+            )
 
     # --- the hooks ------------------------------------------------------------
 
@@ -279,7 +313,7 @@ class Hooks:
 
         def leaf_hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
             if module is not owner:
-                return  # a copy's (deepcopy copies torch's hook dicts): not watched
+                return  # a shallow copy's (it shares torch's hook dicts): not watched
             if root_pre is not None:
                 root_pre(root, args, {})  # (guarded itself)
             if guard.off:

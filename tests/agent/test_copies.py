@@ -1,8 +1,9 @@
 """A copy of a watched model (``copy.deepcopy``: an EMA model, say) is not watched.
 
-``deepcopy`` copies torch's hook dictionaries, and with them nand's hooks: a
-copy would otherwise report into the original's watch (its probes landing in
-the training window, its forward counted as a micro-step).
+``deepcopy`` copies torch's hook dictionaries, and with them nand's hooks
+(as no-ops, see ``hooks.SavableHook``): a copy must not report into the
+original's watch (its probes landing in the training window, its forward
+counted as a micro-step).
 """
 
 from __future__ import annotations
@@ -74,3 +75,16 @@ def test_a_copy_can_be_watched_on_its_own():
             train(twin, twin_opt, 3, before=arm_at(twin[3], step=1, value=float("nan")))
     assert w.first is None
     assert w_twin.first is not None and where(w_twin.first)[:3] == (1, 0, "forward")
+
+
+def test_a_shallow_copy_shares_the_hooks_and_reports_nothing():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with nand.watch(model, opt, log_events=False) as w:
+        train(model, opt, 1)
+        layer = copy.copy(model[2])  # shares torch's hook dicts with model[2]
+        assert layer._forward_hooks is model[2]._forward_hooks
+        with torch.no_grad():
+            assert torch.isnan(layer(torch.full((4, 16), float("nan")))).all()
+        train(model, opt, 2)
+    assert w.first is None and w.nonfinite_steps == 0
