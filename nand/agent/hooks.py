@@ -192,9 +192,7 @@ class Hooks:
                 pre = None if chains.takes_root is not None else self._root_pre(root, info)
                 self._install_root(module, info, pre, with_hook=not chains.root_is_last_leaf)
             elif info.safe:
-                self.handles.append(
-                    module.register_forward_hook(SavableHook(self._safe_hook(module, info)))
-                )
+                self._hook(module.register_forward_hook, self._safe_hook(module, info))
             elif info.leaf:
                 trusting = module in chains.trusting
                 root_pre = None
@@ -206,16 +204,11 @@ class Hooks:
                 leaf_hook = self._leaf_hook(
                     module, info, biased.get(module), trusting, (root, root_pre)
                 )
-                handle = module.register_forward_hook(SavableHook(leaf_hook))
-                self.handles.append(handle)
+                handle = self._hook(module.register_forward_hook, leaf_hook)
                 leaf_hooks[module] = (leaf_hook, handle.id)
             else:
-                self.handles.append(
-                    module.register_forward_pre_hook(SavableHook(self._container_pre(module, info)))
-                )
-                self.handles.append(
-                    module.register_forward_hook(SavableHook(self._container_hook(module, info)))
-                )
+                self._hook(module.register_forward_pre_hook, self._container_pre(module, info))
+                self._hook(module.register_forward_hook, self._container_hook(module, info))
         if type(root) is nn.Sequential:
             children = root._modules.values()
             forward = SequentialForward(
@@ -275,13 +268,18 @@ class Hooks:
         with_hook: bool,
     ) -> None:
         if pre is not None:
-            self.handles.append(
-                module.register_forward_pre_hook(SavableHook(pre), with_kwargs=True)
-            )
+            self._hook(module.register_forward_pre_hook, pre, with_kwargs=True)
         if with_hook:
-            self.handles.append(
-                module.register_forward_hook(SavableHook(self._root_hook(module, info)))
-            )
+            self._hook(module.register_forward_hook, self._root_hook(module, info))
+
+    def _hook(
+        self, register: Callable[..., RemovableHandle], hook: Callable[..., None], **options: bool
+    ) -> RemovableHandle:
+        """Register a module hook of nand's: as a :class:`SavableHook` (a saved or
+        copied model takes it along), its handle kept for :meth:`remove`."""
+        handle = register(SavableHook(hook), **options)
+        self.handles.append(handle)
+        return handle
 
     # --- the hooks ------------------------------------------------------------
 
