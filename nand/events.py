@@ -121,8 +121,9 @@ class Event:
             kwargs["shape"] = list(kwargs["shape"])
         return cls(**kwargs)
 
-    def describe(self) -> str:
-        """A sentence a person can act on, e.g. for the log."""
+    def describe(self, shape: str | None = None) -> str:
+        """A sentence a person can act on, e.g. for the log. ``shape``: what to
+        say instead of the shape (one that was not recorded)."""
         where = self.module or "<root>"
         if self.module_type:
             where = f"{where} ({self.module_type})"
@@ -134,7 +135,7 @@ class Event:
             "received": "was received through a collective",
         }.get(self.cause, self.cause)
         step = f"step {self.step}" + (f".{self.micro_step}" if self.micro_step else "")
-        shape = "x".join(str(d) for d in self.shape) or "scalar"
+        shape = shape or "x".join(str(d) for d in self.shape) or "scalar"
         return (
             f"rank {self.rank}: {kinds} in {self.phase} of {where} at {step} "
             f"[{shape} {self.dtype}]; it {how}"

@@ -10,10 +10,17 @@ counted, and a warning is logged only when the scale keeps collapsing.
 wrapper is removed by ``close``): when ``update`` runs and the optimizer's
 pre-hook did not, the step was skipped, and the step boundary runs from here.
 Reported gradient figures are divided by the scale that was in effect.
+
+Nobody needs to tell nand which scaler is in use: Lightning
+(``precision="16-mixed"``), HF ``Trainer`` (``fp16=True``) and accelerate
+create their own. While a watch with an optimizer is open, ``GradScaler.step``
+is wrapped on the class (:func:`listen`): when a scaler steps a watched
+optimizer, that watch adopts it, before the scaler unscales or steps anything.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -91,3 +98,40 @@ class AmpWatch:
         if not self.stepped():
             self.skipped_step()
         self._update(new_scale)
+
+
+#: The class whose ``step`` meets the optimizer (torch.cuda.amp's subclasses it).
+_SCALER_CLASS: Any = torch.amp.GradScaler
+#: id(optimizer) -> the watch's "a scaler steps my optimizer" method, held weakly.
+_listeners: dict[int, weakref.WeakMethod[Callable[[Any], None]]] = {}
+_original_step: Any = None
+
+
+def listen(optimizer: Any, adopt: Callable[[Any], None]) -> Callable[[], None]:
+    """Call ``adopt(scaler)`` whenever a GradScaler steps ``optimizer``; returns
+    the function that stops listening (the wrap comes off with the last one)."""
+    global _original_step
+    if _original_step is None:
+        _original_step = _SCALER_CLASS.step
+        _SCALER_CLASS.step = _scaler_step
+    key = id(optimizer)
+    _listeners[key] = weakref.WeakMethod(adopt)
+
+    def unlisten() -> None:
+        global _original_step
+        _listeners.pop(key, None)
+        if not _listeners and _original_step is not None:
+            if _SCALER_CLASS.__dict__.get("step") is _scaler_step:
+                _SCALER_CLASS.step = _original_step
+            _original_step = None
+
+    return unlisten
+
+
+def _scaler_step(self: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+    """``GradScaler.step`` while a watch listens: tell it, then step as usual."""
+    reference = _listeners.get(id(optimizer))
+    adopt = reference() if reference is not None else None
+    if adopt is not None:
+        adopt(self)  # guarded by the watch: never raises into the loop
+    return _original_step(self, optimizer, *args, **kwargs)

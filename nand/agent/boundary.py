@@ -19,16 +19,19 @@ import torch
 from torch import Tensor
 
 from nand.agent.amp import AmpWatch
+from nand.agent.compiled import CompiledSlots
 from nand.agent.ddp import LocalGradCheck
 from nand.agent.identity import Identity
 from nand.agent.probes import ProbeBuffer, Site
 from nand.agent.recorder import FlightRecorder
 from nand.agent.report import build_event
 from nand.agent.step_check import (
+    COMPILED_NOTE,
     HEADROOM_FLOOR,
     Finding,
     StepRow,
     first_finding,
+    gradient_frontier,
     near_limit,
 )
 from nand.events import Event
@@ -72,6 +75,8 @@ class Boundary:
         self.root_type = root_type
         self.agree = agree  # all-reduce the flag (policy skip/stop, torch.distributed up)
         self.amp: AmpWatch | None = None
+        #: Probes taken under torch.compile (see compiled.py).
+        self.slots: CompiledSlots | None = None
         #: DDP: this rank's gradients checked before the all-reduce (see ddp.py).
         self.ddp: LocalGradCheck | None = None
         #: A wrapper (DDP, FSDP) averages gradients across ranks.
@@ -96,12 +101,20 @@ class Boundary:
         self.param_behind: Callable[[Finding, int], Finding | None] | None = None
 
     def check(
-        self, step: int, prev_step: int, prev_micro: int, skipped: bool, record: bool = True
+        self,
+        step: int,
+        prev_step: int,
+        prev_micro: int,
+        skipped: bool,
+        record: bool = True,
+        micro_base: int = 0,
     ) -> Outcome:
         """Read the window and analyse it; the buffer is cleared afterwards.
 
         ``record``: keep the step's figures in the flight recorder (not for the
-        last look at ``close``, which holds parameters only). This runs once a
+        last look at ``close``, which holds parameters only). ``micro_base``:
+        the first micro-step of this window within ``step`` (a closure
+        evaluated again in the same step). This runs once a
         step, where a Python call costs several times its warm figure (see
         ``OptimizerHooks._pre``): the healthy path is written out here, the
         read and the headroom test's fast exit included, and the step's
@@ -115,6 +128,8 @@ class Boundary:
                 self.amp is not None or self.ddp is not None or self.loss_tensor is not None
             )
             extras = self._extras() if has_extras else []
+            if self.slots is not None and self.slots.active:
+                self._take_slots()
             # THE host read of the step: one gathered tensor, one tolist(). A
             # GPU version would copy it non-blocking into pinned memory and
             # read it one step late (not implemented: no GPU here).
@@ -122,7 +137,12 @@ class Boundary:
                 values, any_bad = self._read_agreed(extras)
             else:
                 n = len(buf.pairs) + len(buf.norms)
-                if not buf.spilled and not buf.extras and 0 < n <= len(buf.slots):
+                if (
+                    not buf.spilled
+                    and not buf.extras
+                    and buf.slotted is None
+                    and 0 < n <= len(buf.slots)
+                ):
                     # buf.gather's slab path, written out
                     if buf.norms:
                         torch._foreach_copy_(buf.slots[len(buf.pairs) : n], buf.norms)
@@ -147,7 +167,7 @@ class Boundary:
             if record:
                 self.recorder.rows.append(row)
             self.row = row
-            n_pairs = len(buf.pairs)
+            n_pairs = len(buf.pairs) + (len(buf.slotted) if buf.slotted is not None else 0)
             if n_pairs and not self.warned_headroom:
                 pairs = values[:n_pairs]
                 # (near_limit's fast exit, written out: no figure near any dtype's limit)
@@ -165,7 +185,9 @@ class Boundary:
             self.clean = math.isfinite(sum(values[:n_main] if extras else values))
             event = None
             if not self.clean:
-                event = self._finding_event(values, extras, step, prev_step, prev_micro, scale)
+                event = self._finding_event(
+                    values, extras, step, prev_step, prev_micro, scale, micro_base
+                )
                 if overflow and event is not None and event.phase in ("input", "forward"):
                     overflow = False  # the scaler skipped it, but the forward was bad: an incident
             if event is None and not any_bad and not overflow:
@@ -183,19 +205,31 @@ class Boundary:
         prev_step: int,
         prev_micro: int,
         scale: float,
+        micro_base: int,
     ) -> Event | None:
         """The slow path: the window's first verified non-finite entry, as an event."""
         grad_cause = self._grad_cause(values, extras)
-        finding = first_finding(self.buf, values, grad_cause, prev_micro)
+        finding = first_finding(self.buf, values, grad_cause, prev_micro, micro_base)
         if finding is not None and finding.phase == "forward" and self.input_behind:
             finding = self.input_behind(finding) or finding
         if finding is not None and finding.phase == "forward" and self.param_behind:
             finding = self.param_behind(finding, prev_micro) or finding
         if finding is None:
             return None
+        if self.buf.slotted is not None:  # probed under torch.compile (see compiled.py)
+            if finding.phase == "grad" and finding.cause == "produced":
+                finding = gradient_frontier(self.buf, values, finding)
+            finding.note = finding.note or COMPILED_NOTE
         at = prev_step if finding.phase in ("param", "optimizer_state") else step
         self.seq += 1
         return build_event(finding, self.who, at, self.seq, scale, self.root_type)
+
+    def _take_slots(self) -> None:
+        """The compiled slots' pairs join this window, after its own probes."""
+        assert self.slots is not None
+        sites, values = self.slots.take()
+        self.buf.sites.extend(sites)
+        self.buf.slotted = values
 
     def _extras(self) -> list[str]:
         names = []

@@ -22,14 +22,18 @@ register yours first. ``NAND_DDP_LOCAL_CHECK=0`` turns the check off.
 # No ``from __future__ import annotations`` here: DDP inspects the hook's
 # annotations at run time and wants real types, not strings.
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.utils.hooks import RemovableHandle
 
 from nand import config
+from nand.agent.names import unwrap
 
 log = logging.getLogger("nand")
 
@@ -73,6 +77,29 @@ def install(model: Any) -> LocalGradCheck | None:
     check = LocalGradCheck()
     model.register_comm_hook(model.process_group, check.hook)
     return check
+
+
+def find_wrapper(root: nn.Module, found: Callable[[nn.Module], None]) -> RemovableHandle:
+    """Call ``found(wrapper)`` when a module that wraps ``root`` (DDP, FSDP1,
+    compile; see ``names.unwrap``) is called; stop looking once one is, or
+    once ``root`` is called on its own. Returns the handle that stops it.
+
+    A global forward pre-hook, so every module call takes torch's slow path
+    while it is there: until the first forward, or the caller's first step.
+    """
+    handle: RemovableHandle | None = None
+
+    def look(module: nn.Module, args: Any) -> None:
+        if module is root:
+            assert handle is not None
+            handle.remove()  # called on its own: nothing wraps it
+        elif unwrap(module) == (root, True):
+            assert handle is not None
+            handle.remove()
+            found(module)
+
+    handle = register_module_forward_pre_hook(look)
+    return handle
 
 
 def grads_are_reduced(model: Any) -> bool:

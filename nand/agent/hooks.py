@@ -68,8 +68,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from nand.agent.compiled import CompiledSlots
 from nand.agent.grads import BiasProxy, GradHooks, read_together
-from nand.agent.modules import CONTAINERS, Chains, ModuleInfo, proxy_bias
+from nand.agent.modules import CONTAINERS, Chains, ModuleInfo, proxy_bias, runs_as
 from nand.agent.probes import MICRO, ProbeBuffer, Site, iter_tensors
 from nand.agent.safety import Guard
 from nand.agent.sequential import SequentialForward
@@ -146,11 +147,16 @@ class HookState:
     :meth:`Hooks._settle`).
     """
 
-    __slots__ = ("before_root", "buf", "guard", "last", "micro", "pending", "window_full")
+    __slots__ = (
+        "before_root", "buf", "external_batches", "guard", "last", "micro", "pending", "slots",
+        "window_full",
+    )  # fmt: skip
 
-    def __init__(self, buf: ProbeBuffer, guard: Guard) -> None:
+    def __init__(self, buf: ProbeBuffer, guard: Guard, slots: CompiledSlots) -> None:
         self.buf = buf
         self.guard = guard
+        #: Where probes go once any hook ran under torch.compile (see compiled.py).
+        self.slots = slots
         self.last: Tensor | None = None
         self.pending: tuple[Tensor, GradHooks] | None = None
         self.micro = 0  # root forward calls so far (not counted under torch.compile)
@@ -158,6 +164,8 @@ class HookState:
         self.before_root: Callable[[], None] | None = None
         #: The buffer passed :data:`MAX_WINDOW` entries: read it now.
         self.window_full: Callable[[], None] | None = None
+        #: Micro-steps are marked by ``Watch.new_batch``, not by root calls.
+        self.external_batches = False
 
 
 class Hooks:
@@ -308,6 +316,7 @@ class Hooks:
         grad_hooks = self._grad_hook(out_site.backward)
         allow = info.allow_neginf
         root, root_pre = takes_root
+        slots = state.slots
 
         def leaf_hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
             if module is not owner:
@@ -317,6 +326,9 @@ class Hooks:
             if guard.off:
                 return
             try:
+                if is_compiling() or slots.active:  # (is_compiling first: no guard on active)
+                    self._slotted(info, output)
+                    return
                 if state.pending is not None:
                     self._settle(info, args)
                 if not trusting and args and (len(args) > 1 or args[0] is not state.last):
@@ -358,10 +370,13 @@ class Hooks:
         backward = info.output_site("").backward
         assert backward is not None
         grad_hooks = self._grad_hook(backward) if info.masking else None
+        out_site = info.output_site("")  # not probed: its shape is for the gradient's event
 
         def safe_hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
             if state.guard.off or module is not owner:  # (not a copy's: see leaf_hook)
                 return
+            if torch.compiler.is_dynamo_compiling() or state.slots.active:
+                return  # slot mode: finite-preserving modules are not probed, nor tracked
             try:
                 if state.pending is not None:
                     self._settle(info, args)
@@ -373,6 +388,7 @@ class Hooks:
                         # pending here is this module's input, cut at the same
                         # places: this output's probe supersedes it.
                         state.pending = (output, grad_hooks)
+                        out_site.shape, out_site.dtype = output.shape, output.dtype
                     state.last = output
             except Exception as exc:
                 state.guard.failed(exc, f"forward hook of {info.name!r}")
@@ -385,6 +401,8 @@ class Hooks:
         def container_pre(module: nn.Module, args: tuple[Any, ...]) -> None:
             if state.guard.off or not args or module is not owner:
                 return
+            if torch.compiler.is_dynamo_compiling() or state.slots.active:
+                return  # slot mode: no inline check (see compiled.py)
             try:
                 self._check_inputs(args, None, info, module)
                 if isinstance(args[0], Tensor):
@@ -401,6 +419,9 @@ class Hooks:
             if state.guard.off or module is not owner:
                 return
             try:
+                if torch.compiler.is_dynamo_compiling() or state.slots.active:
+                    self._slotted(info, output)
+                    return
                 if isinstance(output, Tensor):
                     if output is not state.last:
                         self._probe_output(info.output_site(""), output)
@@ -419,7 +440,7 @@ class Hooks:
         tensor input is (see :func:`_implies_its_input`): that input is kept
         for :meth:`input_behind` instead of probed."""
         state, guard, buf = self.state, self.state.guard, self.state.buf
-        probe, sites = buf.probe, buf.sites
+        probe = buf.probe
         held = buf.held if hold else None
         # is_dynamo_compiling: False in eager at the cost of a call (dynamo makes it True)
         is_compiling = torch.compiler.is_dynamo_compiling
@@ -429,14 +450,14 @@ class Hooks:
             if guard.off or module is not owner:
                 return
             try:
-                if state.before_root is not None:
-                    state.before_root()
-                elif len(sites) > MAX_WINDOW and state.window_full is not None:
-                    state.window_full()
-                sites.append(MICRO)
-                state.last = state.pending = None
-                if not is_compiling():  # an int read there is guarded on
-                    state.micro += 1
+                if is_compiling():  # slot mode, and no step boundary from compiled code
+                    self._slotted_inputs(info, args, kwargs)
+                    return
+                if not state.external_batches:
+                    self._new_micro_step()
+                if state.slots.active:
+                    self._slotted_inputs(info, args, kwargs)
+                    return
                 if not kwargs and len(args) == 1 and isinstance(args[0], Tensor):
                     x = args[0]  # the common case, without walking structures
                     if held is not None:
@@ -451,7 +472,7 @@ class Hooks:
                 if held is not None:
                     held.append(None)  # probed below
                 for path, t in iter_tensors((args, kwargs)):
-                    self._probe_input(info, path, t)
+                    self._probe_input(info, _input_slot(path), t)
             except Exception as exc:
                 guard.failed(exc, "forward pre-hook of the root module")
 
@@ -464,6 +485,9 @@ class Hooks:
             if state.guard.off or module is not owner:
                 return
             try:
+                if torch.compiler.is_dynamo_compiling() or state.slots.active:
+                    self._slotted(info, output)
+                    return
                 if state.pending is not None:  # consumed by the loss: unknown code
                     self._settle(None, ())
                 if output is state.last:  # Sequential-like: the last child's output
@@ -484,6 +508,51 @@ class Hooks:
                 state.guard.failed(exc, "forward hook of the root module")
 
         return root_hook
+
+    # --- slot mode (a hook ran under torch.compile: see compiled.py) ------------
+
+    def _slotted(self, info: ModuleInfo, output: Any) -> None:
+        """Probe every float tensor of ``output`` into its slot (forward only)."""
+        for name, t in iter_tensors(output):
+            self.state.slots.record(t, info, False, name)
+
+    def _slotted_inputs(self, info: ModuleInfo, args: Any, kwargs: Any) -> None:
+        for path, t in iter_tensors((args, kwargs)):
+            self.state.slots.record(t, info, True, _input_slot(path))
+
+    # --- micro-steps -----------------------------------------------------------
+
+    def _new_micro_step(self) -> None:
+        """A root call (or a batch, see :meth:`new_batch`) starts a micro-step:
+        the step before ends first when there is no optimizer."""
+        state = self.state
+        if state.before_root is not None:
+            state.before_root()
+        elif len(state.buf.sites) > MAX_WINDOW and state.window_full is not None:
+            state.window_full()
+        if not state.slots.active:  # (slots fold a window's micro-steps)
+            state.buf.sites.append(MICRO)
+        state.last = state.pending = None
+        state.micro += 1
+
+    def new_batch(self, root: ModuleInfo, batch: Any) -> None:
+        """A batch arrives where the root's forward is not what takes it
+        (Lightning's ``training_step``): it starts the micro-step and is
+        checked as the input data. From then on root calls mark nothing."""
+        state = self.state
+        if state.guard.off:
+            return
+        try:
+            state.external_batches = True
+            self._new_micro_step()
+            for path, t in iter_tensors(batch):
+                name = "batch" + (path if path.startswith("[") or not path else "." + path)
+                if state.slots.active:
+                    state.slots.record(t, root, True, name)
+                else:
+                    self._probe_input(root, name, t)
+        except Exception as exc:
+            state.guard.failed(exc, "the batch check")
 
     # --- helpers (called from the hooks) ---------------------------------------
 
@@ -586,11 +655,9 @@ class Hooks:
         (buf.probe_max if site.allow_neginf else buf.probe)(t.detach(), site)
         site.shape, site.dtype = t.shape, t.dtype
 
-    def _probe_input(self, info: ModuleInfo, path: str, t: Tensor) -> None:
+    def _probe_input(self, info: ModuleInfo, slot: str, t: Tensor) -> None:
         if not t.is_floating_point() or not t.numel():
             return
-        # path is "[0][i]..." for positional, "[1].name..." for keyword args
-        slot = path[3:] if path.startswith("[1].") else "args" + path[3:]
         self._probe(info.input_site(slot), t)
         if self.state.last is None:
             self.state.last = t
@@ -602,6 +669,15 @@ class Hooks:
             hooks = GradHooks(self.state, site)
             self._grad_hooks[id(site)] = hooks
         return hooks
+
+
+def _input_slot(path: str) -> str:
+    """The name of a root input slot: ``args[0]``, ``.input_ids``, ``.batch.x``...
+
+    ``path`` comes from :func:`iter_tensors` over ``(args, kwargs)``: ``[0][i]...``
+    for positional arguments, ``[1].name...`` for keyword ones.
+    """
+    return path[3:] if path.startswith("[1].") else "args" + path[3:]
 
 
 def _proxy_chain(
@@ -643,4 +719,9 @@ def _implies_its_input(module: nn.Module, info: ModuleInfo) -> bool:
     when only its max is watched (allow-listed: a -inf input could come out
     as -inf alone).
     """
-    return type(module) is nn.Linear and module.out_features > 0 and not info.allow_neginf
+    return (
+        type(module) is nn.Linear
+        and runs_as(module, (nn.Linear,))
+        and module.out_features > 0
+        and not info.allow_neginf
+    )

@@ -47,7 +47,7 @@ def resolve_identity(run: str | None = None) -> Identity:
     """Who this process is; ``run`` (e.g. ``nand.watch(run=...)``) wins over the rest."""
     rank, local_rank, world_size = _rank_and_world()
     return Identity(
-        run=run or _run_id_from_env() or _agreed_run_id(),
+        run=run or run_id_from_env() or _agreed_run_id(),
         rank=rank,
         local_rank=local_rank,
         world_size=world_size,
@@ -85,7 +85,8 @@ def _initialised_dist() -> Any:
     return None
 
 
-def _run_id_from_env() -> str | None:
+def run_id_from_env() -> str | None:
+    """The run id the environment gives (NAND_RUN, the launcher's), if any."""
     explicit = config.get_str(config.NAND_RUN)
     if explicit:
         return explicit

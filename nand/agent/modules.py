@@ -64,6 +64,22 @@ BIAS_IS_OUTPUT_SUM = frozenset(
 )  # fmt: skip
 
 
+def runs_as(module: nn.Module, kinds: tuple[type[nn.Module], ...]) -> bool:
+    """Whether a call of ``module`` computes exactly what one of ``kinds``' forward does.
+
+    The shortcuts nand takes (not probing a ReLU, reading a Linear's output
+    gradient from its bias) are facts about a type's ``forward``. A module
+    can do more when called: a subclass that overrides ``forward``, a
+    ``forward`` set on the instance (a wrapper, a patch), or forward hooks
+    and pre-hooks of someone else's, registered before nand's, that change
+    what goes in or comes out. Then the module gets every check.
+    """
+    if "forward" in module.__dict__ or module._forward_hooks or module._forward_pre_hooks:
+        return False
+    forward = type(module).forward
+    return any(forward is kind.forward for kind in kinds)
+
+
 class ModuleInfo:
     """One hooked module: its sites (cached, so hooks allocate nothing new)."""
 
@@ -73,9 +89,10 @@ class ModuleInfo:
         self.index = index
         self.allow_neginf = allow_neginf
         self.leaf = not any(True for _ in module.children())
-        self.safe = self.leaf and isinstance(module, FINITE_PRESERVING)
-        self.masking = self.safe and isinstance(module, MASKING)
-        self.benign = isinstance(module, BENIGN_BACKWARD)
+        #: The rules below hold for a type's own forward only (see runs_as).
+        self.safe = self.leaf and runs_as(module, FINITE_PRESERVING)
+        self.masking = self.safe and runs_as(module, MASKING)
+        self.benign = runs_as(module, BENIGN_BACKWARD)
         self.parent: ModuleInfo | None = None  # the module whose forward calls this one
         self._outputs: dict[str, Site] = {}
         self._inline: Site | None = None
@@ -170,6 +187,7 @@ def proxy_bias(root: nn.Module, infos: dict[nn.Module, ModuleInfo]) -> dict[nn.M
         bias = getattr(module, "bias", None)
         if (
             type(module) in BIAS_IS_OUTPUT_SUM
+            and runs_as(module, (type(module),))
             and not info.allow_neginf
             and isinstance(bias, nn.Parameter)
             and bias.requires_grad

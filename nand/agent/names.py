@@ -8,7 +8,10 @@ to read ``fc1`` in a report, whatever wrapped the model.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
+
+from nand.errors import ConfigError
 
 #: Path components that wrappers insert; dropped from every reported name.
 WRAPPER_PARTS = frozenset(
@@ -59,3 +62,46 @@ def module_names(model: nn.Module, wrapped: bool) -> dict[nn.Module, str]:
 def param_names(model: nn.Module, wrapped: bool) -> dict[nn.Parameter, str]:
     """Every parameter (shared ones once) with its reported qualified name."""
     return {p: clean_name(n) if wrapped else n for n, p in model.named_parameters()}
+
+
+#: Attributes in which optimizer wrappers keep the optimizer they wrap:
+#: accelerate's ``AcceleratedOptimizer`` and DeepSpeed's engines (``optimizer``),
+#: Lightning's ``LightningOptimizer`` (``_optimizer``).
+_INNER_OPTIMIZER_ATTRS = ("optimizer", "_optimizer")
+
+
+def unwrap_optimizer(optimizer: object) -> torch.optim.Optimizer:
+    """The ``torch.optim.Optimizer`` that does the updates, under any wrappers.
+
+    A wrapper's ``step`` ends in its inner optimizer's ``step``, whose hooks
+    torch runs; the wrapper's own hooks may never run (``AcceleratedOptimizer``
+    subclasses ``Optimizer`` without initialising it, so it has none). So the
+    innermost optimizer that torch can hook is the one nand hooks.
+
+    >>> inner = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    >>> class Wrapper:
+    ...     def __init__(self, optimizer): self._optimizer = optimizer
+    >>> unwrap_optimizer(Wrapper(inner)) is inner
+    True
+    >>> unwrap_optimizer("sgd")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    nand.errors.ConfigError: optimizer=str: expected a torch.optim.Optimizer, or a wrapper ...
+    """
+    current, seen = optimizer, set()
+    while id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, torch.optim.Optimizer) and hasattr(
+            current, "_optimizer_step_pre_hooks"
+        ):
+            return current
+        inner = next(
+            (getattr(current, a) for a in _INNER_OPTIMIZER_ATTRS if hasattr(current, a)), None
+        )
+        if inner is None:
+            break
+        current = inner
+    raise ConfigError(
+        f"optimizer={type(optimizer).__name__}: expected a torch.optim.Optimizer, "
+        "or a wrapper holding one in .optimizer or ._optimizer"
+    )

@@ -224,6 +224,12 @@ def _unit(value: Any, top: float = 1.0 - 1e-12) -> bool:
 _GRAD = attrgetter("grad")
 
 
+def _closure_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[], Any] | None:
+    """The closure passed to ``optimizer.step`` (``args[0]`` is the optimizer)."""
+    closure = kwargs["closure"] if "closure" in kwargs else (args[1] if len(args) > 1 else None)
+    return closure if callable(closure) else None
+
+
 def _usable(t: Any) -> bool:
     return isinstance(t, Tensor) and t.is_floating_point() and not t.is_sparse and t.numel() > 0
 
@@ -247,12 +253,15 @@ class OptimizerHooks:
         names: dict[Any, tuple[str, str]],
         boundary: Callable[[], None],
         window: ReadWindow,
+        evaluated: Callable[[int], None],
     ) -> None:
         self.optimizer = optimizer
         self.buf = buf
         self.guard = guard
         self.names = names  # param -> (qualified name, owning module type)
         self.boundary = boundary  # counts the step when the update goes ahead
+        #: A closure evaluated again within one step (LBFGS): its window is checked.
+        self.evaluated = evaluated
         self.window = window
         self.stepped = False  # set by the pre-hook; AMP reads and clears it
         self.stepped_once = False  # params/state are checked from the 2nd boundary on
@@ -311,7 +320,50 @@ class OptimizerHooks:
         for p in self.params():
             p.grad = None
 
-    def _pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _pre(self, optimizer: Any, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
+        """The optimizer's step pre-hook, before anything is applied.
+
+        Without a closure the gradients are ready: the step boundary runs now.
+        With one (``step(closure)``: Lightning's automatic optimization, LBFGS)
+        the forward and backward run inside ``step``, after this hook, so the
+        closure is replaced by one that runs the boundary as soon as it
+        returns: still before the update, with this step's window complete.
+        """
+        if self.guard.off:
+            return None
+        closure = _closure_of(args, kwargs)
+        if closure is None:
+            self._at_boundary()
+            return None
+        closure = self._then_boundary(closure)
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": closure}
+        return (args[0], closure, *args[2:]), kwargs
+
+    def _then_boundary(self, closure: Callable[[], Any]) -> Callable[[], Any]:
+        """``closure``, followed by the step boundary after its first call.
+
+        An optimizer may call it again within the same step (LBFGS's line
+        search evaluates the model several times): each later evaluation's
+        window is checked as it returns, as micro-steps of the same step.
+        """
+        calls = 0
+
+        def closure_then_boundary() -> Any:
+            nonlocal calls
+            loss = closure()
+            calls += 1
+            if self.guard.off:
+                return loss
+            if calls == 1:
+                self._at_boundary()
+            else:
+                self.evaluated(calls - 1)
+            return loss
+
+        return closure_then_boundary
+
+    def _at_boundary(self) -> None:
         """The step boundary, before the update: the norm launch, the
         boundary's read and policy, the plan for the next step.
 
@@ -322,8 +374,6 @@ class OptimizerHooks:
         written out here (:meth:`add_norms` takes the rest), then the
         boundary and :meth:`_plan`.
         """
-        if self.guard.off:
-            return
         self.stepped = True
         state_read = self._state_due  # this window holds the state (see add_norms)
         try:

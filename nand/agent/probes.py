@@ -43,7 +43,7 @@ class Site:
     slot: str = ""  # output position ("0", "logits"...), state key, or input path
     kind: str = "output"  # output | inline | loss | input | norm
     dtype: torch.dtype | None = None  # of the last probed tensor
-    shape: tuple[int, ...] = ()  # of the last probed tensor
+    shape: tuple[int, ...] | None = ()  # of the last probed tensor (None: not recorded)
     allow_neginf: bool = False  # allow-listed module: -inf is on purpose
     backward: Site | None = None  # the site of this value's gradient
     forward: Site | None = None  # for a gradient site: the site of the value
@@ -77,7 +77,7 @@ class ProbeBuffer:
 
     __slots__ = (
         "device", "extras", "held", "norm_sites", "norms", "pairs", "room", "sites", "slab",
-        "slots", "spans", "spilled",
+        "slots", "slotted", "spans", "spilled",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -91,6 +91,9 @@ class ProbeBuffer:
         #: Per micro-step, input data kept unprobed for the slow path (see
         #: ``Hooks.input_behind``); None where it was probed.
         self.held: list[Tensor | None] = []
+        #: The compiled slots' pairs of this window (see compiled.py), read
+        #: right after ``pairs``; their sites follow in ``sites``.
+        self.slotted: Tensor | None = None
         self._make_slab(SLAB_START, torch.device("cpu"))
         #: Some result of this window is not in the slab: it is stacked.
         self.spilled = False
@@ -103,9 +106,13 @@ class ProbeBuffer:
         this (see ``OptimizerHooks._pre`` on calls): a change here goes there too.
         """
         pairs = self.pairs
-        k = len(pairs)
         # (is_compiling first: dynamo would guard on the length read after it)
-        if not is_compiling() and k < self.room and t.dtype is _FLOAT32 and t.device == self.device:
+        if (
+            not is_compiling()
+            and (k := len(pairs)) < self.room
+            and t.dtype is _FLOAT32
+            and t.device == self.device
+        ):
             out = self.slots[k : k + 2]
             _aminmax(t, out=out)
             pairs += out
@@ -135,6 +142,7 @@ class ProbeBuffer:
             self.spans.clear()
         if self.held:
             self.held.clear()
+        self.slotted = None
 
     def _refit(self) -> None:
         """After a window that spilled: a slab where and as large as it needed."""
@@ -165,13 +173,19 @@ class ProbeBuffer:
     def gather(self) -> Tensor | None:
         """All results as one 1-d tensor: pairs, then norms, then extras."""
         n, m = len(self.pairs), len(self.norms)
-        if not self.spilled and not self.extras and n + m <= len(self.slots):
+        slotted = self.slotted
+        if not self.spilled and not self.extras and slotted is None and n + m <= len(self.slots):
             if m:  # float32 holds float16/bfloat16 norms exactly (float64 ones spill)
                 torch._foreach_copy_(self.slots[n : n + m], self.norms)
             return self.slab[: n + m] if n + m else None
-        everything = self.pairs + self.norms + self.extras
-        # One launch; mixed dtypes promote, NaN and inf survive the promotion.
-        return torch.stack(everything) if everything else None
+        if slotted is None:
+            everything = self.pairs + self.norms + self.extras
+            # One launch; mixed dtypes promote, NaN and inf survive the promotion.
+            return torch.stack(everything) if everything else None
+        rest = self.norms + self.extras
+        parts = [torch.stack(self.pairs)] if self.pairs else []
+        parts += [slotted, torch.stack(rest)] if rest else [slotted]
+        return torch.cat(parts)
 
 
 def local(t: Tensor) -> Tensor:

@@ -62,19 +62,19 @@ def _from_minmax(event: Event, finding: Finding, scale: float) -> None:
     div = scale if finding.phase in ("backward", "loss") else 1.0
     event.min, event.max = finding.lo / div, finding.hi / div
     site = finding.site.forward or finding.site  # a gradient has its value's shape
-    event.shape = list(site.shape)
+    event.shape = list(site.shape or ())
     event.dtype = str(site.dtype).removeprefix("torch.") if site.dtype is not None else ""
 
 
 def describe(event: Event, finding: Finding) -> str:
     """The one log line of an incident: who, where, what, and what it means."""
-    text = event.describe()
+    text = event.describe(shape="shape not recorded" if finding.site.shape is None else None)
     extra = []
     if finding.site.kind == "inline" and finding.phase == "forward":
         extra.append(f"made by code inline in the forward of {event.module or '<root>'}")
     if finding.site.kind == "input":
         extra.append(f"input argument {finding.site.slot}")
-    if finding.phase == "backward":
+    if finding.phase == "backward" and not finding.note:
         extra.append("its backward turned a finite gradient non-finite")
     if finding.phase == "loss":
         extra.append("the forward was finite: look at the loss computation")
@@ -82,4 +82,6 @@ def describe(event: Event, finding: Finding) -> str:
         extra.append(f"call {finding.call + 1} of this module in the micro-step")
     if event.max_abs is not None and event.nan is not None:
         extra.append(f"largest finite |x| {event.max_abs:.3g}")
+    if finding.note:
+        extra.append(finding.note)
     return text + ("; " + "; ".join(extra) if extra else "")

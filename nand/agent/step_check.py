@@ -136,10 +136,16 @@ class Finding:
     hi: float
     cause: str
     tensor: Tensor | None = None  # norm entries: the tensor to count on
+    #: What was checked when it was less than usual (under torch.compile).
+    note: str = ""
 
 
 def first_finding(
-    buf: ProbeBuffer, values: list[float], grad_cause: str = "produced", prev_micro: int = 0
+    buf: ProbeBuffer,
+    values: list[float],
+    grad_cause: str = "produced",
+    prev_micro: int = 0,
+    micro_base: int = 0,
 ) -> Finding | None:
     """The logically first verified non-finite entry, or None (a false alarm).
 
@@ -147,9 +153,10 @@ def first_finding(
     the previous optimizer step and read with this one. ``grad_cause`` is the
     cause of a non-finite ``.grad`` (``received`` when it came through an
     all-reduce; the boundary measures it, see ``Boundary._grad_cause``).
+    ``micro_base`` is the micro-step the window's first root call is.
     """
     norms = _norm_findings(buf, values, grad_cause, prev_micro)
-    candidates = _activation_findings(buf, values) + norms
+    candidates = _activation_findings(buf, values, micro_base) + norms
     for finding in sorted(candidates, key=_logical_key):
         if finding.tensor is None or not bool(torch.isfinite(finding.tensor).all()):
             return finding
@@ -162,10 +169,12 @@ def _logical_key(f: Finding) -> tuple[int, int, int, int]:
     return (previous, f.micro, PHASE_RANK[f.phase], f.order)
 
 
-def _entries(buf: ProbeBuffer, values: list[float]) -> list[tuple[int, Site, float, float, int]]:
+def _entries(
+    buf: ProbeBuffer, values: list[float], micro_base: int
+) -> list[tuple[int, Site, float, float, int]]:
     """(micro, site, lo, hi, call) for every activation/gradient entry."""
     out = []
-    micro, i = -1, 0
+    micro, i = micro_base - 1, 0
     calls: dict[int, int] = {}
     for site in buf.sites:
         if site is None:
@@ -173,17 +182,17 @@ def _entries(buf: ProbeBuffer, values: list[float]) -> list[tuple[int, Site, flo
             continue
         call = calls.get(id(site), 0)
         calls[id(site)] = call + 1
-        out.append((max(micro, 0), site, values[i], values[i + 1], call))
+        out.append((max(micro, micro_base), site, values[i], values[i + 1], call))
         i += 2
     return out
 
 
-def _activation_findings(buf: ProbeBuffer, values: list[float]) -> list[Finding]:
+def _activation_findings(buf: ProbeBuffer, values: list[float], micro_base: int) -> list[Finding]:
     found: list[Finding] = []
     orders: dict[tuple[int, str], int] = {}
     prev_backward: dict[int, Site] = {}  # micro -> last finite backward site
     first_bad_backward: set[int] = set()
-    for micro, site, lo, hi, call in _entries(buf, values):
+    for micro, site, lo, hi, call in _entries(buf, values, micro_base):
         key = (micro, site.phase)
         order = orders.get(key, 0)
         orders[key] = order + 1
@@ -246,3 +255,75 @@ def _norm_findings(
         )
         found[-1].tensor = tensor
     return found
+
+
+#: Said of every event found from slots (see compiled.py).
+COMPILED_NOTE = (
+    "under torch.compile: checked at module outputs (forward) and parameter gradients "
+    "(backward); micro-steps and repeated calls are folded"
+)
+
+
+def gradient_frontier(buf: ProbeBuffer, values: list[float], first: Finding) -> Finding:
+    """Where backward went non-finite, judged from parameter gradients alone.
+
+    Under torch.compile no gradient inside a graph is probed (see
+    compiled.py); the parameters' gradients are. A gradient made non-finite
+    in some module's backward reaches every parameter upstream of it and none
+    downstream, so in forward order the modules whose parameters got a
+    non-finite gradient come first and those that stayed finite after. The
+    culprit lies between the last of the first kind and the first of the
+    second: that module is named, as eager mode names the module whose
+    gradient fired just before the first non-finite one; the note names both.
+    With none finite after it, the gradient came in non-finite from the loss.
+    ``first`` is the logically first finding, a ``grad`` one made on this rank.
+    """
+    bad, good = _owners_by_gradient(buf, values)
+    order = _forward_sites(buf)
+    last_bad = max((i for i, site in enumerate(order) if site.module in bad), default=None)
+    if last_bad is None:
+        first.note = COMPILED_NOTE
+        return first
+    after = next((site for site in order[last_bad + 1 :] if site.module in good), None)
+    upstream = order[last_bad].module or "<root>"
+    if after is None:
+        note = f"{COMPILED_NOTE}; every parameter up to {upstream} got a non-finite gradient"
+        return dataclasses.replace(
+            first, site=order[-1], phase="loss", module="", note=note, tensor=None
+        )
+    note = (
+        f"{COMPILED_NOTE}; made between {upstream}, the last module in forward order whose "
+        f"parameters got a non-finite gradient, and {after.module}, the first after it whose "
+        "parameters' gradients stayed finite"
+    )
+    return dataclasses.replace(
+        first, site=after, phase="backward", module=after.module,
+        module_type=after.module_type, note=note, tensor=None,
+    )  # fmt: skip
+
+
+def _owners_by_gradient(buf: ProbeBuffer, values: list[float]) -> tuple[set[str], set[str]]:
+    """Modules owning a parameter whose gradient is non-finite, and the rest."""
+    start = 2 * (len(buf.sites) - buf.sites.count(None))
+    bad: set[str] = set()
+    owners: set[str] = set()
+    for site, norm in zip(buf.norm_sites, values[start:], strict=False):
+        if site.phase != "grad":
+            continue
+        owner = site.module.rpartition(".")[0]
+        owners.add(owner)
+        grad = site.param.grad if site.param is not None else None
+        if math.isfinite(norm) or grad is None:
+            continue
+        if not bool(torch.isfinite(local(grad)).all()):  # (a 2-norm of finite values overflows)
+            bad.add(owner)
+    return bad, owners - bad
+
+
+def _forward_sites(buf: ProbeBuffer) -> list[Site]:
+    """The first forward site of each module probed this window, in first-run order."""
+    seen: dict[str, Site] = {}
+    for site in buf.sites:
+        if site is not None and site.phase == "forward":
+            seen.setdefault(site.module, site)
+    return list(seen.values())

@@ -98,6 +98,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
@@ -105,12 +106,13 @@ import torch
 from torch import Tensor, nn
 
 from nand import config
-from nand.agent import ddp
+from nand.agent import amp, ddp
 from nand.agent.amp import AmpWatch
 from nand.agent.boundary import HEALTHY, Boundary, Outcome
+from nand.agent.compiled import CompiledSlots
 from nand.agent.hooks import Hooks, HookState
 from nand.agent.modules import module_table
-from nand.agent.names import param_names, unwrap
+from nand.agent.names import param_names, unwrap, unwrap_optimizer
 from nand.agent.optimizer import OptimizerHooks
 from nand.agent.probes import ProbeBuffer
 from nand.agent.recorder import FlightRecorder
@@ -145,10 +147,14 @@ class Watch:
         flight_steps: int,
         max_events: int,
         scaler: Any,
+        on_stop: Callable[[], None] | None = None,
     ) -> None:
         if on_nonfinite not in POLICIES:
             raise ConfigError(f"on_nonfinite={on_nonfinite!r}: use one of {', '.join(POLICIES)}")
         self.policy = on_nonfinite
+        #: Stops the framework's loop cleanly instead of raising (integrations).
+        self._on_stop = on_stop
+        self._stopping = False
         self.session = session
         self.step = 0
         self.nonfinite_steps = 0
@@ -163,7 +169,8 @@ class Watch:
         self._infos = module_table(self._root, wrapped, allow_nonfinite)
         names = [info.name for info in self._infos.values()]
         self.recorder = FlightRecorder(flight_steps, names)
-        state = HookState(self._buf, self._guard)
+        self._slots = _compiled_slots(self._root)
+        state = HookState(self._buf, self._guard, self._slots)
         state.window_full = self._window_full
         self._hooks = Hooks(state)
         grads_reduced = ddp.grads_are_reduced(model)
@@ -174,19 +181,28 @@ class Watch:
         self._boundary = Boundary(
             self._buf, session.who, self.recorder, len(names), root_type, agree
         )
+        self._boundary.slots = self._slots
         self._opt = self._hook_optimizer(optimizer, wrapped) if optimizer is not None else None
         if self._opt is None:
             state.before_root = self._root_step
-        self._amp = (
-            AmpWatch(scaler, optimizer, self._stepped, self._amp_skipped)
-            if (scaler is not None and optimizer is not None)
-            else None
-        )
-        self._boundary.amp = self._amp
+        self._amp: AmpWatch | None = None
+        self._unlisten = None
+        if optimizer is not None:
+            if scaler is not None:
+                self._adopt_scaler(scaler)
+            # Frameworks make their own scaler: learn it when it steps this optimizer.
+            self._unlisten = amp.listen(optimizer, self._adopt_scaler)
         self._boundary.input_behind = self._hooks.input_behind
         self._boundary.param_behind = self._opt.param_behind if self._opt is not None else None
         self._boundary.grads_reduced = grads_reduced
         self._boundary.ddp = _install_ddp_check(model)
+        # A plain model trained through a wrapper nand was not given (HF Trainer's
+        # callbacks get the model, accelerate wraps it in DDP): found at its first call.
+        self._looking = (
+            ddp.find_wrapper(self._root, self._found_wrapper)
+            if not wrapped and _dist_up() and world > 1
+            else None
+        )
         self._set_dtype()
         session.hello(self._root, names, self._infos, optimizer, on_nonfinite)
 
@@ -212,6 +228,15 @@ class Watch:
         """Record the loss of this step for telemetry, without a sync; returns it."""
         self._boundary.loss_tensor = loss
         return loss
+
+    def new_batch(self, batch: Any) -> None:
+        """Start a micro-step with ``batch``, checked as the input data.
+
+        For loops in which the watched model's ``forward`` is not what takes
+        the batch (Lightning's ``training_step``, which may call a submodule):
+        from the first call on, micro-steps are counted here, not at root calls.
+        """
+        self._hooks.new_batch(self._infos[self._root], batch)
 
     def flight_window(self) -> FlightWindow:
         """The flight recorder: per-module telemetry of the last steps."""
@@ -241,6 +266,10 @@ class Watch:
                 self._opt.remove()
             if self._amp is not None:
                 self._amp.close()
+            if self._unlisten is not None:
+                self._unlisten()
+            if self._looking is not None:
+                self._looking.remove()
             self._buf.clear()
             self.session.close(self.step, reason)
 
@@ -263,6 +292,9 @@ class Watch:
         :meth:`_serve_session` are written out for a healthy step (see
         ``OptimizerHooks._pre`` on what a call costs here)."""
         outcome = None
+        if self._looking is not None:  # the first step: a wrapper would have been called
+            self._looking.remove()
+            self._looking = None
         if not self._guard.off:
             try:
                 boundary = self._boundary
@@ -287,6 +319,15 @@ class Watch:
         if not self._guard.off:  # switched off by its own error: nothing counted from here on
             self.step += 1
 
+    def _on_evaluation(self, evaluation: int) -> None:
+        """The closure ran again within the step just counted (LBFGS's line
+        search): its forward and backward are checked now, as micro-steps of
+        that step after the first evaluation's. The update of that step may
+        already be partly applied: ``raise`` stops the line search, nothing more."""
+        outcome = self._guarded_check(skipped=False, step=self.step - 1, micro_base=evaluation)
+        if outcome is not None and outcome.event is not None and self.policy in ("raise", "stop"):
+            raise NonFiniteError(outcome.event)
+
     def _apply_policy(self, outcome: Outcome) -> None:
         """A non-finite step (here or, agreed, on another rank): warn, skip or raise."""
         event = outcome.event
@@ -296,14 +337,61 @@ class Watch:
             assert self._opt is not None
             self._opt.drop_grads()
             log.warning("nand: skipped optimizer step %d (non-finite)", self.step)
-        elif event is not None:
+        elif self.policy == "raise" and event is not None:
             raise NonFiniteError(event)
-        else:
-            raise StopRequested(self.step, "a non-finite value on another rank")
+        elif event is not None and event.cause != "received":
+            self._stop(NonFiniteError(event))
+        else:  # (stop) this rank only received it, or another rank saw it
+            self._stop(StopRequested(self.step, "a non-finite value on another rank"))
+
+    def _stop(self, error: NandError) -> None:
+        """Stop training at this step boundary, before the update: raise
+        ``error`` out of ``optimizer.step()``, or, with ``on_stop`` (the
+        framework integrations), skip this update and ask the framework to
+        end its loop (Lightning's ``trainer.should_stop``, HF's
+        ``control.should_training_stop``)."""
+        if self._on_stop is None:
+            raise error
+        if self._opt is not None:
+            self._opt.drop_grads()
+        if not self._stopping:
+            self._stopping = True
+            log.warning("nand: stopping training at step %d: %s", self.step, error)
+            self._on_stop()
+
+    def _found_wrapper(self, wrapper: nn.Module) -> None:
+        """The watched model runs inside ``wrapper`` (DDP, FSDP): its gradients
+        are averaged across ranks, and DDP's own can be checked first."""
+        try:
+            self._boundary.grads_reduced = ddp.grads_are_reduced(wrapper)
+            if self._boundary.ddp is None:
+                self._boundary.ddp = _install_ddp_check(wrapper)
+        except Exception as exc:
+            self._guard.failed(exc, "wrapper discovery")
+
+    def _adopt_scaler(self, scaler: Any) -> None:
+        """A GradScaler steps this watch's optimizer: from now on its overflow
+        skips are counted, not reported, and gradient figures are unscaled."""
+        if self._amp is not None and self._amp.scaler is scaler:
+            return
+        try:
+            if self._amp is not None:
+                self._amp.close()
+            assert self._opt is not None
+            self._amp = AmpWatch(scaler, self._opt.optimizer, self._stepped, self._amp_skipped)
+            self._boundary.amp = self._amp
+        except Exception as exc:
+            self._guard.failed(exc, "GradScaler adoption")
 
     def _amp_skipped(self) -> None:
-        """GradScaler.update without an optimizer step: an overflow step."""
+        """GradScaler.update without an optimizer step: an iteration whose
+        update the scaler skipped (overflow). It counts as a step all the
+        same: ``step`` is the loop's iteration, as the frameworks count it."""
         self._guarded_check(skipped=True)
+        if not self._guard.off:
+            self.step += 1
+        if self.session.per_step or self.session.stop_at is not None:
+            self._serve_session()
 
     def _stepped(self) -> bool:
         opt = self._opt
@@ -329,17 +417,22 @@ class Watch:
         if session.per_step:
             session.poll(self)
         if session.stop_at is not None and self.step >= session.stop_at:
-            raise StopRequested(session.stop_at, "requested by the server")
+            self._stop(StopRequested(session.stop_at, "requested by the server"))
 
     def _window_full(self) -> None:
         """An optimizer that never steps must not make the buffer grow forever."""
         self._guarded_check(skipped=False)
 
-    def _guarded_check(self, skipped: bool) -> Outcome | None:
+    def _guarded_check(
+        self, skipped: bool, step: int | None = None, micro_base: int = 0
+    ) -> Outcome | None:
         if self._guard.off:
             return None
+        step = self.step if step is None else step
         try:
-            outcome = self._boundary.check(self.step, self.step - 1, self._micro, skipped)
+            outcome = self._boundary.check(
+                step, step - 1, self._micro, skipped, record=not micro_base, micro_base=micro_base
+            )
             self._report(outcome)
             return outcome
         except NandError:
@@ -394,6 +487,7 @@ class Watch:
             names,
             self._on_step,
             window=self._boundary,
+            evaluated=self._on_evaluation,
         )
 
     def _set_dtype(self) -> None:
@@ -403,13 +497,22 @@ class Watch:
             self.recorder.dtype_max = float(torch.finfo(p.dtype).max)
 
 
+def _compiled_slots(root: nn.Module) -> CompiledSlots:
+    """The slots for probes under torch.compile, on the model's device, in a
+    dtype that holds every parameter dtype's range (float64 models: float64)."""
+    params = [p for p in root.parameters() if p.is_floating_point()]
+    device = params[0].device if params else torch.device("cpu")
+    wide = any(p.dtype == torch.float64 for p in params)
+    return CompiledSlots(device, torch.float64 if wide else torch.float32)
+
+
 def _dist_up() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def watch(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: Any = None,
     *,
     on_nonfinite: str | None = None,
     server: str | None = None,
@@ -420,8 +523,11 @@ def watch(
     max_events: int | None = None,
     scaler: Any = None,
     log_events: bool = True,
+    on_stop: Callable[[], None] | None = None,
 ) -> Watch:
     """Hook nand into ``model`` (and ``optimizer``); see the module docstring."""
+    if optimizer is not None:  # accelerate's, Lightning's, DeepSpeed's wrappers
+        optimizer = unwrap_optimizer(optimizer)
     policy = on_nonfinite or config.get_str(config.NAND_ON_NONFINITE, "warn") or "warn"
     disabled = config.get_bool(config.NAND_DISABLE)
     session = Session.open(
@@ -439,6 +545,7 @@ def watch(
         flight_steps=flight_steps or config.get_int(config.NAND_FLIGHT_STEPS, 64),
         max_events=max_events or config.get_int(config.NAND_MAX_EVENTS, 1000),
         scaler=scaler,
+        on_stop=on_stop,
     )
     if disabled:
         w.close("disabled")  # NAND_DISABLE=1: nothing stays hooked

@@ -23,22 +23,47 @@ def amp_train(model, opt, scaler, steps, inputs=None, factor=1.0):
         opt.zero_grad()
 
 
-def test_overflow_steps_skipped_by_the_scaler_are_counted_not_reported(caplog):
+#: The scaler handed to nand.watch, or left for nand to find (as frameworks do).
+TOLD = pytest.mark.parametrize("told", [True, False], ids=["scaler-passed", "scaler-found"])
+
+
+@TOLD
+def test_overflow_steps_skipped_by_the_scaler_are_counted_not_reported(caplog, told):
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    applied = []
+    opt.register_step_post_hook(lambda *_: applied.append(1))
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127)  # overflows at first
     caplog.set_level(logging.WARNING, logger="nand")
-    with nand.watch(model, opt, scaler=scaler) as w:
+    with nand.watch(model, opt, scaler=scaler if told else None) as w:
         amp_train(model, opt, scaler, 30, factor=1e6)
     assert w.first is None and w.events == []
-    skipped = 30 - w.step
+    skipped = 30 - len(applied)
     assert skipped > 0 and w.amp_skipped == skipped
+    assert w.step == 30  # every iteration is a step, applied or skipped
     assert scaler.get_scale() < 2.0**127
     assert not [r for r in caplog.records if r.name == "nand"]
 
 
+@TOLD
+def test_a_fault_after_skipped_iterations_is_reported_at_its_loop_iteration(told):
+    model = mlp(plant_after=2)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127)  # skips the first iterations
+
+    def inputs(step):
+        model[3].value = float("nan") if step == 20 else None
+        return torch.randn(4, 8)
+
+    with nand.watch(model, opt, scaler=scaler if told else None) as w:
+        amp_train(model, opt, scaler, 22, inputs=inputs, factor=1e6)
+    assert w.amp_skipped > 0
+    assert (w.first.step, w.first.phase, w.first.module) == (20, "forward", "3")
+
+
+@TOLD
 @pytest.mark.parametrize("kind", list(VALUES))
-def test_non_finite_data_under_amp_is_still_an_incident(kind):
+def test_non_finite_data_under_amp_is_still_an_incident(kind, told):
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     scaler = torch.amp.GradScaler("cpu")
@@ -49,31 +74,33 @@ def test_non_finite_data_under_amp_is_still_an_incident(kind):
             x[0, 0] = VALUES[kind]
         return x
 
-    with nand.watch(model, opt, scaler=scaler) as w:
+    with nand.watch(model, opt, scaler=scaler if told else None) as w:
         amp_train(model, opt, scaler, 8, inputs=inputs)
     assert (w.first.step, w.first.phase, w.first.cause) == (5, "input", "data")
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-def test_a_scale_that_keeps_collapsing_is_warned_about_once(caplog):
+@TOLD
+def test_a_scale_that_keeps_collapsing_is_warned_about_once(caplog, told):
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), BackwardPlant(), torch.nn.Linear(8, 4))
     model[1].value = float("inf")  # every backward overflows
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     scaler = torch.amp.GradScaler("cpu")
     caplog.set_level(logging.WARNING, logger="nand")
-    with nand.watch(model, opt, scaler=scaler) as w:
+    with nand.watch(model, opt, scaler=scaler if told else None) as w:
         amp_train(model, opt, scaler, 25)
     warnings = [r.getMessage() for r in caplog.records if r.name == "nand"]
     assert len(warnings) == 1 and "keeps collapsing" in warnings[0]
     assert "backward of 1 (BackwardPlant)" in warnings[0]
-    assert w.amp_skipped == 25 and w.step == 0 and w.first is None
+    assert w.amp_skipped == 25 and w.step == 25 and w.first is None
 
 
-def test_gradient_figures_are_reported_unscaled():
+@TOLD
+def test_gradient_figures_are_reported_unscaled(told):
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
-    with nand.watch(model, opt, scaler=scaler) as w:
+    with nand.watch(model, opt, scaler=scaler if told else None) as w:
         amp_train(model, opt, scaler, 3)
     tele = w.recorder.last()
     assert tele is not None and tele.grad_norm is not None
@@ -81,12 +108,21 @@ def test_gradient_figures_are_reported_unscaled():
     assert 0.01 < tele.grad_norm < 100
 
 
-def test_with_a_fused_optimizer_the_scaler_passes_found_inf_and_nand_counts_the_skips():
+@TOLD
+def test_with_a_fused_optimizer_the_scaler_passes_found_inf_and_nand_counts_the_skips(told):
     model = mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127)
-    with nand.watch(model, opt, scaler=scaler) as w:
+    with nand.watch(model, opt, scaler=scaler if told else None) as w:
         amp_train(model, opt, scaler, 30, factor=1e6)
     assert w.first is None and w.amp_skipped > 0
     assert w.step == 30  # optimizer.step() ran every time; found_inf made it a no-op
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_the_scaler_class_is_left_as_it_was_once_every_watch_is_closed():
+    original = torch.amp.GradScaler.step
+    opt = torch.optim.SGD(mlp().parameters(), lr=1e-2)
+    with nand.watch(mlp(), opt):
+        assert torch.amp.GradScaler.step is not original
+    assert torch.amp.GradScaler.step is original

@@ -28,7 +28,10 @@ def test_a_model_compiled_after_watch_keeps_forward_checks(kind):
     assert (w.first.step, w.first.phase, w.first.module) == (3, "forward", "3")
 
 
-def test_a_model_compiled_after_watch_keeps_backward_checks():
+def test_a_compiled_model_s_backward_fault_is_bracketed_by_its_parameters_gradients():
+    # Inside a compiled graph no gradient is probed: the parameters' gradients
+    # show where backward went non-finite, between module 0 (its gradients
+    # non-finite) and module 3 (finite); the culprit, 1, lies between.
     torch._dynamo.reset()
     model = nn.Sequential(nn.Linear(8, 16), BackwardPlant(), nn.ReLU(), nn.Linear(16, 4))
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
@@ -39,7 +42,9 @@ def test_a_model_compiled_after_watch_keeps_backward_checks():
             model[1].value = float("nan") if step == 2 else None
 
         train(compiled, opt, 4, before=before)
-    assert (w.first.step, w.first.phase, w.first.module) == (2, "backward", "1")
+    assert (w.first.step, w.first.phase, w.first.module) == (2, "backward", "3")
+    assert "made between 0, the last module" in w.first.message
+    assert "torch.compile" in w.first.message
 
 
 @pytest.mark.parametrize("whole", [True, False], ids=["model", "one-layer"])
@@ -111,3 +116,38 @@ def test_events_go_to_a_jsonl_file_without_nan_literals(tmp_path):
     event = lines[1]["event"]
     assert (event["step"], event["phase"], event["module"]) == (0, "forward", "1")
     assert event["min"] is None and lines[1]["flight"]["steps"] == [0]
+
+
+def test_gradient_accumulation_under_compile_adds_no_recompile_per_micro_step():
+    # A hook that appended to a Python list made dynamo guard on its length,
+    # which differs at every micro-step: a recompile each (see compiled.py).
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with nand.watch(model, opt) as w:
+        compiled = torch.compile(model, backend=counter)
+        train(compiled, opt, 2, accum=4)
+        warm = counter.frame_count
+        train(compiled, opt, 3, accum=4)
+    assert counter.frame_count == warm
+    assert w.first is None and not w._guard.off
+
+
+def test_a_fault_found_under_compile_says_what_was_checked():
+    torch._dynamo.reset()
+    model = mlp(plant_after=2)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with nand.watch(model, opt) as w:
+        compiled = torch.compile(model, backend="aot_eager")
+
+        def before(step, micro):
+            model[3].value = float("-inf") if (step, micro) == (1, 2) else None
+
+        train(compiled, opt, 3, before=before, accum=3)
+    assert (w.first.step, w.first.phase, w.first.module) == (1, "forward", "3")
+    assert w.first.micro_step == 0  # folded: the slots hold one figure per window
+    assert "under torch.compile" in w.first.message
+    assert "shape not recorded" in w.first.message

@@ -30,7 +30,9 @@ def _poison_weight_grad(model: torch.nn.Module, at_step: list[int], step: int) -
     weight.register_hook(lambda g: g * float("nan") if at_step[0] == step else None)
 
 
-def _rank_main(rank: int, port: int, local_check: bool, results: dict) -> None:
+def _rank_main(
+    rank: int, port: int, local_check: bool, results: dict, watch_inner: bool = False
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NAND_RUN="ddp-test")
     os.environ["NAND_DDP_LOCAL_CHECK"] = "1" if local_check else "0"
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -41,7 +43,8 @@ def _rank_main(rank: int, port: int, local_check: bool, results: dict) -> None:
         _poison_weight_grad(inner, step_now, step=3)
     model = DistributedDataParallel(inner)
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    with nand.watch(model, opt, on_nonfinite="warn", log_events=False) as watch:
+    watched = inner if watch_inner else model  # (HF Trainer's callbacks get the inner one)
+    with nand.watch(watched, opt, on_nonfinite="warn", log_events=False) as watch:
         for step in range(5):
             step_now[0] = step
             model(torch.randn(4, 8)).pow(2).mean().backward()
@@ -52,9 +55,10 @@ def _rank_main(rank: int, port: int, local_check: bool, results: dict) -> None:
     dist.destroy_process_group()
 
 
-def _run(local_check: bool) -> dict:
+def _run(local_check: bool, watch_inner: bool = False) -> dict:
     results = mp.Manager().dict()
-    mp.spawn(_rank_main, args=(_free_port(), local_check, results), nprocs=2, join=True)
+    args = (_free_port(), local_check, results, watch_inner)
+    mp.spawn(_rank_main, args=args, nprocs=2, join=True)
     return dict(results)
 
 
@@ -67,3 +71,9 @@ def test_the_rank_whose_own_gradient_went_nan_produced_it_and_the_other_received
 def test_without_the_local_check_every_rank_can_only_say_received():
     results = _run(local_check=False)
     assert results[0] == results[1] == (3, "grad", "0.weight", "received")
+
+
+def test_a_model_watched_inside_a_ddp_wrapper_it_was_not_given_is_found_at_its_first_call():
+    results = _run(local_check=True, watch_inner=True)
+    assert results[1] == (3, "grad", "0.weight", "produced")
+    assert results[0] == (3, "grad", "0.weight", "received")

@@ -176,3 +176,20 @@ def test_without_a_server_no_sink_is_called_per_step(kind, monkeypatch, tmp_path
     with nand.watch(model, opt, events_file=str(tmp_path / "events.jsonl")) as w:
         train(model, opt, 3)
     assert len(w.session.sinks) == 2 and calls == []
+
+
+def test_stop_with_on_stop_skips_the_update_and_asks_the_loop_to_end_instead_of_raising(kind):
+    model = mlp(plant_after=0)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    asked, after = [], []
+    opt.register_step_post_hook(lambda *_: after.append([p.clone() for p in model.parameters()]))
+    with nand.watch(model, opt, on_nonfinite="stop", on_stop=lambda: asked.append(1)) as w:
+        for step in range(4):
+            model[1].value = VALUES[kind] if step >= 2 else None
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            opt.step()  # no exception: the framework's loop is asked to stop
+            opt.zero_grad()
+    assert asked == [1]  # once, however many bad steps follow
+    assert w.first.step == 2 and w.step == 4
+    for bad in (2, 3):  # those updates were dropped
+        assert all(torch.equal(a, b) for a, b in zip(after[bad - 1], after[bad], strict=True))

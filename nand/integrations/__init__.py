@@ -1,0 +1,56 @@
+"""nand where people train through a framework: one line each.
+
+- PyTorch Lightning: ``Trainer(callbacks=[nand.integrations.lightning.NandCallback()])``
+- Hugging Face ``Trainer``:
+  ``Trainer(..., callbacks=[nand.integrations.transformers.NandCallback()])``, or
+  ``TrainingArguments(report_to=["nand"])`` once ``nand.integrations.transformers``
+  is imported
+- accelerate: ``nand.watch(model, optimizer)`` with what ``accelerator.prepare`` returned
+
+Each callback takes the options of :func:`nand.watch` (``on_nonfinite``,
+``server``, ``run``, ``allow_nonfinite``...), counts ``step`` as the framework
+does (``trainer.global_step``, ``state.global_step``), takes the framework's
+run name when it has one and no ``run`` was given, and reports the model's
+module names as written. ``on_nonfinite="raise"`` raises
+:class:`nand.NonFiniteError` out of the framework's ``fit``/``train`` before
+the update; ``"stop"`` skips that update and stops the framework's loop the
+way its own callbacks do. The run id is, in this order: ``run=``,
+``NAND_RUN``, torchrun's or Slurm's id, the framework's run name. Each
+framework is imported only by its module here: the agent depends on none.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from nand.errors import ConfigError
+
+#: Options the framework callbacks set themselves.
+_SET_BY_CALLBACK = frozenset({"on_stop"})
+
+
+def watch_options(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` checked against :func:`nand.watch`'s keyword arguments now,
+    when the callback is made, rather than when training starts."""
+    from nand.agent.watch import watch
+
+    allowed = set(inspect.signature(watch).parameters) - {"model", "optimizer"}
+    unknown = sorted(set(options) - (allowed - _SET_BY_CALLBACK))
+    if unknown:
+        raise ConfigError(
+            f"NandCallback got unknown option(s) {', '.join(unknown)}; "
+            f"it takes those of nand.watch: {', '.join(sorted(allowed - _SET_BY_CALLBACK))}"
+        )
+    return dict(options)
+
+
+def with_run(options: dict[str, Any], framework_run: str | None) -> dict[str, Any]:
+    """``options`` with the framework's run name as the run id, unless one
+    was given or the environment names one (``NAND_RUN``, torchrun's,
+    Slurm's: a scheduler waits on those)."""
+    from nand.agent.identity import run_id_from_env
+
+    if options.get("run") or run_id_from_env() or not framework_run:
+        return options
+    return {**options, "run": framework_run}

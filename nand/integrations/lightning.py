@@ -1,0 +1,83 @@
+"""PyTorch Lightning: ``Trainer(callbacks=[NandCallback()])``.
+
+>>> from nand.integrations.lightning import NandCallback
+>>> trainer = lightning.Trainer(callbacks=[NandCallback(on_nonfinite="stop")])  # doctest: +SKIP
+
+The callback watches the trained module (through the strategy's DDP/FSDP
+wrapper, so a rank that produced a NaN is told from those that received it)
+and the first optimizer. Each training batch starts a micro-step and is
+checked as the input data: Lightning hands it to ``training_step``, not to
+``forward``. ``step`` is ``trainer.global_step``. With
+``on_nonfinite="stop"`` the bad update is skipped and ``trainer.should_stop``
+ends ``fit`` cleanly; ``"raise"`` lets :class:`nand.NonFiniteError` out of
+``trainer.fit``. The framework's run name is the logger's ``name/version``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+try:
+    import lightning.pytorch as pl
+except ImportError as exc:  # pragma: no cover - the integration is optional
+    raise ImportError(
+        f"nand.integrations.lightning needs PyTorch Lightning: pip install lightning ({exc})"
+    ) from exc
+
+import nand
+from nand.integrations import watch_options, with_run
+
+log = logging.getLogger("nand")
+
+
+class NandCallback(pl.Callback):
+    """Watches the LightningModule being fitted; takes :func:`nand.watch`'s options."""
+
+    def __init__(self, **options: Any) -> None:
+        self.options = watch_options(options)
+        self.watch: nand.Watch | None = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        optimizers = trainer.optimizers
+        if len(optimizers) > 1:
+            log.warning(
+                "nand: %d optimizers; watching the first one's parameters and steps",
+                len(optimizers),
+            )
+        options = with_run(self.options, _run_name(trainer))
+
+        def stop() -> None:
+            trainer.should_stop = True
+
+        model = trainer.strategy.model or pl_module
+        optimizer = optimizers[0] if optimizers else None
+        self.watch = nand.watch(model, optimizer, on_stop=stop, **options)
+        self.watch.step = trainer.global_step
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self.watch is not None:
+            self.watch.new_batch(batch)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._close("closed")
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        self._close(f"exception: {type(exception).__name__}")
+
+    def _close(self, reason: str) -> None:
+        if self.watch is not None:
+            self.watch.close(reason)
+            self.watch = None
+
+
+def _run_name(trainer: pl.Trainer) -> str | None:
+    """``name/version`` of the first logger, as rank 0 has it (others may
+    count versions differently before rank 0 made its directory)."""
+    logger = trainer.logger
+    name = f"{logger.name}/{logger.version}" if logger is not None and logger.name else None
+    return trainer.strategy.broadcast(name)
