@@ -32,7 +32,10 @@ log = logging.getLogger("nand")
 
 
 class NandCallback(pl.Callback):
-    """Watches the LightningModule being fitted; takes :func:`nand.watch`'s options."""
+    """Watches the LightningModule being fitted; takes :func:`nand.watch`'s options.
+
+    ``watch`` is the :class:`nand.Watch` of the last ``fit`` (``watch.first``...).
+    """
 
     def __init__(self, **options: Any) -> None:
         self.options = watch_options(options)
@@ -70,9 +73,8 @@ class NandCallback(pl.Callback):
         self._close(f"exception: {type(exception).__name__}")
 
     def _close(self, reason: str) -> None:
-        if self.watch is not None:
+        if self.watch is not None:  # (kept: watch.first and watch.events stay readable)
             self.watch.close(reason)
-            self.watch = None
 
 
 def _run_name(trainer: pl.Trainer) -> str | None:

@@ -34,7 +34,10 @@ from nand.integrations import watch_options, with_run
 
 
 class NandCallback(TrainerCallback):
-    """Watches the model a ``Trainer`` trains; takes :func:`nand.watch`'s options."""
+    """Watches the model a ``Trainer`` trains; takes :func:`nand.watch`'s options.
+
+    ``watch`` is the :class:`nand.Watch` of the last ``train`` (``watch.first``...).
+    """
 
     def __init__(self, **options: Any) -> None:
         self.options = watch_options(options)
@@ -65,9 +68,8 @@ class NandCallback(TrainerCallback):
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        if self.watch is not None:
+        if self.watch is not None:  # (kept: watch.first and watch.events stay readable)
             self.watch.close("closed")
-            self.watch = None
 
     def _request_stop(self) -> None:
         self._stop = True
