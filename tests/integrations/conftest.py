@@ -6,6 +6,9 @@ import os
 
 import pytest
 
+# The shared asserts of check.py say what differed, as a test's own do.
+pytest.register_assert_rewrite("tests.integrations.check")
+
 # Every model is built from a config with random init: a test that tried to
 # reach the hub would hang or fail on a machine without network.
 os.environ["HF_HUB_OFFLINE"] = "1"

@@ -6,8 +6,13 @@ optional fault from :mod:`faults`, and one observer — the ground truth
 runs the same loop twice, once with each, and compares: the truth's first
 finding is the answer nand must give, and the losses must be the same.
 
->>> loop = Loop("resnet18", FP32, observer="truth")  # doctest: +SKIP
->>> loop.train(3); loop.truth.first  # doctest: +SKIP
+For example, the answer for a NaN planted in GPT-2's forward at step 2, and
+what nand says of the same run::
+
+    fault = Fault("forward", 2, "transformer.h.1.mlp.c_proj")
+    truth = expected("gpt2", FP32, fault, steps=4).truth.first
+    watch = with_nand("gpt2", FP32, fault, steps=4).watch
+    assert where(watch.first) == truth
 """
 
 from __future__ import annotations
