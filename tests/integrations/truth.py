@@ -88,7 +88,7 @@ class Truth:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
         self.findings: list[Finding] = []
         self.step = 0  # iterations ended (end_step calls)
-        self.skipped = 0  # iterations whose update a GradScaler skipped
+        self.skipped: list[int] = []  # iterations whose update a GradScaler skipped
         self.micro = -1  # root forward calls in this iteration, minus one
         self._model = model
         self._names = {m: name for name, m in model.named_modules()}
@@ -120,7 +120,7 @@ class Truth:
     def end_step(self) -> None:
         """One training iteration is over (the update applied or skipped)."""
         if not self._stepped:  # a GradScaler skipped it: its overflow is no fault
-            self.skipped += 1
+            self.skipped.append(self.step)
             self.findings = [
                 f for f in self.findings if f.step != self.step or f.phase not in GRADIENT_PHASES
             ]
