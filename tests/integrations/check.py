@@ -33,11 +33,12 @@ def planted_answer(truth_run: Loop, fault: Fault) -> Finding:
 
 
 def assert_reported_as_the_truth_says(
-    case_name: str, mode: Mode, fault: Fault, steps: int = 4, **options: Any
+    case_name: str, mode: Mode, fault: Fault, steps: int = 4, prepare: Any = None, **options: Any
 ) -> Loop:
-    truth_run = expected(case_name, mode, fault, steps)
+    """nand's first event is the truth's answer; the losses are those of the truth's run."""
+    truth_run = expected(case_name, mode, fault, steps, prepare)
     answer = planted_answer(truth_run, fault)
-    run = with_nand(case_name, mode, fault, steps, **options)
+    run = with_nand(case_name, mode, fault, steps, prepare, **options)
     assert run.watch is not None
     assert where(run.watch.first) == answer
     assert same_losses(run.losses, truth_run.losses)

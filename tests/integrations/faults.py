@@ -131,9 +131,16 @@ class Planted:
             if group.get("name") == self.fault.where:
                 group["lr"] = HUGE_LR
 
+    @property
+    def value(self) -> Tensor:
+        """The 0-d tensor that holds the fault's value while armed (else 0)."""
+        return self._value
+
     def remove(self) -> None:
+        """Remove the forward hook (a test moving the fault into a forward does so first)."""
         if self._handle is not None:
             self._handle.remove()
+            self._handle = None
 
     def _is(self, kind: str) -> bool:
         return self.fault is not None and self.fault.kind == kind

@@ -18,10 +18,11 @@ what nand says of the same run::
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 import nand
 from nand.events import Event
@@ -67,6 +68,7 @@ class Loop:
         mode: Mode,
         fault: Fault | None = None,
         observer: str = "",  # "", "truth" or "nand"
+        prepare: Callable[[nn.Module, Planted], None] | None = None,
         **watch_options: Any,
     ) -> None:
         self.case: Case = case(case_name)
@@ -83,6 +85,8 @@ class Loop:
             torch.amp.GradScaler("cpu", init_scale=mode.init_scale) if mode.scaler else None
         )
         self.planted = Planted(fault, self.model)  # before any observer: see faults.py
+        if prepare is not None:  # the user's changes to the model come before nand's hooks
+            prepare(self.model, self.planted)
         self.truth = Truth(self.model, self.optimizer) if observer == "truth" else None
         self.watch: nand.Watch | None = None
         if observer == "nand":
@@ -156,18 +160,31 @@ def where(event: Event | None) -> Finding | None:
     return Finding(event.step, event.micro_step, event.phase, event.module, event.cause)
 
 
-def expected(case_name: str, mode: Mode, fault: Fault | None, steps: int) -> Loop:
+def expected(
+    case_name: str,
+    mode: Mode,
+    fault: Fault | None,
+    steps: int,
+    prepare: Callable[[nn.Module, Planted], None] | None = None,
+) -> Loop:
     """The run with the ground truth and without nand: its ``truth.first`` is the answer."""
-    loop = Loop(case_name, mode, fault, observer="truth")
+    loop = Loop(case_name, mode, fault, observer="truth", prepare=prepare)
     try:
         return loop.train(steps)
     finally:
         loop.close()
 
 
-def with_nand(case_name: str, mode: Mode, fault: Fault | None, steps: int, **options: Any) -> Loop:
+def with_nand(
+    case_name: str,
+    mode: Mode,
+    fault: Fault | None,
+    steps: int,
+    prepare: Callable[[nn.Module, Planted], None] | None = None,
+    **options: Any,
+) -> Loop:
     """The same run with nand watching and no ground truth."""
-    loop = Loop(case_name, mode, fault, observer="nand", **options)
+    loop = Loop(case_name, mode, fault, observer="nand", prepare=prepare, **options)
     try:
         return loop.train(steps)
     finally:
