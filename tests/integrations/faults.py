@@ -40,7 +40,7 @@ PHASE = dict(zip(KINDS, ("forward", "backward", "input", "loss", "param"), stric
 #: A learning rate blown up by a bad schedule. Infinite, not merely huge: AdamW
 #: divides it by a bias correction < 1, and a finite lr whose step size passes
 #: float32's limit is refused by torch (``value cannot be converted``).
-HUGE_LR = float("inf")
+INF_LR = float("inf")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +94,7 @@ def map_first(output: Any, fn: Any) -> Any:
 
 
 class Planted:
-    """A :class:`Fault` installed in one model (and optimizer); ``remove()`` undoes it."""
+    """A :class:`Fault` installed in one model; ``remove()`` takes its hook off."""
 
     def __init__(self, fault: Fault | None, model: nn.Module) -> None:
         self.fault = fault
@@ -125,11 +125,11 @@ class Planted:
 
     def before_update(self, optimizer: torch.optim.Optimizer, step: int) -> None:
         """Before ``optimizer.step()`` of ``step``: the lr fault's group gets its learning rate."""
-        if not self._is("lr") or self.fault is None or step != self.fault.step:
+        if self.fault is None or self.fault.kind != "lr" or step != self.fault.step:
             return
         for group in optimizer.param_groups:
             if group.get("name") == self.fault.where:
-                group["lr"] = HUGE_LR
+                group["lr"] = INF_LR
 
     @property
     def value(self) -> Tensor:

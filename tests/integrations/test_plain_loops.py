@@ -21,6 +21,7 @@ from tests.integrations.loops import (
     ACCUMULATION,
     BF16,
     CHECKPOINTING,
+    CLOSURE,
     FP16_SCALER_NOT_PASSED,
     FP16_SCALER_PASSED,
     FP32,
@@ -219,7 +220,15 @@ HEALTHY_FAILING = {
         f"{UNCOUNTED}; a backward event of the root at step 0"
     ),
 }
-HEALTHY_MODES = [FP32, BF16, FP16_SKIPS_PASSED, FP16_SKIPS_NOT_PASSED, ACCUMULATION, CHECKPOINTING]
+HEALTHY_MODES = [
+    FP32,
+    BF16,
+    FP16_SKIPS_PASSED,
+    FP16_SKIPS_NOT_PASSED,
+    ACCUMULATION,
+    CHECKPOINTING,
+    CLOSURE,
+]
 
 
 def healthy_cells() -> list:
