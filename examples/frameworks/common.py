@@ -9,6 +9,7 @@ sets one element of the layer's output to +inf.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
@@ -49,10 +50,12 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids}
 
 
-def plant_fault(model: GPT2LMHeadModel, current_step: callable, fault_step: int) -> None:
+def plant_fault(model: GPT2LMHeadModel, current_step: Callable[[], int], fault_step: int) -> None:
     """+inf in one element of ``FAULT_LAYER``'s output when ``current_step()`` is ``fault_step``."""
 
-    def overflow(module: torch.nn.Module, args: object, output: torch.Tensor) -> torch.Tensor | None:
+    def overflow(
+        module: torch.nn.Module, args: object, output: torch.Tensor
+    ) -> torch.Tensor | None:
         if current_step() != fault_step:
             return None
         output = output.clone()

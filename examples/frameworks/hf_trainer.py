@@ -45,7 +45,8 @@ def main() -> None:
     )
     trainer.train()
     first = nand_callback.watch.first
-    print(f"trained {trainer.state.global_step} steps; nand's first event: {first and first.message}")
+    message = first.message if first else None
+    print(f"trained {trainer.state.global_step} steps; nand's first event: {message}")
 
 
 if __name__ == "__main__":
