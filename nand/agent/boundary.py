@@ -51,6 +51,11 @@ class Outcome(NamedTuple):
 #: A window with nothing to act on: the common case, one shared value.
 HEALTHY = Outcome()
 
+#: The phases a loss scaler's overflow makes non-finite: the gradients of the
+#: scaled loss. A non-finite input, output, weight or optimizer state in a
+#: window the scaler skipped is an incident all the same.
+SCALED_PHASES = frozenset({"loss", "backward", "grad"})
+
 #: Builds a NamedTuple (Outcome, StepRow) in C: its own ``__new__`` is a
 #: Python call, several times its warm cost in cold code (see ``Boundary.check``).
 _tuple_new = tuple.__new__
@@ -188,8 +193,11 @@ class Boundary:
                 event = self._finding_event(
                     values, extras, step, prev_step, prev_micro, scale, micro_base
                 )
-                if overflow and event is not None and event.phase in ("input", "forward"):
-                    overflow = False  # the scaler skipped it, but the forward was bad: an incident
+                if overflow and event is not None and event.phase not in SCALED_PHASES:
+                    # The scaler skipped the update, but what went non-finite
+                    # was not a scaled gradient (a bad input, forward or
+                    # weight): an incident, not an overflow.
+                    overflow = False
             if event is None and not any_bad and not overflow:
                 return HEALTHY
             return _tuple_new(Outcome, (event, any_bad, overflow))

@@ -23,7 +23,6 @@ from tests.integrations.loops import FP32
 pytest.importorskip("transformers")
 
 LAYER = "bert.encoder.layer.1.output.dense"  # an nn.Linear with a bias
-READ_FROM_BIAS = "issue 15 item 7: the layer's output gradient is read from its bias gradient"
 
 
 class AfterBias(nn.Linear):
@@ -56,16 +55,8 @@ def instance_forward(model: nn.Module, planted: Planted) -> None:
     "prepare",
     [
         pytest.param(subclass, id="subclass-of-linear"),
-        pytest.param(
-            instance_forward,
-            id="instance-forward",
-            marks=pytest.mark.xfail(strict=True, reason=f"{READ_FROM_BIAS}: nand names its parent"),
-        ),
-        pytest.param(
-            None,
-            id="user-forward-hook",
-            marks=pytest.mark.xfail(strict=True, reason=f"{READ_FROM_BIAS}: nand names its parent"),
-        ),
+        pytest.param(instance_forward, id="instance-forward"),
+        pytest.param(None, id="user-forward-hook"),
     ],
 )
 def test_a_nan_made_after_the_bias_of_a_linear_is_blamed_on_that_linear(prepare):
@@ -73,23 +64,15 @@ def test_a_nan_made_after_the_bias_of_a_linear_is_blamed_on_that_linear(prepare)
     assert_reported_as_the_truth_says("bert", FP32, Fault("backward", 2, LAYER), prepare=prepare)
 
 
-def named_instead(model: str, layer: str, named: str, kind: str) -> object:
-    """A cell that fails today: ``named`` is what nand says instead of ``layer``."""
-    reason = f"{READ_FROM_BIAS}: nand names {named}"
-    mark = pytest.mark.xfail(strict=True, reason=reason)
-    return pytest.param(model, layer, id=f"{model}-{kind}", marks=mark)
-
-
 @pytest.mark.parametrize(
     "model,layer",
     [
-        named_instead("gpt2", "transformer.h.0.ln_2", "transformer.h.0.mlp.c_fc", "LayerNorm"),
-        named_instead("vit", "vit.layers.1.mlp.fc1", "vit.layers.1.mlp.activation_fn", "Linear"),
-        named_instead(
+        pytest.param("gpt2", "transformer.h.0.ln_2", id="gpt2-LayerNorm"),
+        pytest.param("vit", "vit.layers.1.mlp.fc1", id="vit-Linear"),
+        pytest.param(
             "resnet18",
             "resnet.encoder.stages.1.layers.1.layer.0.normalization",
-            "resnet.encoder.stages.1.layers.1.layer.1.convolution",
-            "BatchNorm2d",
+            id="resnet18-BatchNorm2d",
         ),
     ],
 )

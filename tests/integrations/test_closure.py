@@ -18,26 +18,10 @@ from tests.integrations.zoo import case
 pytest.importorskip("transformers")
 
 MODELS = ["gpt2", "bert", "resnet18"]  # the closure changes the optimizer's path, not the model's
-CLOSURE_LATE = pytest.mark.xfail(
-    strict=True,
-    reason="issue 15: with a closure the step pre-hook reads the window before the forward "
-    "ran: the fault is reported one step late, a forward NaN as a param event of the layer",
-)
-
-
-RAISE_LATE = pytest.mark.xfail(
-    strict=True,
-    reason="issue 15: with a closure, raise comes out of the next step, after the "
-    "non-finite update was applied: the weights are NaN",
-)
 
 
 def closure_cells(kinds: tuple[str, ...] | list[str]) -> list:
-    return [
-        pytest.param(m, k, id=f"{m}-{k}", marks=[] if k == "lr" else [CLOSURE_LATE])
-        for m in MODELS
-        for k in kinds
-    ]
+    return [pytest.param(m, k, id=f"{m}-{k}") for m in MODELS for k in kinds]
 
 
 @pytest.mark.parametrize("model,kind", closure_cells(KINDS))
@@ -53,7 +37,7 @@ def test_a_fault_with_a_closure_is_reported_as_it_is_without_one(model, kind):
 RAISE_KINDS = ("forward", "backward", "input", "loss")  # an lr blow-up is made by the update itself
 
 
-@pytest.mark.parametrize("closure", [False, pytest.param(True, marks=RAISE_LATE)])
+@pytest.mark.parametrize("closure", [False, True])
 @pytest.mark.parametrize("model,kind", [(m, k) for m in MODELS for k in RAISE_KINDS])
 def test_raise_stops_before_the_update_and_leaves_the_weights_finite(model, kind, closure):
     fault = Fault(kind, 2, case(model).sites[kind])

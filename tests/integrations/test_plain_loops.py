@@ -39,18 +39,9 @@ CHECKPOINTED = [name for name in MODELS if name != "resnet18"]  # HF ResNet cann
 SKIPPING = 2.0**20
 
 
-def issue15(reason: str) -> pytest.MarkDecorator:
-    return pytest.mark.xfail(strict=True, reason=f"issue 15: {reason}")
-
-
-def cells(models: list[str], kinds: tuple[str, ...] | list[str], failing=None) -> list:
-    """(model, kind) parameters; those in ``failing`` are strict xfails with its reason."""
-    failing = failing or {}
-    return [
-        pytest.param(m, k, id=f"{m}-{k}", marks=[failing[m, k]] if (m, k) in failing else [])
-        for m in models
-        for k in kinds
-    ]
+def cells(models: list[str], kinds: tuple[str, ...] | list[str]) -> list:
+    """(model, kind) parameters, named model-kind."""
+    return [pytest.param(m, k, id=f"{m}-{k}") for m in models for k in kinds]
 
 
 def fault(model: str, kind: str, step: int = 2, value: str = "nan", micro: int = 0) -> Fault:
@@ -80,33 +71,9 @@ def test_a_fault_under_bf16_autocast_is_reported_where_the_ground_truth_saw_it(m
     assert_reported_as_the_truth_says(model, BF16, fault(model, kind))
 
 
-STEP_COUNTS_UPDATES = issue15(
-    "with scaler=, step counts applied updates only: ResNet's four skipped iterations "
-    "make a fault at iteration 4 step 0"
-)
-PARAM_DROPPED = issue15(
-    "with scaler=, the lr blow-up's param event comes in the next window, which the scaler "
-    "skipped: dropped as overflow, and every later window starts with it; nothing is reported"
-)
-NOT_PASSED_STEP = issue15(
-    "without scaler=, skipped iterations are not steps: a fault at iteration 4 after "
-    "four skips is reported at step 0, micro-step 4"
-)
-
-
 @pytest.mark.parametrize(
     "model,kind",
-    cells(
-        MODELS,
-        ("forward", "input", "lr"),
-        {
-            ("gpt2", "lr"): PARAM_DROPPED,
-            ("llama", "lr"): PARAM_DROPPED,
-            ("resnet18", "forward"): STEP_COUNTS_UPDATES,
-            ("resnet18", "input"): STEP_COUNTS_UPDATES,
-            ("resnet18", "lr"): PARAM_DROPPED,
-        },
-    ),
+    cells(MODELS, ("forward", "input", "lr")),
 )
 def test_a_fault_under_fp16_with_the_scaler_passed_is_reported_as_the_truth_says(model, kind):
     # Iteration 4 of 6 at the usual initial scale 2**16: ResNet's first four
@@ -116,11 +83,7 @@ def test_a_fault_under_fp16_with_the_scaler_passed_is_reported_as_the_truth_says
 
 @pytest.mark.parametrize(
     "model,kind",
-    cells(
-        MODELS,
-        ("forward", "input", "lr"),
-        {("resnet18", k): NOT_PASSED_STEP for k in ("forward", "input", "lr")},
-    ),
+    cells(MODELS, ("forward", "input", "lr")),
 )
 def test_a_fault_under_fp16_without_the_scaler_passed_is_reported_as_the_truth_says(model, kind):
     mode = FP16_SCALER_NOT_PASSED
@@ -208,18 +171,6 @@ def test_a_backward_nan_in_a_layer_on_a_branch_is_blamed_on_that_layer(model, wh
 
 FP16_SKIPS_PASSED = dataclasses.replace(FP16_SCALER_PASSED, init_scale=SKIPPING)
 FP16_SKIPS_NOT_PASSED = dataclasses.replace(FP16_SCALER_NOT_PASSED, init_scale=SKIPPING)
-UNCOUNTED = "without scaler=, the scaler's skipped iterations are not counted in amp_skipped"
-HEALTHY_FAILING = {
-    ("gpt2", FP16_SKIPS_NOT_PASSED.name): issue15(UNCOUNTED),
-    ("bert", FP16_SKIPS_NOT_PASSED.name): issue15(f"{UNCOUNTED}; a loss event at step 0"),
-    ("llama", FP16_SKIPS_NOT_PASSED.name): issue15(
-        f"{UNCOUNTED}; a backward event in model.layers.0 at step 0"
-    ),
-    ("vit", FP16_SKIPS_NOT_PASSED.name): issue15(f"{UNCOUNTED}; a loss event at step 0"),
-    ("resnet18", FP16_SKIPS_NOT_PASSED.name): issue15(
-        f"{UNCOUNTED}; a backward event of the root at step 0"
-    ),
-}
 HEALTHY_MODES = [
     FP32,
     BF16,
@@ -237,7 +188,6 @@ def healthy_cells() -> list:
             m,
             mode,
             id=f"{m}-{mode.name}",
-            marks=[HEALTHY_FAILING[m, mode.name]] if (m, mode.name) in HEALTHY_FAILING else [],
         )
         for m in MODELS
         for mode in HEALTHY_MODES
