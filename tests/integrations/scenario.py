@@ -53,8 +53,8 @@ class Batches(torch.utils.data.Dataset):
 @dataclasses.dataclass(frozen=True)
 class Scenario:
     case: Case
-    fault: Fault
-    answer: Finding  # the ground truth's first finding in the plain loop
+    fault: Fault | None  # None: a healthy run
+    answer: Finding | None  # the ground truth's first finding in the plain loop
 
     def build(self) -> nn.Module:
         return self.case.build()
@@ -63,11 +63,12 @@ class Scenario:
         return Planted(self.fault, model)
 
     def optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
-        isolate = self.fault.where if self.fault.kind == "lr" else None
+        isolate = self.fault.where if self.fault and self.fault.kind == "lr" else None
         return torch.optim.AdamW(param_groups(model, isolate), lr=LR)
 
     def dataset(self, count: int) -> Batches:
-        return Batches(self.case, count, float_input_needed(self.case, self.fault.kind))
+        kind = self.fault.kind if self.fault else ""
+        return Batches(self.case, count, float_input_needed(self.case, kind))
 
 
 def scenario(
@@ -77,3 +78,10 @@ def scenario(
     the_case = case(model)
     fault = Fault(kind, step, the_case.sites[kind], value)
     return Scenario(the_case, fault, planted_answer(expected(model, mode, fault, steps), fault))
+
+
+def healthy(model: str, mode: Mode = FP32, steps: int = 4) -> Scenario:
+    """A run with nothing planted, after checking the truth sees nothing in the plain loop."""
+    truth_run = expected(model, mode, None, steps)
+    assert truth_run.truth is not None and truth_run.truth.first is None, truth_run.truth.first
+    return Scenario(case(model), None, None)
