@@ -1,8 +1,9 @@
 """What nand costs per training step, against no detector and the alternatives.
 
-    python benchmarks/overhead.py            # full run (~5 min on one core)
+    python benchmarks/overhead.py            # full run (~10 min on one core)
     python benchmarks/overhead.py --quick    # a smoke run
     python benchmarks/overhead.py --only transformer --detectors none nand --repeats 9
+    python benchmarks/overhead.py --only gpt resnet18 custom-mlp --detectors none nand
 
 One process, one CPU thread, interleaved repeats (the machine is shared):
 each repeat times a few steps of every detector in turn, and the figure is the
@@ -17,9 +18,11 @@ the wall-clock ratio is printed alongside. Detectors:
   gradient, each doing ``if torch.isnan(t).any(): raise`` (a host sync each);
 - ``anomaly``: ``torch.autograd.set_detect_anomaly(True)``.
 
-Models: (a) MLP 64→256→256→10, batch 64, SGD training step; (b)
-``nn.TransformerEncoder`` (d_model 256, 4 layers, 8 heads, ff 1024), seq 128,
-batch 16, forward + backward + AdamW step. The last line counts nand's host
+Models (``benchmarks/shapes.py``): an MLP 64-256-256-10 (batch 64, SGD) as an
+``nn.Sequential`` and as a custom ``nn.Module``; ``nn.TransformerEncoder``
+(d256, 4 layers, seq 128, batch 16, AdamW); a GPT-2-style decoder written as
+ordinary modules (4 layers, d256, seq 128, batch 8, AdamW); a ResNet-18 for
+32x32 inputs (batch 8, SGD with momentum). The last line counts nand's host
 reads per optimizer step.
 """
 
@@ -27,12 +30,14 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import logging
 import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
+import shapes  # (benchmarks/shapes.py, beside this script)
 import torch
 from torch import nn
 
@@ -42,21 +47,29 @@ Step = Callable[[], None]
 KINDS = ["none", "nand", "naive", "anomaly"]
 
 
-def mlp_case() -> tuple[nn.Module, Callable[[], torch.Tensor], Callable[[Any], torch.Tensor]]:
-    model = nn.Sequential(
-        nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10)
-    )
-    x, y = torch.randn(64, 64), torch.randint(0, 10, (64,))
-    return model, lambda: x, lambda out: nn.functional.cross_entropy(out, y)
+@dataclasses.dataclass(frozen=True)
+class Bench:
+    title: str
+    make: Callable[[], shapes.Case]
+    optimizer: str  # sgd | momentum | adamw
+    repeats: int  # interleaved repeats by default (--quick: a few)
+    steps: int  # timed steps per repeat
 
 
-def transformer_case() -> tuple[
-    nn.Module, Callable[[], torch.Tensor], Callable[[Any], torch.Tensor]
-]:
-    layer = nn.TransformerEncoderLayer(256, 8, 1024, batch_first=True)
-    model = nn.TransformerEncoder(layer, 4, enable_nested_tensor=False)
-    x = torch.randn(16, 128, 256)
-    return model, lambda: x, lambda out: out.pow(2).mean()
+MLP = "MLP 64-256-256-10"
+BENCHES = {
+    "mlp": Bench(f"{MLP} (nn.Sequential), batch 64, SGD", shapes.sequential_mlp, "sgd", 31, 50),
+    "custom-mlp": Bench(
+        f"{MLP} (custom nn.Module), batch 64, SGD", shapes.custom_mlp, "sgd", 31, 50
+    ),
+    "transformer": Bench(
+        "TransformerEncoder d256 x4, seq 128, batch 16, AdamW", shapes.transformer, "adamw", 9, 3
+    ),
+    "gpt": Bench("GPT-2-style decoder d256 x4, seq 128, batch 8, AdamW", shapes.gpt, "adamw", 9, 3),
+    "resnet18": Bench(
+        "ResNet-18 (32x32), batch 8, SGD momentum", shapes.resnet18, "momentum", 9, 3
+    ),
+}
 
 
 def naive_hooks(model: nn.Module) -> None:
@@ -75,13 +88,15 @@ def naive_hooks(model: nn.Module) -> None:
         m.register_forward_hook(forward_hook)
 
 
-def make_step(kind: str, case: Any, base: nn.Module, use_adam: bool) -> Step:
-    model = copy.deepcopy(base)
-    opt: torch.optim.Optimizer = (
-        torch.optim.AdamW(model.parameters(), lr=1e-4)
-        if use_adam
-        else torch.optim.SGD(model.parameters(), lr=1e-3)
-    )
+def make_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
+    if name == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9 if name == "momentum" else 0)
+
+
+def make_step(kind: str, case: shapes.Case, optimizer: str) -> Step:
+    model = copy.deepcopy(case[0])
+    opt = make_optimizer(optimizer, model)
     _, inputs, loss_fn = case
     if kind == "nand":
         nand.watch(model, opt)
@@ -101,13 +116,11 @@ def make_step(kind: str, case: Any, base: nn.Module, use_adam: bool) -> Step:
 WARM_STEPS = 2
 
 
-def bench(
-    name: str, case_fn: Callable[[], Any], use_adam: bool, reps: int, steps: int, kinds: list[str]
-) -> None:
+def bench(b: Bench, reps: int, steps: int, kinds: list[str]) -> None:
     torch.manual_seed(0)
-    case = case_fn()
+    case = b.make()
     kinds = ["none"] + [k for k in kinds if k != "none"]
-    fns = {k: make_step(k, case, case[0], use_adam) for k in kinds}
+    fns = {k: make_step(k, case, b.optimizer) for k in kinds}
     for fn in fns.values():  # warm up
         for _ in range(3):
             fn()
@@ -127,7 +140,7 @@ def bench(
             cpu[k].append((time.process_time() - c0) / steps * 1e3)
             wall[k].append((time.perf_counter() - t0) / steps * 1e3)
     base, base_wall = statistics.median(cpu["none"]), statistics.median(wall["none"])
-    print(f"\n{name}: median ms/step over {reps} interleaved repeats of {steps} steps")
+    print(f"\n{b.title}: median ms/step over {reps} interleaved repeats of {steps} steps")
     print(f"  {'':8s} {'CPU ms':>9s}   ratio   {'wall ms':>9s}   ratio")
     for k in kinds:
         med, med_wall = statistics.median(cpu[k]), statistics.median(wall[k])
@@ -137,7 +150,7 @@ def bench(
 
 def host_reads(steps: int = 20) -> None:
     torch.manual_seed(0)
-    model, inputs, loss_fn = mlp_case()
+    model, inputs, loss_fn = shapes.sequential_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)  # AdamW itself calls .item()
     reads = {"tolist": 0, "item": 0}
     orig_tolist, orig_item = torch.Tensor.tolist, torch.Tensor.item
@@ -170,33 +183,19 @@ def host_reads(steps: int = 20) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="few repeats, for a smoke run")
-    parser.add_argument("--only", choices=["mlp", "transformer"], help="one model only")
+    parser.add_argument("--only", nargs="+", choices=list(BENCHES), help="these models only")
     parser.add_argument(
         "--detectors", nargs="+", default=KINDS, choices=KINDS, help="compared with none"
     )
-    parser.add_argument("--repeats", type=int, help="interleaved repeats (default 31 / 9)")
+    parser.add_argument("--repeats", type=int, help="interleaved repeats (default per model)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     logging.getLogger("nand").setLevel(logging.ERROR)
     print(f"torch {torch.__version__}, 1 thread")
-    if args.only != "transformer":
-        bench(
-            "MLP 64-256-256-10, batch 64, SGD step",
-            mlp_case,
-            False,
-            reps=args.repeats or (5 if args.quick else 31),
-            steps=20 if args.quick else 50,
-            kinds=args.detectors,
-        )
-    if args.only != "mlp":
-        bench(
-            "TransformerEncoder d256 x4, seq 128, batch 16, AdamW step",
-            transformer_case,
-            True,
-            reps=args.repeats or (2 if args.quick else 9),
-            steps=2 if args.quick else 3,
-            kinds=args.detectors,
-        )
+    for name in args.only or list(BENCHES):
+        b = BENCHES[name]
+        reps = args.repeats or (min(b.repeats, 3) if args.quick else b.repeats)
+        bench(b, reps, steps=max(1, b.steps // 5) if args.quick else b.steps, kinds=args.detectors)
     host_reads()
 
 

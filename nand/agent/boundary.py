@@ -3,7 +3,7 @@
 Called from the optimizer pre-hook (before the update is applied), from the
 GradScaler wrapper on an overflow-skipped step, from the root pre-hook when
 there is no optimizer, and from ``close``. Everything here runs at most once
-per step; only :meth:`Boundary.read` touches device values, in one
+per step; only :meth:`Boundary.check` touches device values, in one
 ``tolist()`` of one gathered tensor (a slice of the probe buffer's slab, or
 a stack when the window spilled, see ``probes.ProbeBuffer``).
 """
@@ -22,12 +22,11 @@ from nand.agent.amp import AmpWatch
 from nand.agent.compiled import CompiledSlots
 from nand.agent.ddp import LocalGradCheck
 from nand.agent.identity import Identity
-from nand.agent.probes import ProbeBuffer, Site
+from nand.agent.probes import MICRO, ProbeBuffer, Site
 from nand.agent.recorder import FlightRecorder
 from nand.agent.report import build_event
 from nand.agent.step_check import (
     COMPILED_NOTE,
-    HEADROOM_FLOOR,
     Finding,
     StepRow,
     first_finding,
@@ -55,10 +54,6 @@ HEALTHY = Outcome()
 #: scaled loss. A non-finite input, output, weight or optimizer state in a
 #: window the scaler skipped is an incident all the same.
 SCALED_PHASES = frozenset({"loss", "backward", "grad"})
-
-#: Builds a NamedTuple (Outcome, StepRow) in C: its own ``__new__`` is a
-#: Python call, several times its warm cost in cold code (see ``Boundary.check``).
-_tuple_new = tuple.__new__
 
 
 class Boundary:
@@ -100,9 +95,7 @@ class Boundary:
         #: The norms of the last window read, and where gradients and parameters sat.
         self.read_norms: list[float] = []
         self.read_spans: dict[str, tuple[int, int]] = {}
-        #: Slow path: a forward finding explained by non-finite input data
-        #: that was held rather than probed, or by a non-finite parameter.
-        self.input_behind: Callable[[Finding], Finding | None] | None = None
+        #: Slow path: a forward finding explained by a non-finite parameter.
         self.param_behind: Callable[[Finding, int], Finding | None] | None = None
 
     def check(
@@ -119,75 +112,29 @@ class Boundary:
         ``record``: keep the step's figures in the flight recorder (not for the
         last look at ``close``, which holds parameters only). ``micro_base``:
         the first micro-step of this window within ``step`` (a closure
-        evaluated again in the same step). This runs once a
-        step, where a Python call costs several times its warm figure (see
-        ``OptimizerHooks._pre``): the healthy path is written out here, the
-        read and the headroom test's fast exit included, and the step's
-        records are built without a Python constructor.
+        evaluated again in the same step).
         """
-        buf = self.buf
         self.clean = False
         self.read_norms = []
+        self.row = None
         try:
-            has_extras = (
-                self.amp is not None or self.ddp is not None or self.loss_tensor is not None
-            )
-            extras = self._extras() if has_extras else []
+            extras = self._extras()
             if self.slots is not None and self.slots.active:
                 self._take_slots()
-            # THE host read of the step: one gathered tensor, one tolist(). A
-            # GPU version would copy it non-blocking into pinned memory and
-            # read it one step late (not implemented: no GPU here).
-            if self.agree:
-                values, any_bad = self._read_agreed(extras)
-            else:
-                n = len(buf.pairs) + len(buf.norms)
-                if (
-                    not buf.spilled
-                    and not buf.extras
-                    and buf.slotted is None
-                    and 0 < n <= len(buf.slots)
-                ):
-                    # buf.gather's slab path, written out
-                    if buf.norms:
-                        torch._foreach_copy_(buf.slots[len(buf.pairs) : n], buf.norms)
-                    gathered: Tensor | None = buf.slab[:n]
-                else:
-                    gathered = buf.gather()
-                values = gathered.tolist() if gathered is not None else None
-                self.reads += values is not None
-                any_bad = False
-            self.micro_steps = buf.sites.count(None)
-            self.row = None
+            values, any_bad = self._read_agreed(extras) if self.agree else self._read()
+            self.micro_steps = self.buf.sites.count(MICRO)
             if values is None:
                 return Outcome(None, any_bad) if any_bad else HEALTHY
-            scale = norm_scale = 1.0
-            overflow = False
-            if has_extras and self.amp is not None:
-                scale, norm_scale, overflow = self._amp_figures(values, extras, skipped)
+            scale, norm_scale, overflow = self._amp_figures(values, extras, skipped)
             loss = values[-1] if "loss" in extras else None
-            row = _tuple_new(
-                StepRow, (step, values, buf.sites[:], buf.norm_sites[:], scale, norm_scale, loss)
+            row = StepRow(
+                step, values, self.buf.sites[:], self.buf.norm_sites[:], scale, norm_scale, loss
             )
-            if record:
-                self.recorder.rows.append(row)
-            self.row = row
-            n_pairs = len(buf.pairs) + (len(buf.slotted) if buf.slotted is not None else 0)
-            if n_pairs and not self.warned_headroom:
-                pairs = values[:n_pairs]
-                # (near_limit's fast exit, written out: no figure near any dtype's limit)
-                if not max(max(pairs), -min(pairs)) < HEADROOM_FLOOR:  # (NaN: look)
-                    near = near_limit(row, n_pairs)
-                    if near is not None:
-                        self._warn_headroom(row, *near)
-            self.read_norms = values[n_pairs : n_pairs + len(buf.norms)]
-            # Handed over, not copied: the optimizer hooks fill a fresh one.
-            self.read_spans, buf.spans = buf.spans, {}
-            # Anything non-finite, extras aside. A float64 sum overflows only
-            # for float64 figures near their limit: then the slow path finds
-            # nothing, a false alarm that costs a look.
+            self._keep(row, record)
             n_main = len(values) - len(extras)
-            self.clean = math.isfinite(sum(values[:n_main] if extras else values))
+            # A float64 sum overflows only for float64 figures near their
+            # limit: then the slow path finds nothing, a false alarm.
+            self.clean = math.isfinite(sum(values[:n_main]))
             event = None
             if not self.clean:
                 event = self._finding_event(
@@ -200,10 +147,34 @@ class Boundary:
                     overflow = False
             if event is None and not any_bad and not overflow:
                 return HEALTHY
-            return _tuple_new(Outcome, (event, any_bad, overflow))
+            return Outcome(event, any_bad, overflow)
         finally:
-            buf.clear()
+            self.buf.clear()
             self.loss_tensor = None
+
+    def _read(self) -> tuple[list[float] | None, bool]:
+        """THE host read of the step: one gathered tensor, one ``tolist()``."""
+        gathered = self.buf.gather()
+        if gathered is None:
+            return None, False
+        self.reads += 1
+        return gathered.tolist(), False
+
+    def _keep(self, row: StepRow, record: bool) -> None:
+        """Keep the row (flight recorder, the optimizer hooks' norms), and warn
+        once when an activation nears its dtype's limit."""
+        buf = self.buf
+        if record:
+            self.recorder.rows.append(row)
+        self.row = row
+        n_pairs = len(buf.pairs) + (len(buf.slotted) if buf.slotted is not None else 0)
+        if n_pairs and not self.warned_headroom:
+            near = near_limit(row, n_pairs)
+            if near is not None:
+                self._warn_headroom(row, *near)
+        self.read_norms = row.values[n_pairs : n_pairs + len(buf.norms)]
+        # Handed over, not copied: the optimizer hooks fill a fresh one.
+        self.read_spans, buf.spans = buf.spans, {}
 
     def _finding_event(
         self,
@@ -218,8 +189,6 @@ class Boundary:
         """The slow path: the window's first verified non-finite entry, as an event."""
         grad_cause = self._grad_cause(values, extras)
         finding = first_finding(self.buf, values, grad_cause, prev_micro, micro_base)
-        if finding is not None and finding.phase == "forward" and self.input_behind:
-            finding = self.input_behind(finding) or finding
         if finding is not None and finding.phase == "forward" and self.param_behind:
             finding = self.param_behind(finding, prev_micro) or finding
         if finding is None:
@@ -311,6 +280,3 @@ class Boundary:
             site.module or "<root>", site.module_type, value, row.step,
             100 * value / limit, str(site.dtype).removeprefix("torch."), limit,
         )  # fmt: skip
-
-
-Callback = Callable[[], None]

@@ -9,17 +9,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
 from torch import Tensor
-from torch.compiler import is_dynamo_compiling as is_compiling
 from torch.utils.hooks import RemovableHandle
 
 from nand.agent.probes import Site
 
 if TYPE_CHECKING:
     from nand.agent.hooks import HookState
-
-_FLOAT32, _aminmax = torch.float32, torch.aminmax
 
 
 class GradHooks:
@@ -49,7 +45,6 @@ class GradHooks:
                 guard.failed(exc, f"gradient hook of {site.module!r}")
 
         def node_hook(grad_outputs: tuple[Tensor | None, ...]) -> None:
-            # (tensor_hook's body, not a call to it: see OptimizerHooks._pre on calls)
             grad = grad_outputs[0]
             if grad is None or guard.off:
                 return
@@ -114,52 +109,3 @@ class BiasProxy:
                 guard.failed(exc, f"gradient hook of {site.module!r}")
 
         return self.bias.register_hook(received)
-
-
-def read_together(state: HookState, chain: list[BiasProxy]) -> RemovableHandle:
-    """One hook for the bias proxies of a chain: read them all at its start.
-
-    ``chain`` are the proxies of an exact ``nn.Sequential``'s children, in
-    call order, when nothing else of nand's runs in backward (see
-    ``Hooks.install``). Their order in backward is then known, the reverse,
-    and one hook can probe them all: on the bias of the first, after its
-    gradient is accumulated. The engine runs a parameter's accumulation as
-    soon as its gradient is ready, so by then every later bias holds its own.
-    Each call from the autograd engine into Python costs ~20k instructions on
-    CPU (the probe itself a fraction): one per backward instead of one per
-    proxy. For the same reason the probes are written out, not called.
-
-    The values are read from ``.grad`` after accumulation: under gradient
-    accumulation, the sum so far; a non-finite value still shows first in the
-    micro-step that made it.
-    """
-    buf, guard = state.buf, state.guard
-    probe, pairs, sites = buf.probe, buf.pairs, buf.sites
-    backward_order = [(proxy, proxy.bias, proxy.site) for proxy in reversed(chain)]
-
-    def read(_: Tensor) -> None:
-        if guard.off:
-            return
-        micro = state.micro
-        try:
-            eager = not is_compiling()  # (first: dynamo would guard on len())
-            for proxy, bias, site in backward_order:
-                grad = bias.grad
-                if proxy.armed == micro and grad is not None:
-                    proxy.armed = -1
-                    if (
-                        eager
-                        and (k := len(pairs)) < buf.room
-                        and grad.dtype is _FLOAT32
-                        and grad.device == buf.device
-                    ):  # ProbeBuffer.probe's slab path, written out (see Hooks._leaf_hook)
-                        into = buf.slots[k : k + 2]
-                        _aminmax(grad, out=into)
-                        pairs.extend(into)
-                        sites.append(site)
-                    else:
-                        probe(grad, site)
-        except Exception as exc:
-            guard.failed(exc, "gradient hook of the chain's biases")
-
-    return chain[0].bias.register_post_accumulate_grad_hook(read)

@@ -23,25 +23,12 @@ Per module call:
   them in the forward hook.
 - a parent whose output is its last child's output (``Sequential``) adds no
   probe: the child already took it.
-- in an exact ``nn.Sequential`` the data flow is known: a finite-preserving
-  child that feeds a probed leaf gets no hook at all, the leaf does not
-  examine its input, and a root ending in a probed leaf gets no forward hook
-  (``modules.Chains``). For an MLP that leaves one hook per Linear, and
-  one on the first Linear's bias.
+- inside an ``nn.Sequential`` the data flow is known: a finite-preserving
+  child that feeds a probed leaf gets no hook at all, and the leaf does not
+  examine its input (``modules.Chains``).
 - the **root** pre-hook marks a micro-step and probes the input data
   (positional and keyword, nested); the root's outputs get a "loss" tensor hook:
-  the gradient arriving there comes from the loss computation. An exact
-  ``nn.Sequential`` that starts with a probed leaf hands it its input as is:
-  that leaf's hook does the pre-hook's work, and the root has no hook at all
-  when it also ends in one. When that leaf is an ``nn.Linear``, whose output
-  is non-finite whenever its input is, the input is kept rather than probed,
-  and looked at only when that output was (:meth:`Hooks.input_behind`).
-- when the only gradient probes left are the bias proxies of such a root's
-  children, their order in backward is known, and one hook reads them all
-  (``grads.read_together``).
-- such a root's ``forward`` becomes a :class:`sequential.SequentialForward`:
-  it calls a child whose only hook is nand's leaf hook, and then the hook,
-  itself, without torch's per-call hook machinery (~6 µs a call on CPU).
+  the gradient arriving there comes from the loss computation.
 
 Under ``torch.compile`` these hooks are inlined when they are registered before
 the first compiled call; tensor hooks cause graph breaks (see ``watch.py``).
@@ -52,14 +39,11 @@ to torch as a :class:`SavableHook`, which copies as a no-op. A shallow copy
 shares the hook dicts themselves: each hook returns at once when called
 for a module other than the one it was installed on.
 
-The hooks run between kernels, where a Python call costs several times its
-warm figure (benchmarks/README.md, round 7): the hot ones write their probe out.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -69,14 +53,13 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from nand.agent.compiled import CompiledSlots
-from nand.agent.grads import BiasProxy, GradHooks, read_together
-from nand.agent.modules import CONTAINERS, Chains, ModuleInfo, proxy_bias, runs_as
+from nand.agent.grads import BiasProxy, GradHooks
+from nand.agent.modules import CONTAINERS, Chains, ModuleInfo, proxy_bias
 from nand.agent.probes import MICRO, ProbeBuffer, Site, iter_tensors
 from nand.agent.safety import Guard
-from nand.agent.sequential import SequentialForward
-from nand.agent.step_check import Finding
 
-_FLOAT32, _aminmax = torch.float32, torch.aminmax
+# is_dynamo_compiling: False in eager at the cost of a call (dynamo makes it True)
+_is_compiling = torch.compiler.is_dynamo_compiling
 
 #: Autograd nodes of elementwise ops that cannot make a finite value
 #: non-finite, when written inline (``F.relu(self.linear1(x))``); of those, the
@@ -176,11 +159,6 @@ class Hooks:
         self.handles: list[RemovableHandle] = []
         self._grad_hooks: dict[int, GradHooks] = {}
         self._finite_nodes = FINITE_NODES
-        #: (the first child's output site, the root's input site) when the
-        #: root's input is held rather than probed (see ``input_behind``).
-        self._held_for: tuple[Site, Site] | None = None
-        #: An exact ``nn.Sequential`` root's forward while watched (see sequential.py).
-        self._sequential: SequentialForward | None = None
 
     def install(
         self, root: nn.Module, infos: dict[nn.Module, ModuleInfo], *, proxies: bool = True
@@ -191,94 +169,41 @@ class Hooks:
         if any(info.allow_neginf for info in infos.values()):
             self._finite_nodes = NEGINF_SAFE_NODES
         chains = Chains(root, infos)
-        biased = self._install_proxies(root, infos, chains) if proxies else {}
-        leaf_hooks: dict[nn.Module, tuple[Callable[..., None], int]] = {}
+        biased = self._install_proxies(root, infos) if proxies else {}
         for module, info in infos.items():
             if isinstance(module, CONTAINERS) or module in chains.unhooked:
                 continue
             if module is root:
-                pre = None if chains.takes_root is not None else self._root_pre(root, info)
-                self._install_root(module, info, pre, with_hook=not chains.root_is_last_leaf)
+                self._hook(
+                    module.register_forward_pre_hook, self._root_pre(root, info), with_kwargs=True
+                )
+                self._hook(module.register_forward_hook, self._root_hook(module, info))
             elif info.safe:
                 self._hook(module.register_forward_hook, self._safe_hook(module, info))
             elif info.leaf:
                 trusting = module in chains.trusting
-                root_pre = None
-                if module is chains.takes_root:
-                    hold = _implies_its_input(module, info)
-                    if hold:
-                        self._held_for = (info.output_site(""), infos[root].input_site("args[0]"))
-                    root_pre = self._root_pre(root, infos[root], hold)
-                leaf_hook = self._leaf_hook(
-                    module, info, biased.get(module), trusting, (root, root_pre)
-                )
-                handle = self._hook(module.register_forward_hook, leaf_hook)
-                leaf_hooks[module] = (leaf_hook, handle.id)
+                leaf_hook = self._leaf_hook(module, info, biased.get(module), trusting)
+                self._hook(module.register_forward_hook, leaf_hook)
             else:
                 self._hook(module.register_forward_pre_hook, self._container_pre(module, info))
                 self._hook(module.register_forward_hook, self._container_hook(module, info))
-        if type(root) is nn.Sequential:
-            children = root._modules.values()
-            forward = SequentialForward(
-                root, {m: leaf_hooks[m] for m in children if m in leaf_hooks}
-            )
-            if forward.hooks and forward.install():
-                self._sequential = forward
-
-    def input_behind(self, finding: Finding) -> Finding | None:
-        """A forward finding at the first child's output whose input was held,
-        not probed: the input data, when that was non-finite. The slow path
-        (see :func:`_implies_its_input`)."""
-        if self._held_for is None or finding.site is not self._held_for[0]:
-            return None
-        held = self.state.buf.held
-        x = held[finding.micro] if finding.micro < len(held) else None
-        if x is None or not x.is_floating_point() or bool(torch.isfinite(x).all()):
-            return None
-        site = self._held_for[1]
-        site.shape, site.dtype = x.shape, x.dtype
-        # With the tensor at hand the event counts its NaNs and infinities.
-        return Finding(
-            site, "input", site.module, site.module_type, finding.micro, 0, 0,
-            math.nan, math.nan, "data", tensor=x.detach(),
-        )  # fmt: skip
 
     def remove(self) -> None:
-        if self._sequential is not None:
-            self._sequential.remove()
-            self._sequential = None
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
 
     def _install_proxies(
-        self, root: nn.Module, infos: dict[nn.Module, ModuleInfo], chains: Chains
+        self, root: nn.Module, infos: dict[nn.Module, ModuleInfo]
     ) -> dict[nn.Module, BiasProxy]:
-        """Bias hooks for every module whose output gradient its bias gives:
-        one for all of them when they form the root's chain, else one each."""
+        """A bias hook for every module whose output gradient its bias gives."""
         found: dict[nn.Module, BiasProxy] = {}
         for module, bias in proxy_bias(root, infos).items():
             site = infos[module].output_site("").backward
             assert site is not None
             found[module] = BiasProxy(site, bias)
-        chain = _proxy_chain(root, infos, chains, found)
-        if chain is not None:
-            self.handles.append(read_together(self.state, chain))
-        else:
-            self.handles.extend(proxy.listen(self.state) for proxy in found.values())
+            self.handles.append(found[module].listen(self.state))
         return found
-
-    def _install_root(
-        self,
-        module: nn.Module,
-        info: ModuleInfo,
-        pre: Callable[..., None] | None,
-        with_hook: bool,
-    ) -> None:
-        if pre is not None:
-            self._hook(module.register_forward_pre_hook, pre, with_kwargs=True)
-        if with_hook:
-            self._hook(module.register_forward_hook, self._root_hook(module, info))
 
     def _hook(
         self, register: Callable[..., RemovableHandle], hook: Callable[..., None], **options: bool
@@ -292,78 +217,45 @@ class Hooks:
     # --- the hooks ------------------------------------------------------------
 
     def _leaf_hook(
-        self,
-        owner: nn.Module,
-        info: ModuleInfo,
-        proxy: BiasProxy | None,
-        trusting: bool,
-        takes_root: tuple[nn.Module, Callable[..., None] | None],
+        self, owner: nn.Module, info: ModuleInfo, proxy: BiasProxy | None, trusting: bool
     ) -> Callable[..., None]:
         """``trusting``: the input comes straight from an unhooked
-        finite-preserving module (see ``modules.Chains``); not examined.
-        ``takes_root``: (the root, its pre-hook) when this leaf does the root
-        pre-hook's work first (``modules.Chains.takes_root``), saving the
-        root a hooked call."""
-        # The hot path: everything it uses is bound here, once. Each Python
-        # call costs several times its warm figure between kernels (see
-        # ``OptimizerHooks._pre``): the probe is written out, not called.
-        state, guard, buf = self.state, self.state.guard, self.state.buf
-        probe, pairs, sites = buf.probe, buf.pairs, buf.sites
-        # is_dynamo_compiling: False in eager at the cost of a call (dynamo makes it True)
-        is_compiling = torch.compiler.is_dynamo_compiling
+        finite-preserving module (see ``modules.Chains``); not examined."""
+        state, guard = self.state, self.state.guard
         out_site = info.output_site("")
         assert out_site.backward is not None
         grad_hooks = self._grad_hook(out_site.backward)
-        allow = info.allow_neginf
-        root, root_pre = takes_root
-        slots = state.slots
 
         def leaf_hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-            if module is not owner:
-                return  # a shallow copy's (it shares torch's hook dicts): not watched
-            if root_pre is not None:
-                root_pre(root, args, {})  # (guarded itself)
-            if guard.off:
+            if guard.off or module is not owner:  # (not a shallow copy's: it shares hook dicts)
                 return
             try:
-                if is_compiling() or slots.active:  # (is_compiling first: no guard on active)
+                if _is_compiling() or state.slots.active:  # (first: no guard on active)
                     self._slotted(info, output)
                     return
                 if state.pending is not None:
                     self._settle(info, args)
                 if not trusting and args and (len(args) > 1 or args[0] is not state.last):
                     self._check_inputs(args, output, info, module)
-                if isinstance(output, Tensor):
-                    if allow:
-                        self._probe_output(out_site, output)
-                    elif output.is_floating_point() and output.numel():
-                        eager = not is_compiling()  # (first: dynamo would guard on len())
-                        if (
-                            eager
-                            and (k := len(pairs)) < buf.room
-                            and output.dtype is _FLOAT32
-                            and output.device == buf.device
-                        ):  # ProbeBuffer.probe's slab path, written out
-                            into = buf.slots[k : k + 2]
-                            _aminmax(output.detach(), out=into)
-                            pairs.extend(into)
-                            sites.append(out_site)
-                        else:
-                            probe(output.detach(), out_site)
-                        out_site.shape, out_site.dtype = output.shape, output.dtype
-                        if not output.requires_grad:
-                            pass
-                        elif proxy is None or not eager or proxy.armed == state.micro:
-                            grad_hooks.attach(output)  # no proxy, or not this module's first call
-                        else:
-                            proxy.armed = state.micro  # the bias gradient stands for this one
-                    state.last = output
-                else:
+                if not isinstance(output, Tensor):
                     self._probe_structure(info, output)
+                elif output.is_floating_point() and output.numel():
+                    self._probe(out_site, output)
+                    if output.requires_grad:
+                        self._watch_gradient(output, grad_hooks, proxy)
+                    state.last = output
             except Exception as exc:
                 guard.failed(exc, f"forward hook of {info.name!r}")
 
         return leaf_hook
+
+    def _watch_gradient(self, output: Tensor, hooks: GradHooks, proxy: BiasProxy | None) -> None:
+        """Probe ``output``'s gradient in backward: through the bias proxy for
+        the module's first call in a micro-step, else with a hook of its own."""
+        if proxy is None or proxy.armed == self.state.micro:
+            hooks.attach(output)
+        else:
+            proxy.armed = self.state.micro  # the bias gradient stands for this one
 
     def _safe_hook(self, owner: nn.Module, info: ModuleInfo) -> Callable[..., None]:
         state = self.state
@@ -375,7 +267,7 @@ class Hooks:
         def safe_hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
             if state.guard.off or module is not owner:  # (not a copy's: see leaf_hook)
                 return
-            if torch.compiler.is_dynamo_compiling() or state.slots.active:
+            if _is_compiling() or state.slots.active:
                 return  # slot mode: finite-preserving modules are not probed, nor tracked
             try:
                 if state.pending is not None:
@@ -401,7 +293,7 @@ class Hooks:
         def container_pre(module: nn.Module, args: tuple[Any, ...]) -> None:
             if state.guard.off or not args or module is not owner:
                 return
-            if torch.compiler.is_dynamo_compiling() or state.slots.active:
+            if _is_compiling() or state.slots.active:
                 return  # slot mode: no inline check (see compiled.py)
             try:
                 self._check_inputs(args, None, info, module)
@@ -419,7 +311,7 @@ class Hooks:
             if state.guard.off or module is not owner:
                 return
             try:
-                if torch.compiler.is_dynamo_compiling() or state.slots.active:
+                if _is_compiling() or state.slots.active:
                     self._slotted(info, output)
                     return
                 if isinstance(output, Tensor):
@@ -433,24 +325,14 @@ class Hooks:
 
         return container_hook
 
-    def _root_pre(
-        self, owner: nn.Module, info: ModuleInfo, hold: bool = False
-    ) -> Callable[..., None]:
-        """``hold``: the first child's output is non-finite whenever a plain
-        tensor input is (see :func:`_implies_its_input`): that input is kept
-        for :meth:`input_behind` instead of probed."""
-        state, guard, buf = self.state, self.state.guard, self.state.buf
-        probe = buf.probe
-        held = buf.held if hold else None
-        # is_dynamo_compiling: False in eager at the cost of a call (dynamo makes it True)
-        is_compiling = torch.compiler.is_dynamo_compiling
-        first = info.input_site("args[0]")
+    def _root_pre(self, owner: nn.Module, info: ModuleInfo) -> Callable[..., None]:
+        state, guard = self.state, self.state.guard
 
         def root_pre(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if guard.off or module is not owner:
                 return
             try:
-                if is_compiling():  # slot mode, and no step boundary from compiled code
+                if _is_compiling():  # slot mode, and no step boundary from compiled code
                     self._slotted_inputs(info, args, kwargs)
                     return
                 if not state.external_batches:
@@ -458,19 +340,6 @@ class Hooks:
                 if state.slots.active:
                     self._slotted_inputs(info, args, kwargs)
                     return
-                if not kwargs and len(args) == 1 and isinstance(args[0], Tensor):
-                    x = args[0]  # the common case, without walking structures
-                    if held is not None:
-                        held.append(x)  # one per micro-step
-                        state.last = x
-                        return
-                    if x.is_floating_point() and x.numel():
-                        probe(x.detach(), first)
-                        first.shape, first.dtype = x.shape, x.dtype
-                        state.last = x
-                    return
-                if held is not None:
-                    held.append(None)  # probed below
                 for path, t in iter_tensors((args, kwargs)):
                     self._probe_input(info, _input_slot(path), t)
             except Exception as exc:
@@ -485,7 +354,7 @@ class Hooks:
             if state.guard.off or module is not owner:
                 return
             try:
-                if torch.compiler.is_dynamo_compiling() or state.slots.active:
+                if _is_compiling() or state.slots.active:
                     self._slotted(info, output)
                     return
                 if state.pending is not None:  # consumed by the loss: unknown code
@@ -678,50 +547,3 @@ def _input_slot(path: str) -> str:
     for positional arguments, ``[1].name...`` for keyword ones.
     """
     return path[3:] if path.startswith("[1].") else "args" + path[3:]
-
-
-def _proxy_chain(
-    root: nn.Module,
-    infos: dict[nn.Module, ModuleInfo],
-    chains: Chains,
-    proxies: dict[nn.Module, BiasProxy],
-) -> list[BiasProxy] | None:
-    """The root's bias proxies in call order, when nothing else probes backward.
-
-    So when the root is an exact ``nn.Sequential`` ending in a probed leaf (no
-    loss hook of its own) and every module that gets a hook is one of its
-    children, registered once, whose gradient its bias gives: an MLP, a plain
-    CNN. Then no other probe can fire in backward between theirs, and their
-    order there is the reverse of the children's (``grads.read_together``).
-    One device: the engine's per-device threads would not keep that order.
-    """
-    if not chains.root_is_last_leaf:  # (an exact Sequential)
-        return None
-    children = list(root._modules.values())
-    for module in infos:
-        if module is root or isinstance(module, CONTAINERS) or module in chains.unhooked:
-            continue  # no hook
-        if module not in proxies or module not in children or not chains.once(module):
-            return None
-    chain = [proxies[module] for module in children if module in proxies]
-    if len(chain) < 2 or len({proxy.bias.device for proxy in chain}) != 1:
-        return None
-    return chain
-
-
-def _implies_its_input(module: nn.Module, info: ModuleInfo) -> bool:
-    """Whether ``module``'s probed output is non-finite whenever its input is,
-    so that probing the input too would read the same news twice.
-
-    An exact ``nn.Linear`` with outputs: each output of a row sums the whole
-    input row times the weights, and NaN or an infinity times anything (0
-    included) is non-finite, as is any sum with it (inf - inf is NaN). Not
-    when only its max is watched (allow-listed: a -inf input could come out
-    as -inf alone).
-    """
-    return (
-        type(module) is nn.Linear
-        and runs_as(module, (nn.Linear,))
-        and module.out_features > 0
-        and not info.allow_neginf
-    )

@@ -208,14 +208,7 @@ class Chains:
       (``unhooked``): it cannot make anything non-finite, the leaf's input is
       its output and not inline code, and when it masks (ReLU), a leaf with a
       benign backward needs no gradient probe between them;
-    - that leaf need not examine its input (``trusting``);
-    - a root ``Sequential`` whose last child is a probed leaf returns that
-      leaf's output, already probed (``root_is_last_leaf``): no root forward hook;
-    - a root ``Sequential`` whose first child is a probed leaf hands it its
-      input unchanged (``takes_root``, that child): its hook can do the
-      root's pre-hook's work (mark the micro-step, probe the input), and the
-      root needs no pre-hook. Calling that child on its own, outside the
-      model, would then count as a micro-step.
+    - that leaf need not examine its input (``trusting``).
 
     Only for modules registered once in the model: a module that is also used
     elsewhere keeps every check.
@@ -224,8 +217,6 @@ class Chains:
     def __init__(self, root: nn.Module, infos: dict[nn.Module, ModuleInfo]) -> None:
         self.unhooked: set[nn.Module] = set()
         self.trusting: set[nn.Module] = set()
-        self.root_is_last_leaf = False
-        self.takes_root: nn.Module | None = None
         self._uses: dict[int, int] = {}
         for _, module in root.named_modules(remove_duplicate=False):
             self._uses[id(module)] = self._uses.get(id(module), 0) + 1
@@ -241,11 +232,6 @@ class Chains:
                     assert before is not None and after is not None
                     self.unhooked.add(before)
                     self.trusting.add(after)
-        if type(root) is nn.Sequential and len(root) > 0:
-            first, last = root[0], root[-1]
-            self.root_is_last_leaf = _probed_leaf(infos.get(last)) and self.once(last)
-            if _probed_leaf(infos.get(first)) and self.once(first):
-                self.takes_root = first
 
     def once(self, module: nn.Module) -> bool:
         """Whether ``module`` is registered once in the model (called from one place)."""

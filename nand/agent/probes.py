@@ -76,7 +76,7 @@ class ProbeBuffer:
     """
 
     __slots__ = (
-        "device", "extras", "held", "norm_sites", "norms", "pairs", "room", "sites", "slab",
+        "device", "extras", "norm_sites", "norms", "pairs", "room", "sites", "slab",
         "slots", "slotted", "spans", "spilled",
     )  # fmt: skip
 
@@ -88,9 +88,6 @@ class ProbeBuffer:
         self.extras: list[Tensor] = []  # loss, AMP scale, found_inf...
         #: (start, count) among ``norms`` of the gradients ("grad") and parameters ("param").
         self.spans: dict[str, tuple[int, int]] = {}
-        #: Per micro-step, input data kept unprobed for the slow path (see
-        #: ``Hooks.input_behind``); None where it was probed.
-        self.held: list[Tensor | None] = []
         #: The compiled slots' pairs of this window (see compiled.py), read
         #: right after ``pairs``; their sites follow in ``sites``.
         self.slotted: Tensor | None = None
@@ -99,12 +96,7 @@ class ProbeBuffer:
         self.spilled = False
 
     def probe(self, t: Tensor, site: Site) -> None:
-        """Launch one aminmax of ``t`` (detached, float, non-empty) for ``site``. No sync.
-
-        The two hottest callers, ``Hooks._leaf_hook`` and
-        ``grads.read_together``, write the slab path out instead of calling
-        this (see ``OptimizerHooks._pre`` on calls): a change here goes there too.
-        """
+        """Launch one aminmax of ``t`` (detached, float, non-empty) for ``site``. No sync."""
         pairs = self.pairs
         # (is_compiling first: dynamo would guard on the length read after it)
         if (
@@ -140,8 +132,6 @@ class ProbeBuffer:
             self.extras.clear()
         if self.spans:
             self.spans.clear()
-        if self.held:
-            self.held.clear()
         self.slotted = None
 
     def _refit(self) -> None:
@@ -204,13 +194,6 @@ def local(t: Tensor) -> Tensor:
         return to_local().detach()
 
 
-def probe(pairs: list[Tensor], sites: list[Site | None], site: Site, t: Tensor) -> None:
-    """Launch one aminmax of ``t`` if it is a non-empty float tensor. No sync."""
-    if t.is_floating_point() and t.numel():
-        pairs.extend(torch.aminmax(t.detach()))
-        sites.append(site)
-
-
 def iter_tensors(value: Any, path: str = "", depth: int = 0) -> Iterator[tuple[str, Tensor]]:
     """(path, tensor) for every tensor in a nested output or input structure.
 
@@ -232,13 +215,3 @@ def iter_tensors(value: Any, path: str = "", depth: int = 0) -> Iterator[tuple[s
         for f in dataclasses.fields(value):
             item = getattr(value, f.name, None)
             yield from iter_tensors(item, f"{path}.{f.name}" if path else f.name, depth + 1)
-
-
-def first_float(value: Any) -> Tensor | None:
-    """The first float tensor of a (nested) value, or None."""
-    if isinstance(value, Tensor):
-        return value
-    for _, t in iter_tensors(value):
-        if t.is_floating_point():
-            return t
-    return None

@@ -39,8 +39,7 @@ Attributes: ``first`` (the first :class:`nand.Event` on this rank), ``events``
 (incidents, bounded, the first always kept), ``step``, ``nonfinite_steps``,
 ``amp_skipped``, ``host_reads``; ``loss(t)`` records the loss for telemetry
 without a sync; ``flight_window()`` returns the flight recorder's window;
-``close()`` removes every hook, and the ``forward`` an exact ``nn.Sequential``
-root gets (``agent/sequential.py``), also on leaving the ``with`` block.
+``close()`` removes every hook, also on leaving the ``with`` block.
 
 One incident, one log line (``nand`` logger, WARNING), e.g.::
 
@@ -192,7 +191,6 @@ class Watch:
                 self._adopt_scaler(scaler)
             # Frameworks make their own scaler: learn it when it steps this optimizer.
             self._unlisten = amp.listen(optimizer, self._adopt_scaler)
-        self._boundary.input_behind = self._hooks.input_behind
         self._boundary.param_behind = self._opt.param_behind if self._opt is not None else None
         self._boundary.grads_reduced = grads_reduced
         self._boundary.ddp = _install_ddp_check(model)

@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 import nand
-from nand.agent import hooks as hooks_module
 from nand.agent.grads import GradHooks
 from nand.agent.modules import module_table, proxy_bias
 from tests.agent.models import VALUES, BackwardPlant, BadBackward, arm_at, mlp, train, where
@@ -110,13 +109,7 @@ def test_which_modules_read_their_gradient_from_the_bias():
     assert chosen == {"4", "5", "8"}  # 0 and 7 share a bias: neither
 
 
-# --- an exact Sequential whose only backward probes are bias proxies ---------
-
-
-def _together(enabled: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Read the chain's biases with one hook (the default) or one hook each."""
-    if not enabled:
-        monkeypatch.setattr(hooks_module, "_proxy_chain", lambda *args: None)
+# --- an MLP whose only backward probes are bias proxies ----------------------
 
 
 def _corrupt_gradient_into(module: nn.Module, at: tuple[int, int], value: float) -> Callable:
@@ -140,57 +133,35 @@ def _corrupt_gradient_into(module: nn.Module, at: tuple[int, int], value: float)
     return before
 
 
-def test_an_mlps_biases_are_read_by_one_hook_and_close_removes_it():
+def test_an_mlps_biases_each_get_one_hook_and_close_removes_them():
     model = mlp()
     biases = [model[i].bias for i in (0, 2, 4)]
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with nand.watch(model, opt):
-        assert len(biases[0]._post_accumulate_grad_hooks or {}) == 1  # the first Linear's
-        assert not any(b._post_accumulate_grad_hooks for b in biases[1:])
-        assert not any(b._backward_hooks for b in biases)  # no hook per bias
+        assert all(len(b._backward_hooks or {}) == 1 for b in biases)  # one per bias
         train(model, opt, 2)
     assert not any(b._post_accumulate_grad_hooks or b._backward_hooks for b in biases)
 
 
-def test_a_chain_with_another_backward_probe_keeps_one_hook_per_bias():
-    model = nn.Sequential(nn.Linear(8, 16), BackwardPlant(), nn.Tanh(), nn.Linear(16, 4))
-    with nand.watch(model):
-        assert all(len(model[i].bias._backward_hooks or {}) == 1 for i in (0, 3))
-        assert not model[0].bias._post_accumulate_grad_hooks
-
-
 @pytest.mark.parametrize("accum", [1, 3])
-def test_biases_read_together_give_each_layers_gradient_figure(accum):
+def test_bias_proxies_give_each_layers_gradient_figure(accum):
     torch.manual_seed(0)
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    readings: list[list[float]] = []  # after each micro-step's backward, per Linear
-
-    def read_biases(*_: object) -> None:
-        readings.append([float(model[i].bias.grad.abs().max()) for i in (0, 2, 4)])
-
-    def before(step: int, micro: int) -> None:
-        if micro > 0:
-            read_biases()  # the gradient accumulated so far
-
-    opt.register_step_pre_hook(read_biases)
+    arrivals: dict[int, list[float]] = {0: [], 2: [], 4: []}  # each micro-step's bias gradient
+    for i, figures in arrivals.items():
+        model[i].bias.register_hook(lambda g, figures=figures: figures.append(float(g.abs().max())))
     with nand.watch(model, opt) as w:
-        train(model, opt, 3, accum=accum, before=before)
+        train(model, opt, 3, accum=accum)
     window = w.flight_window()
     for step, figures in enumerate(window.grad_max_abs):
         by_module = dict(zip(window.modules, figures, strict=True))
-        # Read from .grad once accumulated: each micro-step's sum so far.
-        this_step = readings[step * accum : (step + 1) * accum]
-        expected = [max(r) for r in zip(*this_step, strict=True)]
+        expected = [max(arrivals[i][step * accum : (step + 1) * accum]) for i in (0, 2, 4)]
         assert [by_module[name] for name in ("0", "2", "4")] == pytest.approx(expected, rel=1e-6)
 
 
-@pytest.mark.parametrize("together", [True, False])
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_gradient_made_non_finite_in_backward_is_blamed_alike_either_way(
-    kind, together, monkeypatch
-):
-    _together(together, monkeypatch)
+def test_a_gradient_made_non_finite_in_backward_is_blamed_on_what_ran_before_it(kind):
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     before = _corrupt_gradient_into(model[2], (2, 1), VALUES[kind])
@@ -201,9 +172,7 @@ def test_a_gradient_made_non_finite_in_backward_is_blamed_alike_either_way(
     assert where(w.first) == (2, 1, "backward", "4", "produced")
 
 
-@pytest.mark.parametrize("together", [True, False])
-def test_a_non_finite_loss_gradient_is_blamed_on_the_loss_either_way(together, monkeypatch):
-    _together(together, monkeypatch)
+def test_a_non_finite_loss_gradient_is_blamed_on_the_loss():
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
 
