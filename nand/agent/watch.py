@@ -103,6 +103,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 from nand import config
 from nand.agent import amp, ddp
@@ -147,7 +148,10 @@ class Watch:
         max_events: int,
         scaler: Any,
         on_stop: Callable[[], None] | None = None,
+        enabled: bool = True,
     ) -> None:
+        """``enabled=False`` (``NAND_DISABLE=1``): an inert watch, nothing
+        installed on the model, the optimizer, DDP or the scaler."""
         if on_nonfinite not in POLICIES:
             raise ConfigError(f"on_nonfinite={on_nonfinite!r}: use one of {', '.join(POLICIES)}")
         self.policy = on_nonfinite
@@ -172,8 +176,6 @@ class Watch:
         state = HookState(self._buf, self._guard, self._slots)
         state.window_full = self._window_full
         self._hooks = Hooks(state)
-        grads_reduced = ddp.grads_are_reduced(model)
-        self._hooks.install(self._root, self._infos, proxies=not grads_reduced)
         world = session.who.world_size
         agree = on_nonfinite in ("skip", "stop") and _dist_up() and world > 1
         root_type = type(self._root).__name__
@@ -181,28 +183,39 @@ class Watch:
             self._buf, session.who, self.recorder, len(names), root_type, agree
         )
         self._boundary.slots = self._slots
-        self._opt = self._hook_optimizer(optimizer, wrapped) if optimizer is not None else None
-        if self._opt is None:
-            state.before_root = self._root_step
+        self._opt: OptimizerHooks | None = None
         self._amp: AmpWatch | None = None
-        self._unlisten = None
-        if optimizer is not None:
+        self._unlisten: Callable[[], None] | None = None
+        self._looking: RemovableHandle | None = None
+        if not enabled:
+            self._closed = True  # nothing to remove, nobody to tell
+            self._guard.off = True  # new_batch, loss(): nothing recorded
+            return
+        self._install(model, optimizer, scaler, wrapped)
+        self._set_dtype()
+        session.hello(self._root, names, self._infos, optimizer, on_nonfinite)
+
+    def _install(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, scaler: Any, wrapped: bool
+    ) -> None:
+        """Hook the model, the optimizer, the scaler and the DDP wrapper."""
+        grads_reduced = ddp.grads_are_reduced(model)
+        self._hooks.install(self._root, self._infos, proxies=not grads_reduced)
+        self._boundary.grads_reduced = grads_reduced
+        if optimizer is None:
+            self._hooks.state.before_root = self._root_step
+        else:
+            self._opt = self._hook_optimizer(optimizer, wrapped)
+            self._boundary.param_behind = self._opt.param_behind
             if scaler is not None:
                 self._adopt_scaler(scaler)
             # Frameworks make their own scaler: learn it when it steps this optimizer.
             self._unlisten = amp.listen(optimizer, self._adopt_scaler)
-        self._boundary.param_behind = self._opt.param_behind if self._opt is not None else None
-        self._boundary.grads_reduced = grads_reduced
         self._boundary.ddp = _install_ddp_check(model)
         # A plain model trained through a wrapper nand was not given (HF Trainer's
         # callbacks get the model, accelerate wraps it in DDP): found at its first call.
-        self._looking = (
-            ddp.find_wrapper(self._root, self._found_wrapper)
-            if not wrapped and _dist_up() and world > 1
-            else None
-        )
-        self._set_dtype()
-        session.hello(self._root, names, self._infos, optimizer, on_nonfinite)
+        if not wrapped and _dist_up() and self.session.who.world_size > 1:
+            self._looking = ddp.find_wrapper(self._root, self._found_wrapper)
 
     # --- public API ------------------------------------------------------------
 
@@ -544,9 +557,8 @@ def watch(
         max_events=max_events or config.get_int(config.NAND_MAX_EVENTS, 1000),
         scaler=scaler,
         on_stop=on_stop,
+        enabled=not disabled,
     )
-    if disabled:
-        w.close("disabled")  # NAND_DISABLE=1: nothing stays hooked
     return w
 
 

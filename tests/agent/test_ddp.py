@@ -77,3 +77,29 @@ def test_a_model_watched_inside_a_ddp_wrapper_it_was_not_given_is_found_at_its_f
     results = _run(local_check=True, watch_inner=True)
     assert results[1] == (3, "grad", "0.weight", "produced")
     assert results[0] == (3, "grad", "0.weight", "received")
+
+
+def _disabled_rank_main(rank: int, port: int, results: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NAND_DISABLE="1")
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    model = DistributedDataParallel(mlp())
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    watch = nand.watch(model, opt)
+    # DDP takes one communication hook: the user's own must still be accepted.
+    model.register_comm_hook(None, lambda _, bucket: _allreduce_future(bucket))
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    opt.step()
+    hooked = any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    results[rank] = (watch.step, hooked, bool(opt._optimizer_step_pre_hooks))
+    dist.destroy_process_group()
+
+
+def _allreduce_future(bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    tensor = bucket.buffer().div_(dist.get_world_size())
+    return dist.all_reduce(tensor, async_op=True).get_future().then(lambda f: f.value()[0])
+
+
+def test_nand_disable_leaves_ddp_free_for_the_user_s_own_comm_hook():
+    results = mp.Manager().dict()
+    mp.spawn(_disabled_rank_main, args=(_free_port(), results), nprocs=2, join=True)
+    assert dict(results) == {0: (0, False, False), 1: (0, False, False)}
