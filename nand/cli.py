@@ -18,7 +18,7 @@ from nand import __version__
 #: Modules that add subcommands, in the order their commands are listed.
 COMMAND_GROUPS = (
     "nand.server.commands",  # server, runs, verdict, stop, wait, prune
-    "nand.agent.commands",  # spool replay
+    "nand.agent.transport.commands",  # spool replay
     "nand.demo",  # demo
 )
 

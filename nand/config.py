@@ -43,7 +43,7 @@ Default 1000."""
 
 NAND_DDP_LOCAL_CHECK = "NAND_DDP_LOCAL_CHECK"
 """``0`` turns off the check of each rank's own gradients before DDP's all-reduce
-(a communication hook; see ``nand.agent.ddp``). Default on."""
+(a communication hook; see ``nand.agent.detect.ddp``). Default on."""
 
 NAND_HEARTBEAT_S = "NAND_HEARTBEAT_S"
 """Seconds between heartbeats sent to the server. Default 5."""

@@ -1,5 +1,13 @@
 """The in-process agent: runs inside each training rank.
 
-Data path: hooks → probes (device-side reductions) → step check (one host read
-per optimizer step) → events → sinks (log, JSONL file, server transport).
+The data path, one package per stage, each importing only those before it:
+
+- ``transport``: delivery to the server from a background thread;
+- ``output``: the session and its sinks (log, JSONL file, server);
+- ``detect``: hooks and probes, device-side reductions, no sync;
+- ``step``: the one host read per step, the analysis, the event;
+- ``watch``: :func:`nand.watch`, which wires them together.
+
+``identity`` (who this rank is), ``sink`` (what a sink does) and ``safety``
+(nand's own errors never reach training) are shared by all.
 """

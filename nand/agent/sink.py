@@ -2,7 +2,7 @@
 
 The agent core (``nand.agent.watch``) calls a :class:`Sink` on the training
 thread, at step boundaries only. Every method must return at once: a sink that
-does I/O hands the work to a background thread (see ``nand.agent.transport``).
+does I/O hands the work to a background thread (see ``nand.agent.transport.server_sink``).
 Sinks never raise into the training loop; the core still guards each call.
 """
 

@@ -106,20 +106,21 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from nand import config
-from nand.agent import amp, ddp
-from nand.agent.amp import AmpWatch
-from nand.agent.boundary import HEALTHY, Boundary, Outcome
-from nand.agent.compiled import CompiledSlots
-from nand.agent.hooks import Hooks, HookState
-from nand.agent.modules import module_table
-from nand.agent.names import param_names, unwrap, unwrap_optimizer
-from nand.agent.optimizer import OptimizerHooks
-from nand.agent.probes import ProbeBuffer
-from nand.agent.recorder import FlightRecorder
+from nand.agent.detect import amp, ddp
+from nand.agent.detect.amp import AmpWatch
+from nand.agent.detect.compiled import CompiledSlots
+from nand.agent.detect.hooks import Hooks
+from nand.agent.detect.modules import module_table
+from nand.agent.detect.names import param_names, unwrap, unwrap_optimizer
+from nand.agent.detect.optimizer import OptimizerHooks
+from nand.agent.detect.probes import ProbeBuffer
+from nand.agent.detect.state import HookState
+from nand.agent.output.session import Session
 from nand.agent.safety import Guard
-from nand.agent.session import Session
+from nand.agent.step.boundary import HEALTHY, Boundary, Outcome
+from nand.agent.step.recorder import FlightRecorder
 from nand.errors import ConfigError, NandError, NonFiniteError, StopRequested
-from nand.events import Event, FlightWindow
+from nand.events import Event, FlightWindow, StepSummary
 
 __all__ = ["Watch", "watch"]
 
@@ -193,7 +194,7 @@ class Watch:
             return
         self._install(model, optimizer, scaler, wrapped)
         self._set_dtype()
-        session.hello(self._root, names, self._infos, optimizer, on_nonfinite)
+        self._hello(optimizer, on_nonfinite)
 
     def _install(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None, scaler: Any, wrapped: bool
@@ -206,7 +207,7 @@ class Watch:
             self._hooks.state.before_root = self._root_step
         else:
             self._opt = self._hook_optimizer(optimizer, wrapped)
-            self._boundary.param_behind = self._opt.param_behind
+            self._boundary.params = self._opt
             if scaler is not None:
                 self._adopt_scaler(scaler)
             # Frameworks make their own scaler: learn it when it steps this optimizer.
@@ -426,7 +427,7 @@ class Watch:
         """After a boundary: take the server's commands, stop if it asked to."""
         session = self.session
         if session.per_step:
-            session.poll(self)
+            session.poll(self.step, self.flight_window)
         if session.stop_at is not None and self.step >= session.stop_at:
             self._stop(StopRequested(session.stop_at, "requested by the server"))
 
@@ -468,7 +469,7 @@ class Watch:
                 )
             return
         if beat and self.session.per_step:
-            self.session.step_done(self)
+            self.session.step_done(self.step, self._summary)
         if event is None:
             self._in_incident = False
             return
@@ -499,6 +500,35 @@ class Watch:
             self._on_step,
             window=self._boundary,
             evaluated=self._on_evaluation,
+        )
+
+    def _hello(self, optimizer: Any, policy: str) -> None:
+        p = next(iter(self._root.parameters()), None)
+        modules = [
+            {
+                "name": info.name,
+                "type": info.type,
+                "order": info.index,
+                "params": sum(q.numel() for q in module.parameters(recurse=False)),
+            }
+            for module, info in self._infos.items()
+        ]
+        optimizer_type = type(optimizer).__name__ if optimizer is not None else None
+        device = str(p.device) if p is not None else "cpu"
+        self.session.hello(device, modules, optimizer_type, policy)
+
+    def _summary(self, steps_per_s: float) -> StepSummary:
+        """The heartbeat's figures, from what the last steps already read."""
+        tele = self.recorder.last()
+        rows = self.recorder.rows
+        return StepSummary(
+            step=self.step,
+            steps_per_s=steps_per_s,
+            loss=rows[-1].loss if rows else None,
+            grad_norm=tele.grad_norm if tele else None,
+            max_activation=tele.max_act if tele else None,
+            amp_skipped=self.amp_skipped,
+            amp_scale=self._amp.scale if self._amp is not None else None,
         )
 
     def _set_dtype(self) -> None:

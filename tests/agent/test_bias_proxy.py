@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import nand
-from nand.agent.grads import GradHooks
-from nand.agent.modules import module_table, proxy_bias
+from nand.agent.detect.grads import GradHooks
+from nand.agent.detect.modules import module_table, proxy_bias
 from tests.agent.models import VALUES, BackwardPlant, BadBackward, arm_at, mlp, train, where
 
 KINDS = list(VALUES)

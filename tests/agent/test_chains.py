@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import nand
-from nand.agent.modules import Chains, module_table
+from nand.agent.detect.modules import Chains, module_table
 from tests.agent.models import VALUES, mlp, train, where
 
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import nand
-from nand.agent.names import clean_name, unwrap
+from nand.agent.detect.names import clean_name, unwrap
 from tests.agent.models import VALUES, BackwardPlant, Plant, mlp, train
 
 

@@ -124,7 +124,7 @@ def test_memory_stays_bounded_over_thousands_of_steps():
 def test_an_optimizer_that_never_steps_does_not_grow_the_buffer(monkeypatch):
     # Forward/backward forever, never opt.step() (evaluation with grads, or a
     # forgotten step): the window is read once it passes MAX_WINDOW entries.
-    from nand.agent import hooks
+    from nand.agent.detect import hooks
 
     monkeypatch.setattr(hooks, "MAX_WINDOW", 50)
     model = mlp()
@@ -147,7 +147,7 @@ def test_a_healthy_run_reports_nothing(caplog):
 
 
 def test_an_internal_error_is_logged_once_and_never_reaches_the_training_loop(caplog, monkeypatch):
-    from nand.agent import boundary
+    from nand.agent.step import boundary
 
     def broken(*args: Any, **kwargs: Any) -> bool:
         raise RuntimeError("a bug inside nand")

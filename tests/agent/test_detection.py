@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import nand
-from nand.agent import optimizer as optimizer_module
+from nand.agent.detect import optimizer as optimizer_module
 from tests.agent.models import VALUES, BackwardPlant, Net, Plant, arm_at, mlp, train, where
 
 pytestmark = pytest.mark.parametrize("kind", list(VALUES))

@@ -92,7 +92,7 @@ TWO_RANKS = """
 import json, os, sys
 import torch.distributed as dist
 from nand.agent import identity
-from nand.agent.transport import ServerSink
+from nand.agent.transport.server_sink import ServerSink
 
 natural = identity.resolve_identity()              # torchrun's TORCHELASTIC_RUN_ID
 os.environ["TORCHELASTIC_RUN_ID"] = "none"         # as if torchrun gave no id

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import nand
-from nand.agent.optimizer import GroupRules, state_follows, update_bound
+from nand.agent.detect.optimizer import GroupRules, state_follows, update_bound
 from tests.agent.models import mlp, train
 
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import nand
-from nand.agent.session import Session
-from nand.agent.sinks import JsonlSink, LogSink
+from nand.agent.output.session import Session
+from nand.agent.output.sinks import JsonlSink, LogSink
 from nand.agent.watch import Watch
 from tests.agent.models import VALUES, mlp, train
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import nand
-from nand.agent.probes import SLAB_START, ProbeBuffer, Site
+from nand.agent.detect.probes import SLAB_START, ProbeBuffer, Site
 
 
 def site(name: str) -> Site:

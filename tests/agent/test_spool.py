@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from nand.agent import spool as sp
+from nand.agent.transport import spool as sp
 from nand.errors import SpoolCorruptError
 
 

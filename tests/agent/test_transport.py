@@ -10,12 +10,12 @@ import pytest
 import zmq
 
 from nand import wire
-from nand.agent import spool as sp
 from nand.agent.identity import Identity
-from nand.agent.mailbox import Mailbox, Outgoing
-from nand.agent.sender import Envelope, Sender
-from nand.agent.transport import ServerSink
-from nand.agent.transport_settings import TransportSettings
+from nand.agent.transport import spool as sp
+from nand.agent.transport.mailbox import Mailbox, Outgoing
+from nand.agent.transport.sender import Envelope, Sender
+from nand.agent.transport.server_sink import ServerSink
+from nand.agent.transport.settings import TransportSettings
 from nand.events import Event, FlightWindow, StepSummary
 from nand.testing import Receiver
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from nand.agent import spool as sp
 from nand.agent.identity import Identity
-from nand.agent.transport import ServerSink
+from nand.agent.transport import spool as sp
+from nand.agent.transport.server_sink import ServerSink
 from nand.testing import Receiver
 
 pytestmark = pytest.mark.slow
@@ -26,7 +26,7 @@ FAST = "ack_timeout_s=0.3, connect_grace_s=0.1, poll_interval_s=0.02"
 PRELUDE = f"""
 import json, os, sys, time
 from nand.agent.identity import Identity
-from nand.agent.transport import ServerSink
+from nand.agent.transport.server_sink import ServerSink
 from nand.events import Event, StepSummary
 endpoint, run = sys.argv[1], sys.argv[2]
 me = Identity(run=run, rank=0, local_rank=0, world_size=1, host="h", pid=os.getpid())

@@ -8,7 +8,7 @@ import urllib.request
 import pytest
 
 from nand.agent.identity import Identity
-from nand.agent.transport import ServerSink
+from nand.agent.transport.server_sink import ServerSink
 from nand.events import Event, FlightWindow, StepSummary
 
 embedded = pytest.importorskip("nand.server.embedded", reason="needs the server extra")

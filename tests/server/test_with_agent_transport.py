@@ -12,7 +12,7 @@ from nand.events import Event, FlightWindow, StepSummary
 from nand.server import embedded
 from nand.server.settings import Settings
 
-transport = pytest.importorskip("nand.agent.transport")
+transport = pytest.importorskip("nand.agent.transport.server_sink")
 identity = pytest.importorskip("nand.agent.identity")
 
 

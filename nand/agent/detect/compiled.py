@@ -18,7 +18,7 @@ compiled into the backward graph that writes into a shared tensor makes
 autograd's saved-tensor check fail as soon as two graphs (or two forwards of
 one) run before their backwards. So in slot mode backward is judged from the
 parameters' gradients, read at the step boundary as always (see
-``step_check.gradient_frontier``), and the event says so.
+``step.analysis.gradient_frontier``), and the event says so.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from nand.agent.modules import ModuleInfo
-from nand.agent.probes import MICRO, Site
+from nand.agent.detect.modules import ModuleInfo
+from nand.agent.detect.probes import MICRO, Site
 
 #: Pairs of slots a watch can give out; a model with more sites shares the
 #: last pair among the rest (detection holds, blame is coarser).

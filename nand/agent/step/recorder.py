@@ -2,7 +2,7 @@
 
 Fed by the same device reductions that detect non-finite values (nothing is
 computed for it alone): each step's raw figures, as read, go into a ring
-buffer of :class:`~nand.agent.step_check.StepRow`. They are turned into the
+buffer of :class:`~nand.agent.step.analysis.StepRow`. They are turned into the
 per-module matrices of a :class:`~nand.events.FlightWindow` only when a window
 is asked for (an incident, a server request), so a healthy step pays one
 ``deque.append``.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from nand.agent.step_check import StepRow, Telemetry, telemetry
+from nand.agent.step.analysis import StepRow, Telemetry, telemetry
 from nand.events import FlightWindow
 
 

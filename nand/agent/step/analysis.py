@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import Tensor
 
-from nand.agent.probes import ProbeBuffer, Site, local
+from nand.agent.detect.probes import ProbeBuffer, Site, local
 from nand.events import PHASE_RANK
 
 _ACT_KINDS = frozenset({"output", "inline"})
@@ -327,3 +327,28 @@ def _forward_sites(buf: ProbeBuffer) -> list[Site]:
         if site is not None and site.phase == "forward":
             seen.setdefault(site.module, site)
     return list(seen.values())
+
+
+class ParamSource(Protocol):
+    """The parameters the optimizer hooks know (``optimizer.OptimizerHooks``)."""
+
+    def params_of(self, module: str) -> list[Tensor]: ...
+
+    def param_site(self, p: Tensor) -> Site: ...
+
+
+def param_behind(finding: Finding, micro: int, source: ParamSource) -> Finding | None:
+    """A forward finding at a module whose own parameter is non-finite.
+
+    The slow path, for a parameter nobody read because it was implied
+    finite: something other than the optimizer wrote it (a checkpoint, user
+    code). Reported as that parameter, like a parameter read bad.
+    """
+    for p in source.params_of(finding.module):
+        if not bool(torch.isfinite(local(p)).all()):
+            site = source.param_site(p)
+            return Finding(
+                site, "param", site.module, site.module_type, micro, 0, 0,
+                math.nan, math.nan, "produced", tensor=local(p),
+            )  # fmt: skip
+    return None

@@ -1,21 +1,17 @@
 """Gradient probes: what runs inside ``backward``, one per probed forward value.
 
 Backward order is the reverse of forward; the analysis in
-:mod:`nand.agent.step_check` blames the module whose gradient fired just
+:mod:`nand.agent.step.analysis` blames the module whose gradient fired just
 before the first non-finite one.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
-from nand.agent.probes import Site
-
-if TYPE_CHECKING:
-    from nand.agent.hooks import HookState
+from nand.agent.detect.probes import Site
+from nand.agent.detect.state import HookState
 
 
 class GradHooks:

@@ -15,8 +15,8 @@ from collections.abc import Iterable
 
 from torch import Tensor, nn
 
-from nand.agent.names import module_names
-from nand.agent.probes import Site
+from nand.agent.detect.names import module_names
+from nand.agent.detect.probes import Site
 
 CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 

@@ -3,13 +3,13 @@
 A probe is one ``torch.aminmax`` of a tensor: one pass that gives both
 detection (NaN reaches min and max, +inf the max, -inf the min) and the
 telemetry figure max|x| = max(max, -min). It is correct in every float dtype
-and the fastest correct reduction on CPU (FINDINGS.md: the CPU inf-norm is not
+and the fastest correct reduction on CPU (the CPU inf-norm is not
 vectorised). The two 0-d results stay on the device; nothing here reads them.
 
 Parameters, gradients and optimizer state are checked with one multi-tensor
 ``torch._foreach_norm`` (2-norm), which also gives the gradient norm. A 2-norm
 of finite values can overflow to inf, so a non-finite norm is only a suspect:
-the slow path in :mod:`nand.agent.step_check` verifies it with ``isfinite``.
+the slow path in :mod:`nand.agent.step.analysis` verifies it with ``isfinite``.
 
 The buffer's lists are cleared in place, never rebound: the hooks hold them.
 """

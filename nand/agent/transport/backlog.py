@@ -20,8 +20,8 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from nand.agent import spool as spool_mod
-from nand.agent.mailbox import Mailbox
+from nand.agent.transport import spool as spool_mod
+from nand.agent.transport.mailbox import Mailbox
 from nand.errors import SpoolCorruptError
 
 log = logging.getLogger("nand.agent.transport")

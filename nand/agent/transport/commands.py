@@ -31,7 +31,7 @@ def register(subparsers: Any) -> None:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from nand.agent.replay import replay_file, spool_files
+    from nand.agent.transport.replay import replay_file, spool_files
 
     server = args.server or config.get_str(config.NAND_SERVER)
     if not server:
@@ -61,8 +61,8 @@ def _replay(args: argparse.Namespace) -> int:
 def _show(args: argparse.Namespace) -> int:
     import msgpack
 
-    from nand.agent.replay import spool_files
-    from nand.agent.spool import KIND_NAMES, read_records
+    from nand.agent.transport.replay import spool_files
+    from nand.agent.transport.spool import KIND_NAMES, read_records
 
     for path in spool_files(args.path):
         records = read_records(path)

@@ -40,11 +40,11 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from nand import wire
-from nand.agent import connection
-from nand.agent import spool as spool_mod
-from nand.agent.backlog import Backlog
-from nand.agent.mailbox import Mailbox, Outgoing
-from nand.agent.transport_settings import TransportSettings
+from nand.agent.transport import connection
+from nand.agent.transport import spool as spool_mod
+from nand.agent.transport.backlog import Backlog
+from nand.agent.transport.mailbox import Mailbox, Outgoing
+from nand.agent.transport.settings import TransportSettings
 from nand.errors import WireError
 
 log = logging.getLogger("nand.agent.transport")

@@ -27,8 +27,8 @@ import msgpack
 import zmq
 
 from nand import wire
-from nand.agent import connection
-from nand.agent.spool import read_records
+from nand.agent.transport import connection
+from nand.agent.transport.spool import read_records
 from nand.errors import WireError
 
 

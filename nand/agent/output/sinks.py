@@ -114,7 +114,7 @@ class JsonlSink:
 def server_sink(endpoint: str, identity: Any, token: str | None) -> Any | None:
     """The transport to the nand server, or None (logged once) if unavailable."""
     try:
-        from nand.agent.transport import ServerSink  # type: ignore[attr-defined,unused-ignore]
+        from nand.agent.transport.server_sink import ServerSink  # (pyzmq: the agent extra)
     except ImportError as exc:
         log.error("nand: cannot report to %s (%s); going on without the server", endpoint, exc)
         return None

@@ -1,9 +1,9 @@
 """The agent on the wire: a :class:`~nand.agent.sink.Sink` that reports to a nand server.
 
 The training thread only appends to a bounded mailbox under a lock
-(:mod:`nand.agent.mailbox`); a named daemon thread (:mod:`nand.agent.sender`)
+(:mod:`nand.agent.transport.mailbox`); a named daemon thread (:mod:`nand.agent.transport.sender`)
 owns the ZeroMQ DEALER socket, encodes, sends, resends, spools to disk
-(:mod:`nand.agent.spool`) and reads acks and commands. Files: ``transport``
+(:mod:`nand.agent.transport.spool`) and reads acks and commands. Files: ``transport``
 (this API) → ``mailbox`` (hand-off) → ``sender`` (the thread) → ``connection``
 (socket options) and ``backlog`` → ``spool`` (disk).
 
@@ -23,7 +23,7 @@ Semantics the server relies on (see :mod:`nand.wire` for the messages):
 
 Losses are counted by reason and sent, cumulative, as ``dropped`` in every
 heartbeat (``{"queue_full": n, "spool_full": n, ...}``; reasons in
-:mod:`nand.agent.mailbox`).
+:mod:`nand.agent.transport.mailbox`).
 
 At a normal interpreter exit without ``bye``, the sink says ``bye`` itself
 (reason ``exit``, the last step it saw); after an unhandled exception it does
@@ -58,10 +58,10 @@ from typing import TYPE_CHECKING, Any
 
 from nand import config
 from nand.agent.identity import Identity
-from nand.agent.mailbox import Mailbox, Outgoing
-from nand.agent.sender import Envelope, Sender
-from nand.agent.spool import spool_path
-from nand.agent.transport_settings import TransportSettings
+from nand.agent.transport.mailbox import Mailbox, Outgoing
+from nand.agent.transport.sender import Envelope, Sender
+from nand.agent.transport.settings import TransportSettings
+from nand.agent.transport.spool import spool_path
 from nand.errors import ConfigError
 from nand.events import Event, FlightWindow, StepSummary
 

@@ -33,7 +33,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from nand import config
-from nand.agent.names import unwrap
+from nand.agent.detect.names import unwrap
 
 log = logging.getLogger("nand")
 

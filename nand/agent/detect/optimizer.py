@@ -37,7 +37,7 @@
   limit they are not read. Anything else (a dirty window, a distrusted state,
   a bound grown too large, another optimizer) reads them again. A parameter
   written non-finite by code other than the optimizer is then found in the
-  next forward, and reported as ``param`` (:meth:`OptimizerHooks.param_behind`).
+  next forward, and reported as ``param`` (``step.analysis.param_behind``).
 - **skip** drops the step by setting every ``.grad`` to ``None``: optimizers
   skip parameters without a gradient (no update, no weight decay, no step
   count). On a GPU with a fused optimizer the same could be done without a
@@ -58,9 +58,8 @@ import torch
 from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
-from nand.agent.probes import ProbeBuffer, Site, local
+from nand.agent.detect.probes import ProbeBuffer, Site, local
 from nand.agent.safety import Guard
-from nand.agent.step_check import Finding
 
 #: Parameters and state smaller than this (bytes) are checked in the next
 #: pre-hook's launch rather than in a launch of their own after the update.
@@ -369,7 +368,7 @@ class OptimizerHooks:
 
         This runs once a step, in code the step's kernels have pushed out of
         the caches, where a Python call costs several times its warm figure
-        (~0.6 µs against ~0.1 µs; benchmarks/README.md, round 7). So the
+        (figures in benchmarks/README.md). So the
         healthy path is written as few calls: the launch's common case is
         written out here (:meth:`add_norms` takes the rest), then the
         boundary and :meth:`_plan`.
@@ -504,26 +503,18 @@ class OptimizerHooks:
         self.state_trusted = self._state_due = False
         self._collected = (-1, -1)
 
-    def param_behind(self, finding: Finding, micro: int) -> Finding | None:
-        """A forward finding at a module whose own parameter is non-finite.
-
-        The slow path, for a parameter nobody read because it was implied
-        finite: something other than the optimizer wrote it (a checkpoint, user
-        code). Reported as that parameter, like a parameter read bad.
-        """
+    def params_of(self, module: str) -> list[Tensor]:
+        """The watched parameters owned directly by ``module`` (its qualified name)."""
         if self._by_module is None:
             self._by_module = {}
             for p in self.params():
                 name = self.names.get(p, ("", ""))[0]
                 self._by_module.setdefault(name.rpartition(".")[0], []).append(p)
-        for p in self._by_module.get(finding.module, []):
-            if _usable(p) and not bool(torch.isfinite(local(p)).all()):
-                site = self._site(p, "param", "")
-                return Finding(
-                    site, "param", site.module, site.module_type, micro, 0, 0,
-                    math.nan, math.nan, "produced", tensor=local(p),
-                )  # fmt: skip
-        return None
+        return [p for p in self._by_module.get(module, []) if _usable(p)]
+
+    def param_site(self, p: Tensor) -> Site:
+        """Where a finding about parameter ``p`` itself is reported."""
+        return self._site(p, "param", "")
 
     def add_norms(self, with_params: bool, force: bool = False) -> None:
         """Grads, and (``with_params``) params and state when due: one foreach launch.

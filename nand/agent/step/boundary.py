@@ -12,27 +12,27 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from nand.agent.amp import AmpWatch
-from nand.agent.compiled import CompiledSlots
-from nand.agent.ddp import LocalGradCheck
+from nand.agent.detect.amp import AmpWatch
+from nand.agent.detect.compiled import CompiledSlots
+from nand.agent.detect.ddp import LocalGradCheck
+from nand.agent.detect.probes import MICRO, ProbeBuffer, Site
 from nand.agent.identity import Identity
-from nand.agent.probes import MICRO, ProbeBuffer, Site
-from nand.agent.recorder import FlightRecorder
-from nand.agent.report import build_event
-from nand.agent.step_check import (
+from nand.agent.step.analysis import (
     COMPILED_NOTE,
-    Finding,
+    ParamSource,
     StepRow,
     first_finding,
     gradient_frontier,
     near_limit,
+    param_behind,
 )
+from nand.agent.step.recorder import FlightRecorder
+from nand.agent.step.report import build_event
 from nand.events import Event
 
 log = logging.getLogger("nand")
@@ -96,7 +96,7 @@ class Boundary:
         self.read_norms: list[float] = []
         self.read_spans: dict[str, tuple[int, int]] = {}
         #: Slow path: a forward finding explained by a non-finite parameter.
-        self.param_behind: Callable[[Finding, int], Finding | None] | None = None
+        self.params: ParamSource | None = None
 
     def check(
         self,
@@ -189,8 +189,8 @@ class Boundary:
         """The slow path: the window's first verified non-finite entry, as an event."""
         grad_cause = self._grad_cause(values, extras)
         finding = first_finding(self.buf, values, grad_cause, prev_micro, micro_base)
-        if finding is not None and finding.phase == "forward" and self.param_behind:
-            finding = self.param_behind(finding, prev_micro) or finding
+        if finding is not None and finding.phase == "forward" and self.params is not None:
+            finding = param_behind(finding, prev_micro, self.params) or finding
         if finding is None:
             return None
         if self.buf.slotted is not None:  # probed under torch.compile (see compiled.py)

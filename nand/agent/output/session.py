@@ -18,21 +18,17 @@ from __future__ import annotations
 import logging
 import platform
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import torch
-from torch import nn
 
 import nand
 from nand import config
 from nand.agent.identity import Identity, resolve_identity
+from nand.agent.output.sinks import JsonlSink, LogSink, server_sink
 from nand.agent.sink import Sink
-from nand.agent.sinks import JsonlSink, LogSink, server_sink
 from nand.events import Event, FlightWindow, StepSummary
-
-if TYPE_CHECKING:
-    from nand.agent.hooks import ModuleInfo
-    from nand.agent.watch import Watch
 
 log = logging.getLogger("nand")
 
@@ -72,14 +68,10 @@ class Session:
         return cls(who, sinks)
 
     def hello(
-        self,
-        root: nn.Module,
-        names: list[str],
-        infos: dict[nn.Module, ModuleInfo],
-        optimizer: Any,
-        policy: str,
+        self, device: str, modules: list[dict[str, Any]], optimizer: str | None, policy: str
     ) -> None:
-        p = next(iter(root.parameters()), None)
+        """Announce this rank: who, where, what it watches (``modules``: name,
+        type, order, params of each)."""
         info = {
             **self.who.to_dict(),
             "versions": {
@@ -88,17 +80,9 @@ class Session:
                 "cuda": torch.version.cuda,
                 "python": platform.python_version(),
             },
-            "device": str(p.device) if p is not None else "cpu",
-            "modules": [
-                {
-                    "name": i.name,
-                    "type": i.type,
-                    "order": i.index,
-                    "params": sum(q.numel() for q in m.parameters(recurse=False)),
-                }
-                for m, i in infos.items()
-            ],
-            "optimizer": type(optimizer).__name__ if optimizer is not None else None,
+            "device": device,
+            "modules": modules,
+            "optimizer": optimizer,
             "on_nonfinite": policy,
         }
         self._call("hello", info)
@@ -106,28 +90,17 @@ class Session:
     def event(self, event: Event, flight: FlightWindow | None) -> None:
         self._call("event", event, flight)
 
-    def step_done(self, watch: Watch) -> None:
-        """Heartbeat when due, from the figures this step already read."""
+    def step_done(self, step: int, summary: Callable[[float], StepSummary]) -> None:
+        """Heartbeat when due: ``summary(steps_per_s)`` builds it from the
+        figures this step already read (never an extra sync)."""
         now = time.monotonic()
         if now - self._last_beat < self.heartbeat_s or not self.per_step:
             return
-        rate = (watch.step - self._last_step) / (now - self._last_beat)
-        self._last_beat, self._last_step = now, watch.step
-        tele = watch.recorder.last()
-        rows = watch.recorder.rows
-        amp = watch._amp
-        summary = StepSummary(
-            step=watch.step,
-            steps_per_s=rate,
-            loss=rows[-1].loss if rows else None,
-            grad_norm=tele.grad_norm if tele else None,
-            max_activation=tele.max_act if tele else None,
-            amp_skipped=watch.amp_skipped,
-            amp_scale=amp.scale if amp is not None else None,
-        )
-        self._call("heartbeat", summary)
+        rate = (step - self._last_step) / (now - self._last_beat)
+        self._last_beat, self._last_step = now, step
+        self._call("heartbeat", summary(rate))
 
-    def poll(self, watch: Watch) -> None:
+    def poll(self, step: int, flight: Callable[[], FlightWindow]) -> None:
         """Server commands, at an optimizer step boundary."""
         for sink in list(self.sinks):
             try:
@@ -136,15 +109,17 @@ class Session:
                 self._drop(sink, "commands", exc)
                 continue
             for command in commands:
-                self._command(command, watch)
+                self._command(command, step, flight)
 
-    def _command(self, command: dict[str, Any], watch: Watch) -> None:
+    def _command(
+        self, command: dict[str, Any], step: int, flight: Callable[[], FlightWindow]
+    ) -> None:
         kind = command.get("command")
         if kind == "stop":
-            step = int(command.get("step", watch.step))
-            self.stop_at = step if self.stop_at is None else min(self.stop_at, step)
+            at = int(command.get("step", step))
+            self.stop_at = at if self.stop_at is None else min(self.stop_at, at)
         elif kind == "send_flight":
-            self._call("flight", watch.flight_window(), "requested")
+            self._call("flight", flight(), "requested")
 
     def close(self, step: int, reason: str) -> None:
         self._call("bye", step, reason)

@@ -6,7 +6,7 @@ Per module call:
   a **tensor hook** on it that probes its gradient in backward. Tensor hooks on
   forward outputs, not ``register_full_backward_hook``: they cost a fraction,
   work with ``ReLU(inplace=True)`` and see the right gradient when an in-place
-  op follows (FINDINGS.md).
+  op follows.
 - a Linear, convolution or norm with a trained bias of its own takes no
   tensor hook: its output gradient is read from ``bias.grad`` by a hook
   registered once on the bias (``grads.BiasProxy``), except for a second call
@@ -52,11 +52,10 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from nand.agent.compiled import CompiledSlots
-from nand.agent.grads import BiasProxy, GradHooks
-from nand.agent.modules import CONTAINERS, Chains, ModuleInfo, proxy_bias
-from nand.agent.probes import MICRO, ProbeBuffer, Site, iter_tensors
-from nand.agent.safety import Guard
+from nand.agent.detect.grads import BiasProxy, GradHooks
+from nand.agent.detect.modules import CONTAINERS, Chains, ModuleInfo, proxy_bias
+from nand.agent.detect.probes import MICRO, Site, iter_tensors
+from nand.agent.detect.state import HookState
 
 # is_dynamo_compiling: False in eager at the cost of a call (dynamo makes it True)
 _is_compiling = torch.compiler.is_dynamo_compiling
@@ -120,35 +119,6 @@ class SavableHook(functools.partial):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (functools.partial, (sys.audit, DORMANT_EVENT))
-
-
-class HookState:
-    """What the hooks share: the buffer, the last recorded output, the guard.
-
-    ``pending`` is a masking value (a relu's output) whose gradient probe waits
-    for its consumer: the first hook to see it as its input decides (see
-    :meth:`Hooks._settle`).
-    """
-
-    __slots__ = (
-        "before_root", "buf", "external_batches", "guard", "last", "micro", "pending", "slots",
-        "window_full",
-    )  # fmt: skip
-
-    def __init__(self, buf: ProbeBuffer, guard: Guard, slots: CompiledSlots) -> None:
-        self.buf = buf
-        self.guard = guard
-        #: Where probes go once any hook ran under torch.compile (see compiled.py).
-        self.slots = slots
-        self.last: Tensor | None = None
-        self.pending: tuple[Tensor, GradHooks] | None = None
-        self.micro = 0  # root forward calls so far (not counted under torch.compile)
-        #: Without an optimizer, each root call ends the last step: its boundary.
-        self.before_root: Callable[[], None] | None = None
-        #: The buffer passed :data:`MAX_WINDOW` entries: read it now.
-        self.window_full: Callable[[], None] | None = None
-        #: Micro-steps are marked by ``Watch.new_batch``, not by root calls.
-        self.external_batches = False
 
 
 class Hooks:
@@ -279,7 +249,7 @@ class Hooks:
                         # Masking: the probe waits for the consumer. A value
                         # pending here is this module's input, cut at the same
                         # places: this output's probe supersedes it.
-                        state.pending = (output, grad_hooks)
+                        state.pending = (output, grad_hooks.attach)
                         out_site.shape, out_site.dtype = output.shape, output.dtype
                     state.last = output
             except Exception as exc:
@@ -480,7 +450,7 @@ class Hooks:
         """Hold a masking value's gradient probe until its consumer is known."""
         if self.state.pending is not None:
             self._settle(None, ())
-        self.state.pending = (value, hooks)
+        self.state.pending = (value, hooks.attach)
 
     def _settle(self, consumer: ModuleInfo | None, args: tuple[Any, ...]) -> None:
         """The pending masking value reaches ``consumer`` (``None``: unknown code).
@@ -492,14 +462,14 @@ class Hooks:
         pending = self.state.pending
         assert pending is not None
         self.state.pending = None
-        value, hooks = pending
+        value, attach = pending
         if consumer is not None and len(args) == 1 and args[0] is self.state.last:
             if consumer.safe:
                 self.state.pending = pending
                 return
             if consumer.benign:
                 return
-        hooks.attach(value)
+        attach(value)
 
     def _probe_structure(self, info: ModuleInfo, output: Any) -> None:
         last = None

@@ -1,4 +1,4 @@
-"""Turns a :class:`~nand.agent.step_check.Finding` into an :class:`~nand.events.Event`.
+"""Turns a :class:`~nand.agent.step.analysis.Finding` into an :class:`~nand.events.Event`.
 
 This is the slow path: it runs once per incident, so it may look at tensors
 (counting NaN/+inf/-inf on a parameter, gradient or optimizer state) and sync.
@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from nand.agent.identity import Identity
-from nand.agent.step_check import Finding
+from nand.agent.step.analysis import Finding
 from nand.events import Event
 
 

@@ -1,0 +1,41 @@
+"""What every hook of one watch shares (:class:`HookState`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import Tensor
+
+from nand.agent.detect.compiled import CompiledSlots
+from nand.agent.detect.probes import ProbeBuffer
+from nand.agent.safety import Guard
+
+
+class HookState:
+    """What the hooks share: the buffer, the last recorded output, the guard.
+
+    ``pending`` is a masking value (a relu's output) whose gradient probe waits
+    for its consumer: the first hook to see it as its input decides (see
+    :meth:`Hooks._settle`).
+    """
+
+    __slots__ = (
+        "before_root", "buf", "external_batches", "guard", "last", "micro", "pending", "slots",
+        "window_full",
+    )  # fmt: skip
+
+    def __init__(self, buf: ProbeBuffer, guard: Guard, slots: CompiledSlots) -> None:
+        self.buf = buf
+        self.guard = guard
+        #: Where probes go once any hook ran under torch.compile (see compiled.py).
+        self.slots = slots
+        self.last: Tensor | None = None
+        #: (the value, the call that attaches its gradient probe)
+        self.pending: tuple[Tensor, Callable[[Tensor], None]] | None = None
+        self.micro = 0  # root forward calls so far (not counted under torch.compile)
+        #: Without an optimizer, each root call ends the last step: its boundary.
+        self.before_root: Callable[[], None] | None = None
+        #: The buffer passed :data:`MAX_WINDOW` entries: read it now.
+        self.window_full: Callable[[], None] | None = None
+        #: Micro-steps are marked by ``Watch.new_batch``, not by root calls.
+        self.external_batches = False
