@@ -310,6 +310,9 @@ class Hooks:
                 if state.slots.active:
                     self._slotted_inputs(info, args, kwargs)
                     return
+                if not kwargs and len(args) == 1 and isinstance(args[0], Tensor):
+                    self._probe_input(info, "args[0]", args[0])  # most models: no walk
+                    return
                 for path, t in iter_tensors((args, kwargs)):
                     self._probe_input(info, _input_slot(path), t)
             except Exception as exc:
