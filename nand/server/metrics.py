@@ -20,7 +20,7 @@ from nand.wire import REASONS
 
 #: Reasons the server adds to nand.wire.REASONS.
 SERVER_REASONS = ("store_error",)
-RUN_STATES = ("healthy", "diverged", "stalled", "finished", "lost")
+RUN_STATES = ("healthy", "diverged", "stalled", "finished", "lost", "crashed")
 
 
 class Metrics:

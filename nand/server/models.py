@@ -63,6 +63,7 @@ class Rank(Base):
     amp_skipped: Mapped[int] = mapped_column(Integer, default=0)
     finished_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     bye_reason: Mapped[str] = mapped_column(String(500), default="")
+    device: Mapped[str] = mapped_column(String(64), default="")
     first_event_id: Mapped[int | None] = mapped_column(BigId, nullable=True)
     first_step: Mapped[int | None] = mapped_column(Integer, nullable=True)
     first_micro_step: Mapped[int | None] = mapped_column(Integer, nullable=True)
@@ -103,6 +104,9 @@ class EventRow(Base):
     time: Mapped[float] = mapped_column(Float)
     seq: Mapped[int] = mapped_column(BigInteger, default=0)
     message: Mapped[str] = mapped_column(Text, default="")
+    #: The value kinds in words ("NaN and +inf"), kept because SQLite stores a
+    #: NaN min/max (how an activation event says NaN) as NULL.
+    kinds: Mapped[str] = mapped_column(String(80), default="")
 
 
 class Heartbeat(Base):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from nand.events import PHASE_RANK
+from nand.events import PHASE_RANK, Event, value_kinds
 from nand.server.evidence import flight_evidence
 from nand.server.sanitize import clean_str, finite, jsonable, number
 
@@ -104,7 +104,26 @@ def event_row(message: dict[str, Any], run_ids: dict[str, int]) -> dict[str, Any
         "time": _float(event.get("time"), message["time"]),
         "seq": int_or_zero(event.get("seq")),
         "message": clean_str(event.get("message"), 2000),
+        "kinds": _kinds(event),
     }
+
+
+def _kinds(event: dict[str, Any]) -> str:
+    """What the values were, in words, from the wire's figures (before SQLite
+    turns a NaN min/max into NULL and the kind with it)."""
+
+    def count(name: str) -> int | None:
+        value = event.get(name)
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    figures = Event(
+        nan=count("nan"),
+        posinf=count("posinf"),
+        neginf=count("neginf"),
+        min=number(event.get("min")),
+        max=number(event.get("max")),
+    )
+    return value_kinds(figures)
 
 
 def int_or_zero(value: Any) -> int:

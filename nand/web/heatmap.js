@@ -209,7 +209,7 @@ export function heatmap(flight, origin, width, which = "act") {
     el(
       "div",
       { class: "heatmap-scroll" },
-      draw(flight, matrix, range, origin && origin.rank === flight.rank ? origin : null, width),
+      draw(flight, matrix, range, origin && (origin.rank ?? origin.ranks[0]) === flight.rank ? origin : null, width),
     ),
     colourBar(range, flight),
   );

@@ -105,8 +105,14 @@ def test_simultaneous_on_all_ranks(server, agents) -> None:
     for a in ranks:
         a.wait_acked()
     verdict = httpx.get(f"{server.http_url}/api/runs/sim/verdict").json()
-    assert verdict["simultaneous"] is True and verdict["origin"]["rank"] == 0
+    # No rank was first, and the data says so: no origin rank, every rank simultaneous.
+    assert verdict["simultaneous"] is True and verdict["origin"]["rank"] is None
+    assert verdict["origin"]["ranks"] == list(range(8))
     assert verdict["summary"].startswith("all 8 ranks went non-finite at the same point")
+    ranks = httpx.get(f"{server.http_url}/api/runs/sim/ranks").json()
+    assert {r["relation"] for r in ranks} == {"simultaneous"}
+    runs = httpx.get(f"{server.http_url}/api/runs").json()
+    assert next(r for r in runs if r["run"] == "sim")["origin"]["rank"] is None
 
 
 def test_bad_data_on_one_rank_and_overflow_hint_from_flight(server, agents) -> None:

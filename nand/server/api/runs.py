@@ -90,7 +90,8 @@ def get_flight(
         summary = views.run_summary(run, store.ranks_of(session, [run.id])[run.id], settings, 0.0)
         if summary.origin is None:
             raise HTTPException(404, f"run {run.name!r} has no origin yet: pass ?rank=")
-        rank = summary.origin.rank
+        # Simultaneous ranks have no first one: show the lowest of them.
+        rank = summary.origin.rank if summary.origin.rank is not None else summary.origin.ranks[0]
     flight = store.latest_flight(session, run.id, rank)
     if flight is None:
         raise HTTPException(404, f"no flight-recorder window from rank {rank} of {run.name!r}")
