@@ -215,13 +215,12 @@ class Ingest:
             log.exception("a batch of %d messages failed; storing one by one", len(messages))
             return self._write_one_by_one(messages)
         done = time.time()
-        lag = max((done - m["time"] for m in messages), default=0.0)
         self.metrics.batch(
             kinds=result.kinds,
             duplicates=result.duplicates,
             acked=len(result.acked),
             seconds=done - started,
-            lag=max(lag, 0.0),
+            lags=[done - m["time"] for m in messages],
         )
         return set(result.acked)
 

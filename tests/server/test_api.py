@@ -172,7 +172,7 @@ def test_duplicates_are_acked_again_but_stored_once(server, agents) -> None:
     a.wait_acked({seq, last})
     page = httpx.get(f"{server.http_url}/api/runs/dup/events").json()
     assert page["total"] == 1
-    assert "nand_messages_duplicate_total 3" in httpx.get(f"{server.http_url}/metrics").text
+    assert "nand_messages_duplicate_total 3.0" in httpx.get(f"{server.http_url}/metrics").text
 
 
 def test_events_pagination_and_filters(server, agents) -> None:
@@ -288,10 +288,10 @@ def test_metrics_counts_rejections_by_reason_and_runs_by_state(server, agents) -
     def has(line: str) -> bool:
         return line in httpx.get(f"{server.http_url}/metrics").text
 
-    eventually(lambda: has('nand_messages_rejected_total{reason="not_msgpack"} 1'))
-    assert 'nand_messages_rejected_total{reason="not_a_map"} 1' in text
-    assert 'nand_runs{state="diverged"} 1' in text
-    assert "nand_events_total 1" in text
+    eventually(lambda: has('nand_messages_rejected_total{reason="not_msgpack"} 1.0'))
+    assert 'nand_messages_rejected_total{reason="not_a_map"} 1.0' in text
+    assert 'nand_runs{state="diverged"} 1.0' in text
+    assert "nand_events_total 1.0" in text
     assert httpx.get(f"{server.http_url}/healthz").json()["status"] == "ok"
 
 
