@@ -140,6 +140,9 @@ class Flight(Base):
     grad_rising: Mapped[bool] = mapped_column(default=False)
     #: One phrase of evidence for the summary (e.g. "max |x| reached 6.1e4 of 65504").
     evidence: Mapped[str] = mapped_column(String(500), default="")
+    #: The window's smallest and largest positive finite max|x| (the shared colour scale).
+    mag_min: Mapped[float | None] = mapped_column(Float, nullable=True)
+    mag_max: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 class Message(Base):

@@ -197,6 +197,14 @@ class FlightOut(BaseModel):
     loss: list[float | None]
     dtype: str = ""
     dtype_max: float | None = None
+    #: ``[step index, module index]`` of the cells that were NaN/inf (a null
+    #: elsewhere in the matrices means "not recorded").
+    act_nonfinite: list[list[int]] = Field(default_factory=list)
+    grad_nonfinite: list[list[int]] = Field(default_factory=list)
+    #: The run's range of positive finite max|x| over every rank's window and
+    #: both views: one colour scale for all of them.
+    scale_min: float | None = None
+    scale_max: float | None = None
 
 
 class StopRequest(BaseModel):

@@ -161,9 +161,10 @@ export function verdictCard(verdict, run) {
       el(
         "p",
         { class: "stop-note" },
-        `Stop requested ${age(s.requested_at)}: every rank stops at step ${count(s.step)}`,
+        // The server knew only the last heartbeat's step: a rank may already be past S.
+        `Stop requested ${age(s.requested_at)}: every rank stops at step ${count(s.step)} or the next step boundary after it`,
         s.reason ? ` (${s.reason})` : "",
-        ".",
+        s.stopped_at != null ? `; the ranks stopped at step ${count(s.stopped_at)}.` : ".",
       ),
     );
   }

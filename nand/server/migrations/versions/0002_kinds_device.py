@@ -1,4 +1,4 @@
-"""events.kinds (value kinds in words) and ranks.device
+"""events.kinds (value kinds in words), ranks.device, flights.mag_min/mag_max
 
 Revision ID: 0002
 Revises: 0001
@@ -24,9 +24,15 @@ def upgrade() -> None:
         batch_op.add_column(
             sa.Column("device", sa.String(length=64), nullable=False, server_default="")
         )
+    with op.batch_alter_table("flights") as batch_op:
+        batch_op.add_column(sa.Column("mag_min", sa.Float(), nullable=True))
+        batch_op.add_column(sa.Column("mag_max", sa.Float(), nullable=True))
 
 
 def downgrade() -> None:
+    with op.batch_alter_table("flights") as batch_op:
+        batch_op.drop_column("mag_max")
+        batch_op.drop_column("mag_min")
     with op.batch_alter_table("ranks") as batch_op:
         batch_op.drop_column("device")
     with op.batch_alter_table("events") as batch_op:
