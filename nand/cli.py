@@ -4,6 +4,9 @@ Each group of subcommands lives next to the code it drives and exposes
 ``register(subparsers)``; it must import only light modules at import time
 (no torch on a server host, no FastAPI in a training job). A group whose
 module is missing (an extra not installed) is left out of the help.
+
+A failure is one line on stderr, ``nand: <what was wrong>; <what to do>``,
+and an exit code from :mod:`nand.exitcodes`; ``-v`` adds the traceback.
 """
 
 from __future__ import annotations
@@ -12,8 +15,12 @@ import argparse
 import importlib
 import logging
 import sys
+import traceback
+from collections.abc import Callable
+from typing import Any
 
-from nand import __version__
+from nand import __version__, exitcodes
+from nand.errors import CommandError
 
 #: Modules that add subcommands, in the order their commands are listed.
 COMMAND_GROUPS = (
@@ -22,13 +29,15 @@ COMMAND_GROUPS = (
     "nand.demo",  # demo
 )
 
+VERBOSE_HELP = "debug logging, and the traceback of a failure"
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="nand", description="Find where a PyTorch training run first went non-finite."
     )
     parser.add_argument("--version", action="version", version=f"nand {__version__}")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("-v", "--verbose", action="store_true", help=VERBOSE_HELP)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_GROUPS:
         try:
@@ -36,23 +45,56 @@ def build_parser() -> argparse.ArgumentParser:
         except ImportError:
             continue
         module.register(subparsers)
+    add_verbose_to_commands(subparsers)
     return parser
+
+
+def add_verbose_to_commands(subparsers: Any) -> None:
+    """``nand server -v`` works as ``nand -v server`` does (SUPPRESS: no override)."""
+    for command in subparsers.choices.values():
+        command.add_argument(
+            "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=VERBOSE_HELP
+        )
+
+
+def configure_logging(verbose: bool) -> None:
+    # nand's own messages at INFO; libraries (alembic, uvicorn) only when they warn.
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.WARNING,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    logging.getLogger("nand").setLevel(logging.DEBUG if verbose else logging.INFO)
+
+
+def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse.Namespace) -> int:
+    """Run one command; a failure becomes one line on stderr and its exit code."""
+    verbose = bool(getattr(args, "verbose", False))
+    try:
+        return int(func(args) or 0)
+    except CommandError as exc:
+        if verbose:
+            traceback.print_exc()
+        print(f"nand: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        if verbose:
+            traceback.print_exc()
+        hint = "" if verbose else " (run with -v for the traceback)"
+        print(f"nand: unexpected error: {type(exc).__name__}: {exc}{hint}", file=sys.stderr)
+        return exitcodes.ERROR
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    # nand's own messages at INFO; libraries (alembic, uvicorn) only when they warn.
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.WARNING,
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-    )
-    logging.getLogger("nand").setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    configure_logging(bool(getattr(args, "verbose", False)))
     func = getattr(args, "func", None)
     if func is None:
         parser.print_help()
-        return 2
-    return int(func(args) or 0)
+        return exitcodes.USAGE
+    return run_command(func, args)
 
 
 if __name__ == "__main__":

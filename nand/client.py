@@ -51,6 +51,23 @@ def run_url(base: str, run: str, suffix: str = "") -> str:
     return f"{base.rstrip('/')}/api/runs/{urllib.parse.quote(run, safe='')}{suffix}"
 
 
+def unreachable_reason(exc: OSError) -> str:
+    """Why a request got no answer, in words: "Connection refused", not urllib's
+    ``<urlopen error [Errno 111] Connection refused>``.
+
+    >>> unreachable_reason(urllib.error.URLError(ConnectionRefusedError(111, "Connection refused")))
+    'Connection refused'
+    >>> unreachable_reason(TimeoutError("timed out"))
+    'no answer in time'
+    """
+    inner = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+    if isinstance(inner, TimeoutError):
+        return "no answer in time"
+    if isinstance(inner, OSError) and inner.strerror:
+        return inner.strerror
+    return str(inner)
+
+
 def _detail(exc: urllib.error.HTTPError) -> str:
     try:
         detail = json.loads(exc.read()).get("detail")

@@ -5,7 +5,8 @@
     ├── StopRequested             the server or the ranks agreed to stop at a step boundary
     ├── WireError                 a message that does not decode or validate (has .reason)
     ├── SpoolCorruptError         a spool file whose bytes are not what its format says
-    └── ConfigError               a NAND_* setting or argument that makes no sense
+    ├── ConfigError               a NAND_* setting or argument that makes no sense
+    └── CommandError              a command-line failure: one line with the fix, an exit code
 
 ``NonFiniteError`` carries the :class:`nand.Event` that caused it as ``.event``.
 """
@@ -58,3 +59,20 @@ class SpoolCorruptError(NandError):
 
 class ConfigError(NandError, ValueError):
     """A setting or argument that makes no sense, with what to do about it."""
+
+
+class CommandError(NandError):
+    """What a ``nand`` command could not do, said in one line with what to do about it.
+
+    The command line prints ``nand: <message>`` on stderr and exits with
+    ``.exit_code`` (one of :mod:`nand.exitcodes`); the traceback only with ``-v``.
+
+    >>> from nand import exitcodes
+    >>> err = CommandError("port 8080 is in use; pass --http :8081", exitcodes.ADDRESS_IN_USE)
+    >>> err.exit_code, str(err)
+    (11, 'port 8080 is in use; pass --http :8081')
+    """
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        self.exit_code = exit_code
+        super().__init__(message)

@@ -4,19 +4,21 @@ commands alone (the same as ``nand server ...``), without the other groups."""
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
+from nand.cli import VERBOSE_HELP, add_verbose_to_commands, configure_logging, run_command
 from nand.server import commands
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m nand.server")
+    parser.add_argument("-v", "--verbose", action="store_true", help=VERBOSE_HELP)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     commands.register(subparsers)
+    add_verbose_to_commands(subparsers)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return int(args.func(args) or 0)
+    configure_logging(bool(getattr(args, "verbose", False)))
+    return run_command(args.func, args)
 
 
 if __name__ == "__main__":

@@ -14,13 +14,15 @@ dashboard's static files (``nand/web/``) are served at ``/``, with
 
 from __future__ import annotations
 
+import importlib.resources
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import FastAPI, HTTPException, Request
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 from sqlalchemy.exc import OperationalError
 
@@ -32,6 +34,7 @@ from nand.server.ingest import Ingest
 from nand.server.metrics import Metrics
 from nand.server.migrate import upgrade
 from nand.server.settings import Settings
+from nand.server.timing import RequestTimer
 
 log = logging.getLogger("nand.server")
 
@@ -63,10 +66,14 @@ def create_app(settings: Settings | None = None, *, ingest: bool = True) -> Fast
         version=__version__,
         summary="Where a PyTorch training run first went non-finite: rank, layer, step, phase.",
         lifespan=lifespan,
+        docs_url=None,  # served by _mount_docs, from local assets
+        redoc_url=None,
     )
     for router in ROUTERS:
         app.include_router(router)
+    app.add_middleware(RequestTimer)
     app.add_exception_handler(OperationalError, _database_unavailable)
+    _mount_docs(app)
     _mount_web(app)
     return app
 
@@ -74,6 +81,36 @@ def create_app(settings: Settings | None = None, *, ingest: bool = True) -> Fast
 async def _database_unavailable(_request: Request, exc: Exception) -> JSONResponse:
     log.warning("database unavailable: %s", exc)
     return JSONResponse({"detail": "the database is unavailable; retry"}, status_code=503)
+
+
+#: Swagger UI's and ReDoc's files, shipped in the fastapi-offline wheel.
+DOCS_ASSETS = Path(str(importlib.resources.files("fastapi_offline") / "static"))
+
+
+def _mount_docs(app: FastAPI) -> None:
+    """``/docs`` and ``/redoc`` with their scripts served here, not from a CDN: an
+    operator on an offline cluster gets the API reference too."""
+    app.mount("/docs-assets", StaticFiles(directory=DOCS_ASSETS), name="docs-assets")
+
+    @app.get("/docs", include_in_schema=False)
+    def swagger_ui() -> HTMLResponse:
+        return get_swagger_ui_html(
+            openapi_url=app.openapi_url or "/openapi.json",
+            title=f"{app.title} API",
+            swagger_js_url="/docs-assets/swagger-ui-bundle.js",
+            swagger_css_url="/docs-assets/swagger-ui.css",
+            swagger_favicon_url="/favicon.svg",
+        )
+
+    @app.get("/redoc", include_in_schema=False)
+    def redoc() -> HTMLResponse:
+        return get_redoc_html(
+            openapi_url=app.openapi_url or "/openapi.json",
+            title=f"{app.title} API",
+            redoc_js_url="/docs-assets/redoc.standalone.js",
+            redoc_favicon_url="/favicon.svg",
+            with_google_fonts=False,
+        )
 
 
 def _mount_web(app: FastAPI) -> None:

@@ -1,21 +1,10 @@
-"""``nand server | runs | verdict | stop | wait | prune``.
+"""``nand server | runs | verdict | stop | wait | prune``: the argument parsers.
 
 Nothing heavy is imported at module import (no FastAPI, no SQLAlchemy): the
-command functions import what they need. The client commands talk to the
-REST API at ``--url`` (default ``NAND_URL``, ``http://127.0.0.1:8080``) with
-the standard library only.
-
-``nand wait RUN --until diverged|finished|any`` exit codes (for job scripts):
-
-====  =================================================================
-0     the run reached what was asked (``--until any``: it finished)
-2     usage error, or the server could not be reached for ``--retry-for`` s
-3     the run diverged (while waiting for ``finished`` or ``any``)
-4     a rank was lost (no message for NAND_LOST_AFTER_S)
-5     a rank stalled (no step progress for NAND_STALLED_AFTER_S)
-6     the run finished without diverging (while waiting for ``diverged``)
-124   ``--timeout`` passed first (an unknown run is waited for, too)
-====  =================================================================
+command functions import what they need. The client commands
+(:mod:`nand.server.rest_commands`, :mod:`nand.server.waiting`) talk to the REST
+API at ``--url`` (default ``NAND_URL``, ``http://127.0.0.1:8080``) with the
+standard library only. Exit codes: :mod:`nand.exitcodes`.
 
 A Slurm job script that stops the job as soon as it goes non-finite::
 
@@ -37,74 +26,93 @@ a kill, use ``nand stop RUN`` (needs ``NAND_TOKEN``).
 from __future__ import annotations
 
 import argparse
-import functools
-import json
+import logging
 import re
 import signal
-import sys
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
-from nand import config
-from nand.client import ApiError, request_json, run_url
+from nand import config, exitcodes
 
-EXIT_OK = 0
-EXIT_ERROR = 1
-EXIT_USAGE = 2
-EXIT_DIVERGED = 3
-EXIT_LOST = 4
-EXIT_STALLED = 5
-EXIT_FINISHED = 6
-EXIT_TIMEOUT = 124
+log = logging.getLogger("nand.server")
 
-#: Exit code of ``nand wait`` for a state that is not the one waited for.
-STATE_EXIT = {"diverged": EXIT_DIVERGED, "lost": EXIT_LOST, "stalled": EXIT_STALLED}
+#: What ``nand wait --help`` shows under its options, as plain text.
+WAIT_EPILOG = """exit codes (for job scripts):
+  0    the run reached what was asked (--until any: it finished)
+  3    the run diverged (while waiting for finished or any)
+  4    a rank was lost (no message for NAND_LOST_AFTER_S)
+  5    a rank stalled (no step progress for NAND_STALLED_AFTER_S)
+  6    the run finished without diverging (while waiting for diverged)
+  7    a rank crashed (exited with an exception)
+  8    the server could not be reached for --retry-for seconds
+  2    bad arguments or --url;  124  --timeout passed first
 
+A run that has not reported yet is waited for (said once on stderr).
+"""
 
-_WAIT_HELP = (__doc__ or "").split("(for job scripts):", 1)[-1].split("A Slurm", 1)[0]
+URL_HELP = (
+    "the server's base URL, e.g. http://head-node:8080 (default: NAND_URL or http://127.0.0.1:8080)"
+)
+RUN_HELP = "the run id (NAND_RUN, TORCHELASTIC_RUN_ID or SLURM_JOB_ID of the job)"
 
 
 def register(subparsers: Any) -> None:
+    from nand.server import rest_commands, waiting
+
     _server_parser(subparsers)
-    url_help = "REST API base URL (default: NAND_URL or http://127.0.0.1:8080)"
 
     runs = subparsers.add_parser("runs", help="list runs and their state")
-    runs.add_argument("--url", help=url_help)
+    runs.add_argument("--url", help=URL_HELP)
     runs.add_argument("--json", action="store_true", help="print the JSON list")
-    runs.add_argument("--limit", type=int, default=50)
-    runs.set_defaults(func=cmd_runs)
+    runs.add_argument("--limit", type=int, default=50, help="most runs listed, newest first (50)")
+    runs.set_defaults(func=rest_commands.cmd_runs)
 
     verdict = subparsers.add_parser("verdict", help="where a run first went non-finite")
-    verdict.add_argument("run")
-    verdict.add_argument("--url", help=url_help)
+    verdict.add_argument("run", help=RUN_HELP)
+    verdict.add_argument("--url", help=URL_HELP)
     verdict.add_argument("--json", action="store_true", help="print the Verdict JSON")
-    verdict.set_defaults(func=cmd_verdict)
+    verdict.set_defaults(func=rest_commands.cmd_verdict)
 
     stop = subparsers.add_parser("stop", help="stop every rank of a run at one step boundary")
-    stop.add_argument("run")
-    stop.add_argument("--url", help=url_help)
+    stop.add_argument("run", help=RUN_HELP)
+    stop.add_argument("--url", help=URL_HELP)
     stop.add_argument("--token", help="the server's token (default: NAND_TOKEN)")
     stop.add_argument("--step", type=int, help="stop at this step (default: chosen by the server)")
     stop.add_argument("--reason", default="", help="shown to the ranks and in the verdict")
-    stop.set_defaults(func=cmd_stop)
+    stop.set_defaults(func=rest_commands.cmd_stop)
 
     wait = subparsers.add_parser(
         "wait",
         help="block until a run diverges / finishes; distinct exit codes for job scripts",
-        description=_WAIT_HELP,
+        description="Follow the server's event stream until the run reaches a state.",
+        epilog=WAIT_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    wait.add_argument("run")
-    wait.add_argument("--until", choices=("diverged", "finished", "any"), default="any")
-    wait.add_argument("--timeout", type=_duration, default=None, help="e.g. 600, 30m, 12h")
-    wait.add_argument("--interval", type=float, default=2.0, help="seconds between polls")
+    wait.add_argument("run", help=RUN_HELP)
     wait.add_argument(
-        "--retry-for", type=float, default=60.0, help="seconds to ride out an unreachable server"
+        "--until",
+        choices=("diverged", "finished", "any"),
+        default="any",
+        help="the state to wait for; any: diverged, finished, lost, stalled or crashed (any)",
     )
-    wait.add_argument("--url", help=url_help)
-    wait.set_defaults(func=cmd_wait)
+    wait.add_argument(
+        "--timeout", type=_duration, default=None, help="give up after, e.g. 600, 30m, 12h (never)"
+    )
+    wait.add_argument(
+        "--retry-for",
+        type=_duration,
+        default=None,
+        help="give up after the server was unreachable this long (default: retry until --timeout)",
+    )
+    wait.add_argument(
+        "--interval",
+        type=float,
+        default=1.0,
+        help="seconds before the first reconnect to a lost server, doubling up to 30 (1)",
+    )
+    wait.add_argument("--url", help=URL_HELP)
+    wait.set_defaults(func=waiting.cmd_wait)
 
     prune = subparsers.add_parser("prune", help="delete runs last seen before a given age")
     prune.add_argument("--older-than", type=_duration, required=True, help="e.g. 30d, 12h")
@@ -114,7 +122,11 @@ def register(subparsers: Any) -> None:
 
 def _server_parser(subparsers: Any) -> None:
     server = subparsers.add_parser("server", help="run the nand server (REST + ingest)")
-    server.add_argument("--db", help="SQLAlchemy URL (default: NAND_DB or sqlite:///nand.db)")
+    server.add_argument(
+        "--db",
+        help="sqlite:///PATH or postgresql+psycopg://USER:PASSWORD@HOST/DB "
+        "(default: NAND_DB or sqlite:///nand.db)",
+    )
     server.add_argument("--http", help="HOST:PORT for REST and dashboard (default 127.0.0.1:8080)")
     server.add_argument("--zmq", help="ZeroMQ endpoint for agents (default tcp://127.0.0.1:5557)")
     server.set_defaults(func=cmd_server)
@@ -131,172 +143,70 @@ def _duration(text: str) -> float:
     return float(match.group(1)) * _UNITS[match.group(2) or "s"]
 
 
-def _split_http(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit():
-        raise SystemExit(f"nand server: --http {text!r} must be HOST:PORT")
-    return host.strip("[]") or "127.0.0.1", int(port)
-
-
 # --- server -----------------------------------------------------------------
 
 
 def cmd_server(args: argparse.Namespace) -> int:
-    from nand.server import embedded
+    from nand.server import embedded, preflight
     from nand.server.settings import Settings
 
     settings = Settings.from_env(db_url=args.db)
-    host, port = _split_http(args.http) if args.http else (settings.http_host, settings.http_port)
+    host, port = (
+        preflight.parse_http(args.http) if args.http else (settings.http_host, settings.http_port)
+    )
+    zmq_endpoint = args.zmq or settings.zmq_bind
+    preflight.check_zmq_endpoint(zmq_endpoint)
+    preflight.open_database(settings.db_url).dispose()  # schema upgraded; errors said here
+    preflight.probe_zmq_bind(zmq_endpoint)
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
-    server = embedded.start(
-        settings.db_url,
-        http_host=host,
-        http_port=port,
-        zmq_endpoint=args.zmq or settings.zmq_bind,
-        settings=settings,
-        log_level="info",
-    )
+    try:
+        server = embedded.start(
+            settings.db_url,
+            http_host=host,
+            http_port=port,
+            zmq_endpoint=zmq_endpoint,
+            settings=settings,
+            log_level="warning",
+        )
+    except OSError as exc:  # the HTTP socket: bound before uvicorn starts
+        raise preflight.bind_failed(
+            "HTTP", "--http", f"{host}:{port}", exc.errno, exc.strerror or str(exc)
+        ) from exc
     print(f"nand server: http={server.http_url} zmq={server.zmq_endpoint}", flush=True)
+    _warn_if_open(host, zmq_endpoint, settings.token)
     stopping.wait()
     server.stop()
-    return EXIT_OK
+    return exitcodes.OK
+
+
+def _warn_if_open(http_host: str, zmq_endpoint: str, token: str | None) -> None:
+    """Bound beyond this machine without a token: anyone who reaches it can write runs."""
+    from nand.server.preflight import is_loopback, zmq_host
+
+    if token:
+        return
+    exposed = [h for h in (http_host, zmq_host(zmq_endpoint)) if not is_loopback(h)]
+    if exposed:
+        log.warning(
+            "listening on %s without NAND_TOKEN: anyone who can reach it can send runs; "
+            "set NAND_TOKEN (agents and `nand stop` then need it)",
+            " and ".join(sorted(set(exposed))),
+        )
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
     from sqlalchemy.orm import Session
 
     from nand.server import store
-    from nand.server.db import make_engine
-    from nand.server.migrate import upgrade
+    from nand.server.preflight import open_database
 
     url = args.db or config.get_str(config.NAND_DB, "sqlite:///nand.db") or ""
-    engine = make_engine(url)
-    upgrade(engine)
+    engine = open_database(url)
     with Session(engine) as session:
         names = store.prune(session, time.time() - args.older_than)
         session.commit()
     engine.dispose()
     print(f"pruned {len(names)} run(s)" + (": " + ", ".join(names) if names else ""))
-    return EXIT_OK
-
-
-# --- REST clients -----------------------------------------------------------
-
-
-def _base(args: argparse.Namespace) -> str:
-    url = args.url or config.get_str(config.NAND_URL, "http://127.0.0.1:8080") or ""
-    return url.rstrip("/")
-
-
-def _run_url(args: argparse.Namespace, suffix: str = "") -> str:
-    return run_url(_base(args), args.run, suffix)
-
-
-def _fail(message: str, code: int) -> int:
-    print(f"nand: {message}", file=sys.stderr)
-    return code
-
-
-def _reports_api_errors(
-    command: Callable[[argparse.Namespace], int],
-) -> Callable[[argparse.Namespace], int]:
-    """An API error exits 1 with the server's reason; an unreachable server exits 2."""
-
-    @functools.wraps(command)
-    def run(args: argparse.Namespace) -> int:
-        try:
-            return command(args)
-        except ApiError as exc:
-            return _fail(str(exc), EXIT_ERROR)
-        except BrokenPipeError:
-            raise  # our stdout closed (`| head`), not the server
-        except OSError as exc:
-            return _fail(f"cannot reach {_base(args)}: {exc}", EXIT_USAGE)
-
-    return run
-
-
-@_reports_api_errors
-def cmd_runs(args: argparse.Namespace) -> int:
-    runs = request_json(f"{_base(args)}/api/runs?limit={max(1, min(args.limit, 1000))}")
-    if args.json:
-        print(json.dumps(runs, indent=2))
-        return EXIT_OK
-    print(f"{'RUN':<36} {'STATE':<9} {'RANKS':>5} {'STEP':>8} {'EVENTS':>7}  ORIGIN")
-    for run in runs:
-        origin = run.get("origin")
-        where = (
-            f"rank {origin['rank']} {origin['phase']} {origin['module'] or '<root>'} "
-            f"step {origin['step']}"
-            if origin
-            else ""
-        )
-        print(
-            f"{run['run']:<36} {run['state']:<9} {run['ranks_seen']:>5} "
-            f"{run['latest_step']:>8} {run['event_count']:>7}  {where}"
-        )
-    return EXIT_OK
-
-
-@_reports_api_errors
-def cmd_verdict(args: argparse.Namespace) -> int:
-    verdict = request_json(_run_url(args, "/verdict"))
-    if args.json:
-        print(json.dumps(verdict, indent=2))
-    else:
-        print(f"{verdict['run']}: {verdict['state']}")
-        print(verdict["summary"])
-    return EXIT_OK
-
-
-@_reports_api_errors
-def cmd_stop(args: argparse.Namespace) -> int:
-    token = args.token or config.get_str(config.NAND_TOKEN)
-    body: dict[str, Any] = {"reason": args.reason}
-    if args.step is not None:
-        body["step"] = args.step
-    answer = request_json(_run_url(args, "/stop"), method="POST", body=body, token=token)
-    ranks = ", ".join(map(str, answer["ranks"])) or "none running"
-    print(f"{answer['run']}: every rank stops at step {answer['step']} (ranks {ranks})")
-    return EXIT_OK
-
-
-def wait_exit_code(until: str, state: str) -> int | None:
-    """The exit code once ``state`` is seen while waiting for ``until``; None: keep waiting."""
-    if state == until or (until == "any" and state == "finished"):
-        return EXIT_OK
-    if state in STATE_EXIT:
-        return STATE_EXIT[state]
-    if state == "finished":
-        return EXIT_FINISHED
-    return None
-
-
-def cmd_wait(args: argparse.Namespace) -> int:
-    deadline = time.monotonic() + args.timeout if args.timeout is not None else None
-    unreachable_since: float | None = None
-    while True:
-        try:
-            state = request_json(_run_url(args, "/verdict"))["state"]
-            unreachable_since = None
-        except ApiError as exc:
-            if exc.status != 404:
-                return _fail(str(exc), EXIT_USAGE)
-            state = None  # the run has not reported yet
-        except OSError as exc:
-            unreachable_since = unreachable_since or time.monotonic()
-            if time.monotonic() - unreachable_since > args.retry_for:
-                return _fail(f"cannot reach {_base(args)}: {exc}", EXIT_USAGE)
-            state = None
-        code = wait_exit_code(args.until, state) if state else None
-        if code is not None:
-            print(f"{args.run}: {state}", flush=True)
-            return code
-        if deadline is not None and time.monotonic() >= deadline:
-            return _fail(f"timed out waiting for {args.run} ({args.until})", EXIT_TIMEOUT)
-        pause = args.interval
-        if deadline is not None:
-            pause = max(0.0, min(pause, deadline - time.monotonic()))
-        time.sleep(pause)
+    return exitcodes.OK

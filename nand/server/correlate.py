@@ -4,9 +4,10 @@ Given each rank's logically first event (``nand.events.Event``, ordered by
 ``(step, micro_step, phase, order)``), decide:
 
 - the **origin**: the least first event over all ranks (ties: lowest rank);
-- each rank's **relation** to it: ``origin``; ``simultaneous`` (same step,
-  micro-step, phase and module as the origin: a numerical problem of the
-  model, not one GPU); ``received`` (its first event came through a
+- each rank's **relation** to it: ``origin``; ``simultaneous`` (several ranks
+  at the same step, micro-step, phase and module: a numerical problem of the
+  model, not one GPU; then *every* rank there is ``simultaneous`` and none is
+  the origin, since none was first); ``received`` (its first event came through a
   collective after the origin: ``grad`` of the origin's step, the DDP
   all-reduce; ``forward`` of a later step, an FSDP all-gathered shard; or the
   agent said ``cause="received"``); else ``produced``;
@@ -22,10 +23,11 @@ Given each rank's logically first event (``nand.events.Event``, ordered by
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from nand.events import PHASE_RANK, Event
-from nand.server.evidence import FlightEvidence
+from nand.server.evidence import OVERFLOW_SHARE, FlightEvidence, dtype_limit
 
 
 def origin(firsts: Sequence[Event]) -> Event | None:
@@ -33,12 +35,18 @@ def origin(firsts: Sequence[Event]) -> Event | None:
     return min(firsts, key=lambda e: (e.sort_key(), e.rank), default=None)
 
 
+def same_point(a: Event, b: Event) -> bool:
+    """Same step, micro-step, phase and module: neither came first."""
+    return a.sort_key()[:3] == b.sort_key()[:3] and a.module == b.module
+
+
 def relation(first: Event, origin_event: Event) -> str:
-    """How one rank's first event relates to the run's origin (see the module doc)."""
+    """How one rank's first event relates to the run's origin (see the module doc);
+    the origin's own rank is ``origin`` here, :func:`relations` says ``simultaneous``
+    for it when another rank went non-finite at the same point."""
     if first.rank == origin_event.rank:
         return "origin"
-    same_point = first.sort_key()[:3] == origin_event.sort_key()[:3]
-    if same_point and first.module == origin_event.module:
+    if same_point(first, origin_event):
         return "simultaneous"
     if first.cause == "received" or _through_collective(first, origin_event):
         return "received"
@@ -59,13 +67,25 @@ def relations(firsts: Sequence[Event]) -> dict[int, str]:
     head = origin(firsts)
     if head is None:
         return {}
-    return {e.rank: relation(e, head) for e in firsts}
+    found = {e.rank: relation(e, head) for e in firsts}
+    if "simultaneous" in found.values():
+        found[head.rank] = "simultaneous"  # the lowest rank was not first, only first listed
+    return found
+
+
+def first_ranks(firsts: Sequence[Event]) -> list[int]:
+    """The ranks where it started: the origin's, or every rank at the same point."""
+    head = origin(firsts)
+    if head is None:
+        return []
+    return sorted(e.rank for e in firsts if same_point(e, head))
 
 
 HINTS = (
     "input_data",
     "loss",
     "optimizer_update",
+    "param_written",
     "overflow",
     "gradient_explosion",
     "produced_in_layer",
@@ -77,9 +97,10 @@ def hint(origin_event: Event | None, evidence: FlightEvidence | None = None) -> 
 
     Phase first (it is certain), then the origin rank's flight window:
     ``input_data`` (phase ``input`` or cause ``data``), ``loss``,
-    ``optimizer_update`` (``param``/``optimizer_state``: the gradients were
-    finite, else a ``grad`` event would come first), ``overflow``,
-    ``gradient_explosion``, else ``produced_in_layer``.
+    ``param_written`` or ``optimizer_update`` (``param``/``optimizer_state``:
+    the gradients were finite, else a ``grad`` event would come first; see
+    :func:`written_not_updated`), ``overflow``, ``gradient_explosion``, else
+    ``produced_in_layer``.
     """
     if origin_event is None:
         return ""
@@ -87,6 +108,8 @@ def hint(origin_event: Event | None, evidence: FlightEvidence | None = None) -> 
         return "input_data"
     if origin_event.phase == "loss":
         return "loss"
+    if origin_event.phase == "param" and written_not_updated(origin_event):
+        return "param_written"
     if origin_event.phase in ("param", "optimizer_state"):
         return "optimizer_update"
     if evidence is not None and evidence.overflow:
@@ -96,19 +119,45 @@ def hint(origin_event: Event | None, evidence: FlightEvidence | None = None) -> 
     return "produced_in_layer"
 
 
+def written_not_updated(event: Event) -> bool:
+    """A parameter that went non-finite in a few elements while the rest of it
+    stayed far from the dtype's limit, from finite gradients: an update cannot
+    do that (the learning rate and the optimizer state scale every element
+    alike, and a finite update of small values stays finite), so something else
+    wrote those elements (code that edits the weights, a checkpoint, memory).
+
+    >>> written_not_updated(Event(phase="param", posinf=1, shape=[64, 64], max_abs=0.3,
+    ...                           dtype="float32"))
+    True
+    >>> written_not_updated(Event(phase="param", posinf=4096, shape=[64, 64], dtype="float32"))
+    False
+    """
+    counts = [c for c in (event.nan, event.posinf, event.neginf) if c is not None]
+    if not counts or not event.shape or event.max_abs is None:
+        return False  # not counted: no evidence either way
+    elements = math.prod(event.shape)
+    limit = dtype_limit(event.dtype)
+    small = limit is not None and event.max_abs < OVERFLOW_SHARE * limit
+    return sum(counts) < elements and small
+
+
 def rank_state(
     *,
     diverged: bool,
     finished: bool,
+    crashed: bool = False,
     last_seen: float,
     step_changed_at: float,
     now: float,
     lost_after_s: float,
     stalled_after_s: float,
 ) -> str:
-    """diverged > finished (said bye) > lost (silent) > stalled (no step progress) > running."""
+    """diverged > crashed (left with an exception) > finished (said bye) > lost (silent)
+    > stalled (no step progress) > running."""
     if diverged:
         return "diverged"
+    if crashed:
+        return "crashed"
     if finished:
         return "finished"
     if now - last_seen > lost_after_s:
@@ -119,13 +168,29 @@ def rank_state(
 
 
 def run_state(rank_states: Sequence[str]) -> str:
-    """diverged if any rank is; else lost, else stalled if any; finished if all; else healthy."""
-    for state in ("diverged", "lost", "stalled"):
+    """diverged if any rank is; else crashed, lost, stalled if any; finished if all; else
+    healthy."""
+    for state in ("diverged", "crashed", "lost", "stalled"):
         if state in rank_states:
             return state
     if rank_states and all(s == "finished" for s in rank_states):
         return "finished"
     return "healthy"
+
+
+def crashed_bye(reason: str) -> bool:
+    """A bye the agent sent while an exception left the watch (``exception: Type``),
+    e.g. gloo's ``Connection reset by peer`` after a peer was killed. A requested
+    stop (``StopRequested``) is a clean end, not a crash.
+
+    >>> crashed_bye("exception: RuntimeError"), crashed_bye("exception: StopRequested")
+    (True, False)
+    """
+    return reason.startswith("exception:") and not stopped_bye(reason)
+
+
+def stopped_bye(reason: str) -> bool:
+    return reason.startswith("exception:") and "StopRequested" in reason
 
 
 def phase_rank(phase: str) -> int:

@@ -30,6 +30,19 @@ EXPLOSION_FACTOR = 10.0
 EXPLOSION_RISING_SHARE = 2 / 3
 
 
+#: The largest finite value of each floating dtype, by the name events carry.
+DTYPE_LIMITS = {
+    "float16": 65504.0,
+    "bfloat16": 3.3895313892515355e38,
+    "float32": 3.4028234663852886e38,
+    "float64": 1.7976931348623157e308,
+}
+
+
+def dtype_limit(dtype: str) -> float | None:
+    return DTYPE_LIMITS.get(dtype.removeprefix("torch."))
+
+
 @dataclass(frozen=True)
 class FlightEvidence:
     overflow: bool = False

@@ -32,6 +32,7 @@ from sqlalchemy.orm import Session
 
 from nand import wire
 from nand.errors import WireError
+from nand.server import announce
 from nand.server.commander import Commander
 from nand.server.metrics import Metrics
 from nand.server.models import Agent
@@ -64,6 +65,7 @@ class Ingest:
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._authed: set[str] = set()
+        self._refusals = announce.Refusals()
         self._sock: zmq.Socket | None = None
         self.commander = Commander(engine, settings, metrics, self._reply)
 
@@ -149,6 +151,7 @@ class Ingest:
             return
         self.commander.seen(accepted, time.time())
         acked = self._write(accepted)
+        announce.stored(m for _, m in accepted if (m["agent"], m["seq"]) in acked)
         self._ack(sock, accepted, acked)
         self.commander.after_batch(accepted)
 
@@ -184,6 +187,7 @@ class Ingest:
                 accepted.append((ident, message))
             else:
                 self.metrics.rejected("unauthenticated")
+                self._refusals.refused(message, "no valid token (NAND_TOKEN differs)")
                 refused.add(ident)
         for ident in refused:
             reply = {"kind": "reject", "reason": "unauthenticated: a valid token is required"}
@@ -211,13 +215,12 @@ class Ingest:
             log.exception("a batch of %d messages failed; storing one by one", len(messages))
             return self._write_one_by_one(messages)
         done = time.time()
-        lag = max((done - m["time"] for m in messages), default=0.0)
         self.metrics.batch(
             kinds=result.kinds,
             duplicates=result.duplicates,
             acked=len(result.acked),
             seconds=done - started,
-            lag=max(lag, 0.0),
+            lags=[done - m["time"] for m in messages],
         )
         return set(result.acked)
 

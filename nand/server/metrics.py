@@ -1,126 +1,127 @@
-"""Counters of this server process, rendered in the Prometheus text format.
+"""The server's Prometheus metrics, on ``prometheus_client``.
 
-Counters are per process (as Prometheus expects: scrape every server);
-``nand_runs`` by state comes from the database, so it is the same on every
-server.
+Each app has its own registry (several servers may share a process: the
+tests, the demo), with the process and platform collectors, the ingest
+counters, ingest lag and batch time and HTTP request latency as histograms,
+and ``nand_runs`` by state, which comes from the database at scrape time, so
+it is the same on every server sharing it. Counters are per process, as
+Prometheus expects: scrape every server.
 
 >>> m = Metrics()
 >>> m.rejected("not_msgpack")
->>> 'nand_messages_rejected_total{reason="not_msgpack"} 1' in m.render({"healthy": 2})
+>>> 'nand_messages_rejected_total{reason="not_msgpack"} 1.0' in m.render({"healthy": 2})
+True
+>>> 'nand_runs{state="healthy"} 2.0' in m.render({"healthy": 2})
 True
 """
 
 from __future__ import annotations
 
-import threading
-from collections import Counter
 from collections.abc import Mapping
+
+from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 
 from nand.wire import REASONS
 
+__all__ = ["CONTENT_TYPE", "Metrics"]
+
 #: Reasons the server adds to nand.wire.REASONS.
-SERVER_REASONS = ("store_error",)
-RUN_STATES = ("healthy", "diverged", "stalled", "finished", "lost")
+SERVER_REASONS = ("store_error", "unauthenticated")
+RUN_STATES = ("healthy", "diverged", "stalled", "finished", "lost", "crashed")
+#: Agent send → commit: a healthy server stays well under a second.
+LAG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class Metrics:
+    """The metrics of one server; ``render()`` is the ``/metrics`` body."""
+
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._received = 0
-        self._stored: Counter[str] = Counter()
-        self._rejected: Counter[str] = Counter({r: 0 for r in (*REASONS, *SERVER_REASONS)})
-        self._duplicates = 0
-        self._acked = 0
-        self._write_errors = 0
-        self._commands = 0
-        self._batches = 0
-        self._batch_seconds = 0.0
-        self._lag = 0.0
+        self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        self._counters()
+        self._histograms()
+        self._runs = Gauge("nand_runs", "Runs by state.", ["state"], registry=self.registry)
+
+    def _counters(self) -> None:
+        def counter(name: str, help_text: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(name, help_text, labels, registry=self.registry)
+
+        self._received = counter("nand_messages_received", "Frames received from agents.")
+        self._stored = counter("nand_messages_stored", "Messages stored, by kind.", ("kind",))
+        self._rejected = counter(
+            "nand_messages_rejected", "Messages rejected, by reason.", ("reason",)
+        )
+        for reason in (*REASONS, *SERVER_REASONS):
+            self._rejected.labels(reason)  # every reason shows, at 0 until it happens
+        self._duplicates = counter(
+            "nand_messages_duplicate", "Messages received again and acked, not stored."
+        )
+        self._acked = counter("nand_messages_acked", "Messages acknowledged after commit.")
+        self._events = counter("nand_events", "Non-finite events stored.")
+        self._write_errors = counter("nand_store_errors", "Batches that failed to commit.")
+        self._commands = counter("nand_commands_sent", "Commands sent to agents.")
+
+    def _histograms(self) -> None:
+        self._lag = Histogram(
+            "nand_ingest_lag_seconds",
+            "Agent send to commit, per message.",
+            buckets=LAG_BUCKETS,
+            registry=self.registry,
+        )
+        self._batch_seconds = Histogram(
+            "nand_ingest_batch_seconds", "Time to write one batch.", registry=self.registry
+        )
+        self._requests = Histogram(
+            "nand_http_request_duration_seconds",
+            "HTTP request latency, by method, route template and status.",
+            ["method", "route", "status"],
+            registry=self.registry,
+        )
 
     def received(self, n: int) -> None:
-        with self._lock:
-            self._received += n
+        self._received.inc(n)
 
     def rejected(self, reason: str) -> None:
-        with self._lock:
-            self._rejected[reason] += 1
+        self._rejected.labels(reason).inc()
 
     def batch(
-        self, *, kinds: Mapping[str, int], duplicates: int, acked: int, seconds: float, lag: float
+        self,
+        *,
+        kinds: Mapping[str, int],
+        duplicates: int,
+        acked: int,
+        seconds: float,
+        lags: list[float],
     ) -> None:
-        with self._lock:
-            self._stored.update(kinds)
-            self._duplicates += duplicates
-            self._acked += acked
-            self._batches += 1
-            self._batch_seconds += seconds
-            self._lag = lag
+        for kind, n in kinds.items():
+            self._stored.labels(kind).inc(n)
+        self._events.inc(kinds.get("event", 0))
+        self._duplicates.inc(duplicates)
+        self._acked.inc(acked)
+        self._batch_seconds.observe(seconds)
+        for lag in lags:
+            self._lag.observe(max(lag, 0.0))
 
     def write_error(self) -> None:
-        with self._lock:
-            self._write_errors += 1
+        self._write_errors.inc()
 
     def command_sent(self) -> None:
-        with self._lock:
-            self._commands += 1
+        self._commands.inc()
 
-    def snapshot(self) -> dict[str, object]:
-        with self._lock:
-            return {
-                "received": self._received,
-                "stored": dict(self._stored),
-                "rejected": dict(self._rejected),
-                "duplicates": self._duplicates,
-                "acked": self._acked,
-            }
+    def request(self, method: str, route: str, status: int, seconds: float) -> None:
+        self._requests.labels(method, route, str(status)).observe(seconds)
 
     def render(self, runs_by_state: Mapping[str, int]) -> str:
-        with self._lock:
-            lines = [
-                *_counter(
-                    "nand_messages_received_total", "Frames received from agents.", self._received
-                ),
-                "# HELP nand_messages_stored_total Messages stored, by kind.",
-                "# TYPE nand_messages_stored_total counter",
-                *(
-                    f'nand_messages_stored_total{{kind="{k}"}} {v}'
-                    for k, v in sorted(self._stored.items())
-                ),
-                "# HELP nand_messages_rejected_total Messages rejected, by reason.",
-                "# TYPE nand_messages_rejected_total counter",
-                *(
-                    f'nand_messages_rejected_total{{reason="{k}"}} {v}'
-                    for k, v in sorted(self._rejected.items())
-                ),
-                *_counter(
-                    "nand_messages_duplicate_total",
-                    "Messages received again and acked, not stored.",
-                    self._duplicates,
-                ),
-                *_counter(
-                    "nand_messages_acked_total", "Messages acknowledged after commit.", self._acked
-                ),
-                *_counter(
-                    "nand_events_total", "Non-finite events stored.", self._stored.get("event", 0)
-                ),
-                *_counter(
-                    "nand_store_errors_total", "Batches that failed to commit.", self._write_errors
-                ),
-                *_counter("nand_commands_sent_total", "Commands sent to agents.", self._commands),
-                *_counter("nand_ingest_batches_total", "Committed ingest batches.", self._batches),
-                *_counter(
-                    "nand_ingest_batch_seconds_total",
-                    "Time spent writing batches.",
-                    round(self._batch_seconds, 6),
-                ),
-                "# HELP nand_ingest_lag_seconds Agent send to commit, largest in the last batch.",
-                "# TYPE nand_ingest_lag_seconds gauge",
-                f"nand_ingest_lag_seconds {self._lag:.6f}",
-            ]
-        lines += ["# HELP nand_runs Runs by state.", "# TYPE nand_runs gauge"]
-        lines += [f'nand_runs{{state="{s}"}} {runs_by_state.get(s, 0)}' for s in RUN_STATES]
-        return "\n".join(lines) + "\n"
-
-
-def _counter(name: str, help_text: str, value: float) -> list[str]:
-    return [f"# HELP {name} {help_text}", f"# TYPE {name} counter", f"{name} {value}"]
+        for state in RUN_STATES:
+            self._runs.labels(state).set(runs_by_state.get(state, 0))
+        return generate_latest(self.registry).decode()

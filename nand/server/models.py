@@ -63,6 +63,7 @@ class Rank(Base):
     amp_skipped: Mapped[int] = mapped_column(Integer, default=0)
     finished_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     bye_reason: Mapped[str] = mapped_column(String(500), default="")
+    device: Mapped[str] = mapped_column(String(64), default="")
     first_event_id: Mapped[int | None] = mapped_column(BigId, nullable=True)
     first_step: Mapped[int | None] = mapped_column(Integer, nullable=True)
     first_micro_step: Mapped[int | None] = mapped_column(Integer, nullable=True)
@@ -103,6 +104,9 @@ class EventRow(Base):
     time: Mapped[float] = mapped_column(Float)
     seq: Mapped[int] = mapped_column(BigInteger, default=0)
     message: Mapped[str] = mapped_column(Text, default="")
+    #: The value kinds in words ("NaN and +inf"), kept because SQLite stores a
+    #: NaN min/max (how an activation event says NaN) as NULL.
+    kinds: Mapped[str] = mapped_column(String(80), default="")
 
 
 class Heartbeat(Base):
@@ -136,6 +140,9 @@ class Flight(Base):
     grad_rising: Mapped[bool] = mapped_column(default=False)
     #: One phrase of evidence for the summary (e.g. "max |x| reached 6.1e4 of 65504").
     evidence: Mapped[str] = mapped_column(String(500), default="")
+    #: The window's smallest and largest positive finite max|x| (the shared colour scale).
+    mag_min: Mapped[float | None] = mapped_column(Float, nullable=True)
+    mag_max: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 class Message(Base):

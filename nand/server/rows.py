@@ -7,9 +7,10 @@ they were), odd types as defaults.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-from nand.events import PHASE_RANK
+from nand.events import PHASE_RANK, Event, value_kinds
 from nand.server.evidence import flight_evidence
 from nand.server.sanitize import clean_str, finite, jsonable, number
 
@@ -104,7 +105,26 @@ def event_row(message: dict[str, Any], run_ids: dict[str, int]) -> dict[str, Any
         "time": _float(event.get("time"), message["time"]),
         "seq": int_or_zero(event.get("seq")),
         "message": clean_str(event.get("message"), 2000),
+        "kinds": _kinds(event),
     }
+
+
+def _kinds(event: dict[str, Any]) -> str:
+    """What the values were, in words, from the wire's figures (before SQLite
+    turns a NaN min/max into NULL and the kind with it)."""
+
+    def count(name: str) -> int | None:
+        value = event.get(name)
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    figures = Event(
+        nan=count("nan"),
+        posinf=count("posinf"),
+        neginf=count("neginf"),
+        min=number(event.get("min")),
+        max=number(event.get("max")),
+    )
+    return value_kinds(figures)
 
 
 def int_or_zero(value: Any) -> int:
@@ -119,8 +139,14 @@ def _float(value: Any, default: float) -> float:
 def flight_row(message: dict[str, Any], run_ids: dict[str, int]) -> dict[str, Any]:
     """A flight window (JSON-safe) with its evidence precomputed for the verdict."""
     body = message["body"]
-    data = jsonable(body["flight"])
+    raw = body["flight"] if isinstance(body["flight"], dict) else {}
+    data = jsonable(raw)
+    if isinstance(data, dict):
+        # JSON keeps no NaN/inf: say where they were, apart from "not recorded" (null).
+        data["act_nonfinite"] = nonfinite_cells(raw.get("act_max_abs"))
+        data["grad_nonfinite"] = nonfinite_cells(raw.get("grad_max_abs"))
     evidence = flight_evidence(data if isinstance(data, dict) else {})
+    low, high = magnitudes(raw)
     return {
         "run_id": run_ids[message["run"]],
         "rank": message["rank"],
@@ -130,4 +156,34 @@ def flight_row(message: dict[str, Any], run_ids: dict[str, int]) -> dict[str, An
         "overflow": evidence.overflow,
         "grad_rising": evidence.grad_rising,
         "evidence": clean_str(evidence.text, 500),
+        "mag_min": low,
+        "mag_max": high,
     }
+
+
+def _cells(matrix: Any) -> list[tuple[int, int, Any]]:
+    rows = matrix if isinstance(matrix, list) else []
+    return [
+        (i, j, v) for i, row in enumerate(rows) if isinstance(row, list) for j, v in enumerate(row)
+    ]
+
+
+def nonfinite_cells(matrix: Any) -> list[list[int]]:
+    """``[step index, module index]`` of every NaN/inf cell of a flight matrix.
+
+    >>> nonfinite_cells([[1.0, None], [float("inf"), 2.0]])
+    [[1, 0]]
+    """
+    return [[i, j] for i, j, v in _cells(matrix) if isinstance(v, float) and not math.isfinite(v)]
+
+
+def magnitudes(flight: dict[str, Any]) -> tuple[float | None, float | None]:
+    """The smallest and largest positive finite max|x| of a window (both views),
+    so every rank's heatmap can share one colour scale."""
+    values = [
+        float(v)
+        for key in ("act_max_abs", "grad_max_abs")
+        for _, _, v in _cells(flight.get(key))
+        if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+    ]
+    return (min(values), max(values)) if values else (None, None)

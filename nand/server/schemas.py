@@ -12,13 +12,16 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-RunState = Literal["healthy", "diverged", "stalled", "finished", "lost"]
-RankState = Literal["running", "diverged", "finished", "lost", "stalled"]
+RunState = Literal["healthy", "diverged", "stalled", "finished", "lost", "crashed"]
+#: ``finished``: said bye after a normal exit (or a requested stop); ``crashed``:
+#: left with an exception (e.g. gloo's "Connection reset by peer" after a peer died).
+RankState = Literal["running", "diverged", "finished", "lost", "stalled", "crashed"]
 #: How a rank's first non-finite value relates to the run's origin:
-#: ``origin`` (this rank is where it started), ``simultaneous`` (went
-#: non-finite at the same logical point as the origin: a numerical problem of
-#: the model, not one rank), ``received`` (arrived through a collective),
-#: ``produced`` (made it itself, later than the origin), or null (finite).
+#: ``origin`` (this rank is where it started), ``simultaneous`` (several ranks
+#: went non-finite at the same logical point and none was first: a numerical
+#: problem of the model, not one rank; no rank is then ``origin``),
+#: ``received`` (arrived through a collective), ``produced`` (made it itself,
+#: later than the origin), or null (finite).
 Relation = Literal["origin", "simultaneous", "received", "produced"]
 
 
@@ -62,7 +65,12 @@ class EventPage(BaseModel):
 class Origin(BaseModel):
     """Where the run first went non-finite."""
 
-    rank: int
+    #: The rank that was first; null when several went non-finite at the same
+    #: point (``simultaneous``) and none was first.
+    rank: int | None
+    #: The ranks where it started: ``[rank]``, or every simultaneous rank.
+    ranks: list[int] = Field(default_factory=list)
+    host: str = ""
     step: int
     micro_step: int
     phase: str
@@ -82,9 +90,12 @@ class Origin(BaseModel):
 
 
 class StopInfo(BaseModel):
+    #: Every rank stops at this step or the next step boundary after it.
     step: int
     requested_at: float
     reason: str = ""
+    #: The step at which the ranks stopped (from their byes), once they did.
+    stopped_at: int | None = None
 
 
 class Verdict(BaseModel):
@@ -107,6 +118,8 @@ class Verdict(BaseModel):
     #: When the run went non-finite (origin's wall clock), else null.
     since: float | None = None
     stop: StopInfo | None = None
+    #: Whether a stop can still reach a rank (false once every rank has exited).
+    stoppable: bool = True
 
 
 class RunSummary(BaseModel):
@@ -151,6 +164,10 @@ class RankStatus(BaseModel):
     relation: Relation | None = None
     #: Whether this rank sent a flight-recorder window (``/flight?rank=`` has one).
     has_flight: bool = False
+    #: The device its parameters live on ("cpu", "cuda:0"), from its hello.
+    device: str = ""
+    #: Why it left: "closed", "exit", "exception: RuntimeError"... ("" while running).
+    bye_reason: str = ""
 
 
 class SeriesPoint(BaseModel):
@@ -180,6 +197,14 @@ class FlightOut(BaseModel):
     loss: list[float | None]
     dtype: str = ""
     dtype_max: float | None = None
+    #: ``[step index, module index]`` of the cells that were NaN/inf (a null
+    #: elsewhere in the matrices means "not recorded").
+    act_nonfinite: list[list[int]] = Field(default_factory=list)
+    grad_nonfinite: list[list[int]] = Field(default_factory=list)
+    #: The run's range of positive finite max|x| over every rank's window and
+    #: both views: one colour scale for all of them.
+    scale_min: float | None = None
+    scale_max: float | None = None
 
 
 class StopRequest(BaseModel):

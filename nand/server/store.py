@@ -70,6 +70,15 @@ def latest_flight(session: Session, run_id: int, rank: int) -> Flight | None:
     return session.scalars(statement).first()
 
 
+def flight_scale(session: Session, run_id: int) -> tuple[float | None, float | None]:
+    """The smallest and largest positive finite max|x| over every window of a run."""
+    statement = select(func.min(Flight.mag_min), func.max(Flight.mag_max)).where(
+        Flight.run_id == run_id
+    )
+    low, high = session.execute(statement).one()
+    return low, high
+
+
 def ranks_with_flight(session: Session, run_id: int) -> set[int]:
     """The ranks of a run that sent at least one flight-recorder window."""
     statement = select(Flight.rank).where(Flight.run_id == run_id).distinct()

@@ -1,19 +1,26 @@
 """The sentences a person reads: what went non-finite where, and who got it how.
 
 >>> from nand.events import Event, value_kinds
->>> firsts = [Event(rank=1, step=5, phase="forward", module="fc", module_type="Linear", nan=1),
+>>> firsts = [Event(rank=1, step=5, phase="forward", module="fc", module_type="Linear", nan=1,
+...                 host="node-2"),
 ...           Event(rank=0, step=5, phase="grad", module="fc.weight", nan=2)]
->>> print(diverged_summary(firsts, 2, ""))  # doctest: +NORMALIZE_WHITESPACE
+>>> print(diverged_summary(firsts, 2, "produced_in_layer", devices={1: "cuda:1"}))
 rank 1 produced NaN in fc (Linear) during forward at step 5; rank 0 received it
-through the gradient all-reduce. Only rank 1 produced it: suspect its data or its GPU.
+through the gradient all-reduce. Only rank 1 (host node-2) produced it: suspect its batch
+or its GPU. Hint: the layer made NaN from finite inputs.
+
+Each sentence says only what the evidence supports: a faulty GPU is suspected
+only for a value one rank made alone in forward on a CUDA device (not on a CPU
+run, not for a backward bug, which repeats on any device), and the value kind
+(NaN, +inf, -inf) is named wherever the value is.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from nand.events import Event, value_kinds
-from nand.server.correlate import origin, relation
+from nand.server.correlate import origin, relations
 from nand.server.evidence import FlightEvidence
 
 
@@ -38,23 +45,57 @@ def _where(event: Event) -> str:
 
 
 _HINT_TEXT = {
-    "input_data": "the input batch already held it: check the data pipeline of that rank",
-    "loss": "the loss went non-finite while the model's outputs were finite",
+    "input_data": "the input batch already held {kinds}: check the data pipeline of that rank",
+    "loss": "the loss made {kinds} while the model's outputs were finite",
     "optimizer_update": (
-        "the optimizer step turned finite gradients into non-finite parameters: "
+        "the optimizer step turned finite gradients into {kinds} in the parameters: "
         "check the learning rate and the optimizer state"
     ),
-    "produced_in_layer": "the layer made it from finite inputs",
+    "param_written": (
+        "the gradients were finite and the rest of the parameter stayed small{largest}, so "
+        "no update made {kinds} there: something else wrote it (code that edits the weights, "
+        "a checkpoint load) or the memory holding it is faulty"
+    ),
+}
+_PRODUCED_TEXT = {
+    "forward": "the layer made {kinds} from finite inputs",
+    "backward": (
+        "the layer's backward made {kinds} from a finite incoming gradient (the gradient "
+        "arriving at its output): look at its backward, e.g. a custom autograd Function or "
+        "log/sqrt/division at 0"
+    ),
+    "grad": "the gradient of this parameter became {kinds} in backward",
 }
 
 
-def _hint_sentence(hint_name: str, evidence: FlightEvidence | None) -> str:
+def _hint_sentence(hint_name: str, evidence: FlightEvidence | None, head: Event) -> str:
     if hint_name in ("overflow", "gradient_explosion"):
         label = "overflow" if hint_name == "overflow" else "gradient explosion"
         detail = evidence.text if evidence is not None else ""
         return f"Hint: {label}" + (f": {detail}." if detail else ".")
-    text = _HINT_TEXT.get(hint_name)
-    return f"Hint: {text}." if text else ""
+    if hint_name == "produced_in_layer":
+        text = _PRODUCED_TEXT.get(head.phase, "")
+    else:
+        text = _HINT_TEXT.get(hint_name, "")
+    largest = f" (largest finite |x| {head.max_abs:.3g})" if head.max_abs is not None else ""
+    return f"Hint: {text.format(kinds=value_kinds(head), largest=largest)}." if text else ""
+
+
+def _lone_producer(head: Event, hint_name: str, device: str) -> str:
+    """The sentence for the one rank that made it alone, naming its host, with the
+    suspicion the evidence supports (a GPU only in forward, on a CUDA device)."""
+    host = f" (host {head.host})" if head.host else ""
+    who = f"Only rank {head.rank}{host}"
+    on_gpu = device.startswith("cuda")
+    if hint_name == "input_data":
+        return f"{who} got it."
+    if hint_name == "param_written":
+        return f"{who} produced it: suspect code that writes its weights" + (
+            " or its GPU's memory." if on_gpu else "."
+        )
+    if head.phase == "forward" and hint_name == "produced_in_layer":
+        return f"{who} produced it: suspect its batch" + (" or its GPU." if on_gpu else ".")
+    return f"{who} produced it."
 
 
 def _channel(event: Event) -> str:
@@ -70,20 +111,22 @@ def diverged_summary(
     world_size: int,
     hint_name: str,
     evidence: FlightEvidence | None = None,
+    devices: Mapping[int, str] | None = None,
 ) -> str:
-    """The sentence for a run that went non-finite."""
+    """The sentence for a run that went non-finite; ``devices``: each rank's device."""
     head = origin(firsts)
     if head is None:
         return ""
-    rel = {e.rank: relation(e, head) for e in firsts}
+    rel = relations(firsts)
     together = [r for r, k in rel.items() if k in ("origin", "simultaneous")]
     world = max(world_size, len(rel))
     parts = [_opening(head, together, world)]
     parts.extend(_followers(firsts, rel, head, world, len(together)))
     sentence = "; ".join(parts) + "."
     if len(together) == 1 and world > 1 and head.phase != "loss":
-        sentence += f" Only rank {head.rank} produced it: suspect its data or its GPU."
-    extra = _hint_sentence(hint_name, evidence)
+        device = (devices or {}).get(head.rank, "")
+        sentence += " " + _lone_producer(head, hint_name, device)
+    extra = _hint_sentence(hint_name, evidence, head)
     return f"{sentence} {extra}" if extra else sentence
 
 
@@ -123,6 +166,12 @@ def calm_summary(
     """The sentence for a run with no non-finite value; ``ranks`` = (rank, state, step)."""
     latest = max((step for _, _, step in ranks), default=0)
     n = len(ranks)
+    if state == "crashed":
+        crashed = [r for r, s, _ in ranks if s == "crashed"]
+        return (
+            f"{_ranks(crashed)} crashed: left with an exception, not a normal exit "
+            f"(latest step {latest}); no non-finite value seen."
+        )
     if state == "lost":
         lost = [r for r, s, _ in ranks if s == "lost"]
         return f"{_ranks(lost)} lost: no message for more than {lost_s:g} s (latest step {latest})."

@@ -6,6 +6,7 @@ computed at read time from the rank rows and ``now``; nothing here writes.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from sqlalchemy.orm import Session
@@ -31,6 +32,15 @@ RankRows = Sequence[tuple[Rank, EventRow | None]]
 
 
 def to_event(row: EventRow, run: str = "") -> Event:
+    event = _event_fields(row, run)
+    if "NaN" in row.kinds and event.nan is None:
+        # SQLite stored the NaN min/max as NULL; the kinds kept at ingest say it was NaN.
+        event.min = event.min if event.min is not None else math.nan
+        event.max = event.max if event.max is not None else math.nan
+    return event
+
+
+def _event_fields(row: EventRow, run: str) -> Event:
     return Event(
         run=run,
         rank=row.rank,
@@ -71,11 +81,14 @@ def _origin_row(ranks: RankRows) -> EventRow | None:
     return next((e for e in firsts if head is not None and e.rank == head.rank), None)
 
 
-def origin_out(row: EventRow) -> Origin:
+def origin_out(row: EventRow, ranks: RankRows) -> Origin:
+    """The origin; with several ranks at the same point, ``rank`` is null (none was first)."""
     event = to_event(row)
     fields = json_safe(event.to_dict())
     shared = {name: fields[name] for name in Origin.model_fields if name in fields}
-    return Origin(event_id=row.id, values=value_kinds(event), **shared)
+    together = correlate.first_ranks([to_event(e) for _, e in ranks if e is not None])
+    shared["rank"] = event.rank if len(together) <= 1 else None
+    return Origin(event_id=row.id, values=value_kinds(event), ranks=together, **shared)
 
 
 def rank_states(ranks: RankRows, settings: Settings, now: float) -> dict[int, str]:
@@ -83,6 +96,7 @@ def rank_states(ranks: RankRows, settings: Settings, now: float) -> dict[int, st
         rank.rank: correlate.rank_state(
             diverged=event is not None,
             finished=rank.finished_at is not None,
+            crashed=correlate.crashed_bye(rank.bye_reason or ""),
             last_seen=rank.last_seen,
             step_changed_at=rank.step_changed_at,
             now=now,
@@ -105,20 +119,27 @@ def run_summary(run: Run, ranks: RankRows, settings: Settings, now: float) -> Ru
         started_at=run.started_at,
         last_seen=run.last_seen,
         event_count=run.event_count,
-        origin=origin_out(head) if head is not None else None,
+        origin=origin_out(head, ranks) if head is not None else None,
     )
 
 
 def verdict(session: Session, run: Run, ranks: RankRows, settings: Settings, now: float) -> Verdict:
     states = rank_states(ranks, settings, now)
     state = correlate.run_state(list(states.values()))
-    stop = _stop(run)
+    stop = _stop(run, ranks)
+    stoppable = bool(live_ranks(ranks, settings, now))
     firsts = [to_event(e) for _, e in ranks if e is not None]
     head_row = _origin_row(ranks)
     if head_row is None:
         steps = [(r.rank, states[r.rank], r.step) for r, _ in ranks]
         text = summary.calm_summary(state, steps, settings.lost_after_s, settings.stalled_after_s)
-        return Verdict(run=run.name, state=state, summary=text, stop=stop)  # type: ignore[arg-type]
+        return Verdict(
+            run=run.name,
+            state=state,  # type: ignore[arg-type]
+            summary=text,
+            stop=stop,
+            stoppable=stoppable,
+        )
     head = to_event(head_row)
     evidence = _evidence(session, run.id, head)
     hint = correlate.hint(head, evidence)
@@ -127,14 +148,17 @@ def verdict(session: Session, run: Run, ranks: RankRows, settings: Settings, now
     return Verdict(
         run=run.name,
         state=state,  # type: ignore[arg-type]
-        origin=origin_out(head_row),
+        origin=origin_out(head_row, ranks),
         ranks_affected=sorted(relations),
         ranks_received=sorted(r for r, k in relations.items() if k == "received"),
         simultaneous=any(k == "simultaneous" for k in relations.values()),
         hint=hint,
-        summary=summary.diverged_summary(firsts, world, hint, evidence),
+        summary=summary.diverged_summary(
+            firsts, world, hint, evidence, devices={r.rank: r.device for r, _ in ranks}
+        ),
         since=head.time,
         stop=stop,
+        stoppable=stoppable,
     )
 
 
@@ -152,11 +176,32 @@ def _evidence(session: Session, run_id: int, head: Event) -> FlightEvidence | No
     return evidence
 
 
-def _stop(run: Run) -> StopInfo | None:
+#: Rank states in which a rank may still act on a stop command. A diverged rank
+#: may still be training (on_nonfinite="warn"), unless it said bye.
+LIVE_STATES = ("running", "stalled", "diverged")
+
+
+def live_ranks(ranks: RankRows, settings: Settings, now: float) -> list[int]:
+    """Ranks a stop can still reach: not gone (bye, crash) and not lost."""
+    states = rank_states(ranks, settings, now)
+    return sorted(
+        rank.rank
+        for rank, _ in ranks
+        if rank.finished_at is None and states[rank.rank] in LIVE_STATES
+    )
+
+
+def _stop(run: Run, ranks: RankRows) -> StopInfo | None:
     if run.stop_step is None:
         return None
+    # The agents do not report the step a stop took effect; their byes do: a rank
+    # that stopped leaves with StopRequested at the step it reached.
+    stopped = [r.step for r, _ in ranks if correlate.stopped_bye(r.bye_reason or "")]
     return StopInfo(
-        step=run.stop_step, requested_at=run.stop_requested_at or 0.0, reason=run.stop_reason
+        step=run.stop_step,
+        requested_at=run.stop_requested_at or 0.0,
+        reason=run.stop_reason,
+        stopped_at=min(stopped) if stopped else None,
     )
 
 
@@ -182,6 +227,8 @@ def rank_statuses(
             first_event=event_out(event, run.name) if event is not None else None,
             relation=relations.get(rank.rank),  # type: ignore[arg-type]
             has_flight=rank.rank in with_flight,
+            device=rank.device or "",
+            bye_reason=rank.bye_reason or "",
         )
         for rank, event in ranks
     ]

@@ -215,6 +215,7 @@ def _store_hellos(
                 host=clean_str(body["host"], 256),
                 pid=body["pid"],
                 world_size=body["world_size"],
+                device=clean_str(body.get("device"), 64),
             )
         )
         conn.execute(_insert(conn, Agent), [build.agent_row(message, run_id)])

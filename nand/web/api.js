@@ -63,22 +63,45 @@ export const api = {
 };
 
 // One EventSource for the whole page; views subscribe and unsubscribe as the
-// router mounts them. EventSource reconnects by itself after an error.
+// router mounts them. The browser retries a dropped connection by itself, but
+// gives up for good (readyState CLOSED) when an answer is not a stream, e.g. a
+// 502/503 while the server or its proxy restarts: then this module opens a new
+// one, after 1, 2, 4... up to 30 s (with jitter, so many tabs do not return in
+// step). A new stream starts with every recent run's summary, so the page
+// catches up on what it missed.
 const listeners = new Set();
 const statusListeners = new Set();
 let source = null;
 let status = "connecting";
+let retries = 0;
+const MAX_BACKOFF_MS = 30_000;
 
 function setStatus(next) {
   status = next;
   for (const fn of statusListeners) fn(status);
 }
 
+function backoffMs(attempt) {
+  const base = Math.min(MAX_BACKOFF_MS, 1000 * 2 ** attempt);
+  return base / 2 + Math.random() * (base / 2);
+}
+
+function reconnectLater() {
+  source.close();
+  setStatus("reconnecting");
+  setTimeout(connect, backoffMs(retries));
+  retries += 1;
+}
+
 function connect() {
   source = new EventSource(url("stream"));
-  source.addEventListener("open", () => setStatus("live"));
+  source.addEventListener("open", () => {
+    retries = 0;
+    setStatus("live");
+  });
   source.addEventListener("error", () => {
-    setStatus(source.readyState === EventSource.CLOSED ? "offline" : "reconnecting");
+    if (source.readyState === EventSource.CLOSED) reconnectLater();
+    else setStatus("reconnecting"); // the browser is retrying this one itself
   });
   source.addEventListener("run", (message) => {
     let run;
@@ -98,7 +121,7 @@ export function onRunChange(fn) {
   return () => listeners.delete(fn);
 }
 
-/** Call fn("live" | "reconnecting" | "offline" | "connecting") now and on every change. */
+/** Call fn("live" | "reconnecting" | "connecting") now and on every change. */
 export function onStreamStatus(fn) {
   if (!source) connect();
   statusListeners.add(fn);

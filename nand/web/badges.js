@@ -2,7 +2,7 @@
 
 import { el } from "./dom.js";
 
-export const RUN_STATES = ["diverged", "stalled", "lost", "healthy", "finished"];
+export const RUN_STATES = ["diverged", "crashed", "stalled", "lost", "healthy", "finished"];
 
 const EXPLAIN = {
   healthy: "Every rank is reporting and every value so far is finite",
@@ -10,6 +10,7 @@ const EXPLAIN = {
   stalled: "Ranks report, but the step count stopped moving",
   lost: "No message from some ranks for a while",
   finished: "Every rank said goodbye",
+  crashed: "A rank exited with an exception (not a normal exit)",
   running: "Reporting, all values finite",
 };
 

@@ -3,7 +3,7 @@
 // on top, because 256 distinct colours are unreadable.
 
 import { el, svg } from "./dom.js";
-import { num } from "./format.js";
+import { count, num, rankList } from "./format.js";
 import { linear, logValueTicks, nearest, niceTicks } from "./scale.js";
 import { hideTip, showTip } from "./tooltip.js";
 
@@ -40,26 +40,62 @@ function thin(points, x, y) {
   return out;
 }
 
-/** SVG path data; a null value breaks the line (the value was non-finite or unknown). */
+/** SVG path data; a null value breaks the line (the value was non-finite or
+ * unknown). A point with no neighbour draws no line, so it comes back in `dots`:
+ * a run with one heartbeat still shows its one value. */
 function pathData(points, x, y) {
   let d = "";
-  let pen = false;
+  const dots = [];
+  let run = [];
+  const flush = () => {
+    if (run.length === 1) dots.push(run[0]);
+    run = [];
+  };
   for (const p of points) {
     if (p.value === null) {
-      pen = false;
+      flush();
       continue;
     }
-    d += `${pen ? "L" : "M"}${x(p.step).toFixed(1)},${y(p.value).toFixed(1)}`;
-    pen = true;
+    d += `${run.length ? "L" : "M"}${x(p.step).toFixed(1)},${y(p.value).toFixed(1)}`;
+    run.push(p);
   }
-  return d;
+  flush();
+  return { d, dots };
 }
 
-function extent(lines, log) {
+const DASH = 6;
+
+/** Ranks whose lines are identical (after DDP's all-reduce every rank has the same
+ * gradient norm): rank -> {index, size}. Such lines are drawn in stripes, each
+ * rank's colour in turn, so none hides the others. */
+function identicalGroups(lines) {
+  const byKey = new Map();
+  for (const line of lines) {
+    const key = JSON.stringify(line.points.map((p) => [p.step, p.value]));
+    if (!byKey.has(key)) byKey.set(key, []);
+    byKey.get(key).push(line.rank);
+  }
+  const groups = new Map();
+  for (const ranks of byKey.values())
+    ranks.forEach((rank, index) => groups.set(rank, { index, size: ranks.length, ranks }));
+  return groups;
+}
+
+function stripes(group) {
+  if (!group || group.size < 2) return {};
+  return {
+    "stroke-dasharray": `${DASH} ${DASH * (group.size - 1)}`,
+    "stroke-dashoffset": String(-DASH * group.index),
+  };
+}
+
+/** Value and step ranges; the step range includes `mark` (the first non-finite
+ * step), so its dashed line shows even when the heartbeats stopped before it. */
+function extent(lines, log, mark = null) {
   let lo = Infinity;
   let hi = -Infinity;
-  let s0 = Infinity;
-  let s1 = -Infinity;
+  let s0 = mark ?? Infinity;
+  let s1 = mark ?? -Infinity;
   for (const line of lines) {
     for (const p of line.points) {
       s0 = Math.min(s0, p.step);
@@ -88,7 +124,7 @@ function axes(x, y, ext, log) {
     const px = x(t);
     g.append(
       svg("line", { class: "tick", x1: px, x2: px, y1: H - PAD.bottom, y2: H - PAD.bottom + 4 }),
-      svg("text", { x: px, y: H - PAD.bottom + 16, "text-anchor": "middle" }, num(t)),
+      svg("text", { x: px, y: H - PAD.bottom + 16, "text-anchor": "middle" }, count(t)),
     );
   }
   g.append(
@@ -98,8 +134,9 @@ function axes(x, y, ext, log) {
   return g;
 }
 
-function legend(lines, origin) {
+function legend(lines, origin, groups) {
   if (lines.length <= DISTINCT) {
+    const same = [...new Set([...groups.values()].filter((g) => g.size > 1).map((g) => g.ranks))];
     return el(
       "ul",
       { class: "legend" },
@@ -107,11 +144,13 @@ function legend(lines, origin) {
         el(
           "li",
           {},
-          el("span", { class: `swatch c${line.rank % DISTINCT}` }),
+          // The origin is red, never a palette colour (one of them is the "finite" green).
+          el("span", { class: line.rank === origin ? "swatch origin" : `swatch c${line.rank % DISTINCT}` }),
           `rank ${line.rank}`,
           line.rank === origin ? el("span", { class: "muted" }, " (origin)") : null,
         ),
       ),
+      same.map((ranks) => el("li", { class: "muted legend-note" }, `ranks ${rankList(ranks)}: the same values (striped line)`)),
     );
   }
   return el(
@@ -157,13 +196,13 @@ function hoverLines(lines, step, tolerance, origin) {
  */
 export function lineChart({ title, lines, origin = null, mark = null, log = false }) {
   const figure = el("figure", { class: "chart" }, el("figcaption", {}, title));
-  let ext = extent(lines, log);
+  let ext = extent(lines, log, mark);
   if (!Number.isFinite(ext.lo)) {
     figure.append(el("p", { class: "chart-empty" }, "No values reported yet."));
     return figure;
   }
   if (log && ext.hi / ext.lo < 10) log = false;
-  if (!log) ext = extent(lines, false);
+  if (!log) ext = extent(lines, false, mark);
   if (ext.hi === ext.lo) {
     ext.hi += Math.abs(ext.hi) * 0.1 || 1;
     ext.lo -= Math.abs(ext.lo) * 0.1 || 1;
@@ -190,18 +229,16 @@ export function lineChart({ title, lines, origin = null, mark = null, log = fals
 
   const plot = svg("g", { class: "lines" });
   const many = lines.length > DISTINCT;
+  const groups = identicalGroups(lines);
   // The origin rank is drawn last so it stays on top.
   const ordered = [...lines].sort((a, b) => (a.rank === origin) - (b.rank === origin));
   for (const line of ordered) {
-    const d = pathData(thin(line.points.map(safe), x, y), x, y);
-    if (!d) continue;
-    const cls =
-      line.rank === origin && many
-        ? "line origin"
-        : many
-          ? "line band"
-          : `line c${line.rank % DISTINCT}${line.rank === origin ? " thick" : ""}`;
-    plot.append(svg("path", { class: cls, d, dataset: { rank: line.rank } }));
+    const { d, dots } = pathData(thin(line.points.map(safe), x, y), x, y);
+    const cls = line.rank === origin ? "line origin" : many ? "line band" : `line c${line.rank % DISTINCT}`;
+    const attrs = many ? {} : stripes(groups.get(line.rank));
+    if (d) plot.append(svg("path", { class: cls, d, ...attrs, dataset: { rank: line.rank } }));
+    for (const p of dots)
+      plot.append(svg("circle", { class: `dot ${cls}`, cx: x(p.step), cy: y(p.value), r: 1.6, dataset: { rank: line.rank } }));
   }
   const chart = svg(
     "svg",
@@ -233,13 +270,13 @@ export function lineChart({ title, lines, origin = null, mark = null, log = fals
     cursor.setAttribute("x1", x(at));
     cursor.setAttribute("x2", x(at));
     cursor.setAttribute("visibility", "visible");
-    showTip([`${title} · step ${at}`, ...rows], ev.clientX, ev.clientY);
+    showTip([`${title} · step ${count(at)}`, ...rows], ev.clientX, ev.clientY);
   });
   chart.addEventListener("mouseleave", () => {
     cursor.setAttribute("visibility", "hidden");
     hideTip();
   });
-  figure.append(chart, legend(lines, origin));
+  figure.append(chart, legend(lines, origin, groups));
   if (log) figure.querySelector("figcaption").append(el("span", { class: "muted" }, " · log scale"));
   return figure;
 }

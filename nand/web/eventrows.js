@@ -30,12 +30,12 @@ function cells(e, originId, first) {
     el("td", { class: "num" }, stepLabel(e.step, e.micro_step)),
     el("td", { class: "num" }, String(e.rank)),
     el("td", {}, e.phase),
-    el("td", { class: "mono wrap" }, e.module || "(root)"),
-    el("td", { class: "muted" }, e.module_type),
+    el("td", { class: "mono wrap", title: e.module_type }, e.module || "(root)"),
+    el("td", { class: "muted col-type" }, e.module_type),
     el("td", {}, el("span", { class: `cause cause-${e.cause}` }, e.cause)),
     el("td", {}, valueKinds(e)),
     el("td", { class: "num" }, num(e.max_abs)),
-    el("td", { class: "muted" }, tensorLabel(e)),
+    el("td", { class: "muted tensor" }, tensorLabel(e)),
   );
 }
 
@@ -107,7 +107,7 @@ export function eventRows(page, originId, detail) {
   const head = el(
     "tr",
     {},
-    HEAD.map((h, i) => el("th", { scope: "col", class: NUMERIC.has(i) ? "num" : "" }, h)),
+    HEAD.map((h, i) => el("th", { scope: "col", class: NUMERIC.has(i) ? "num" : h === "Type" ? "col-type" : "" }, h)),
   );
   return el("div", { class: "table-wrap" }, el("table", { class: "events" }, el("thead", {}, head), rows));
 }

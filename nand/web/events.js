@@ -182,9 +182,12 @@ export function eventTable(root, { run, ranks, modules, originId, params }) {
 
   load();
   return {
-    /** The run got new events: offer to load them rather than move rows under the reader. */
+    /** The run got new events: an empty table shows them at once (else it would say
+     * "no non-finite value" under a red verdict); a table with rows offers to load
+     * them rather than move rows under the reader. */
     changed: () => {
-      notice.hidden = false;
+      if (root.dataset.rows === "0" && state.offset === 0) load();
+      else notice.hidden = false;
     },
     /** Show one rank's events (from a click on the health strip). */
     setRank: (rank) => {

@@ -62,7 +62,7 @@ export function flightPanel(run, ranks, origin) {
   rankSelect.addEventListener("change", load);
   which.addEventListener("change", () => flight && show());
   if (origin) {
-    rankSelect.value = String(origin.rank);
+    rankSelect.value = String(origin.rank ?? origin.ranks[0]); // null: simultaneous, none first
     load();
   } else {
     // Ranks send a window when they go non-finite; before that there is

@@ -7,13 +7,17 @@ export function count(n) {
   return n === null || n === undefined ? "—" : GROUPED.format(n);
 }
 
-/** A measurement in at most 4 significant digits; exponents for the extremes. */
+/** A measurement in at most 4 significant digits; exponents for the extremes
+ * ("3.4e38", "1e-5"): the one format of every chart, axis, heatmap and table. */
 export function num(v) {
   if (v === null || v === undefined) return "—";
   if (!Number.isFinite(v)) return String(v);
   const a = Math.abs(v);
   if (a === 0) return "0";
-  if (a >= 1e6 || a < 1e-3) return v.toExponential(2).replace("e+", "e");
+  if (a >= 1e6 || a < 1e-3) {
+    const [mantissa, exp] = v.toExponential(2).split("e");
+    return `${Number(mantissa)}e${Number(exp)}`; // "1.00e+7" -> "1e7"
+  }
   if (a >= 1000) return GROUPED.format(Math.round(v));
   return String(Number(v.toPrecision(4)));
 }

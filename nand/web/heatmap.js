@@ -5,21 +5,27 @@
 
 import { fitLabel, hiDpiCanvas, pointer } from "./canvas.js";
 import { cssVar, el, svg } from "./dom.js";
-import { num } from "./format.js";
+import { count, num } from "./format.js";
 import { colormap, COLORMAP_CSS, linear, logTicks } from "./scale.js";
 import { hideTip, showTip } from "./tooltip.js";
 
 const AXIS = 22;
 const REACH = 1e4; // the dtype limit is on the scale when max |x| is within this factor
 
-function magnitudeRange(matrix, dtypeMax) {
-  let lo = Infinity;
-  let hi = 0;
-  for (const row of matrix) {
-    for (const v of row) {
-      if (v === null || v <= 0) continue;
-      lo = Math.min(lo, v);
-      hi = Math.max(hi, v);
+/** The colour scale. The server gives the run's range over every rank's window
+ * and both views (scale_min/scale_max), so one colour means one magnitude
+ * whichever rank or view is shown; a window without it uses its own values. */
+function magnitudeRange(flight, matrix) {
+  const dtypeMax = flight.dtype_max;
+  let lo = flight.scale_min ?? Infinity;
+  let hi = flight.scale_max ?? 0;
+  if (flight.scale_min == null) {
+    for (const row of matrix) {
+      for (const v of row) {
+        if (v === null || v <= 0) continue;
+        lo = Math.min(lo, v);
+        hi = Math.max(hi, v);
+      }
     }
   }
   if (!Number.isFinite(lo)) return null;
@@ -49,7 +55,7 @@ function colourBar(range, flight) {
       svg(
         "text",
         { x: x(e), y: 17, "text-anchor": e === range.lo ? "start" : "middle" },
-        e >= -3 && e <= 5 ? num(10 ** e) : `1e${e}`,
+        num(10 ** e),
       ),
     );
   }
@@ -77,12 +83,8 @@ function colourBar(range, flight) {
     );
   }
   parts.push(
-    el(
-      "span",
-      { class: "none-label" },
-      el("span", { class: "none-swatch" }),
-      "no value: non-finite, or not recorded",
-    ),
+    el("span", { class: "none-label" }, el("span", { class: "nonfinite-swatch" }), "non-finite (NaN/inf)"),
+    el("span", { class: "none-label" }, el("span", { class: "none-swatch" }), "not recorded"),
   );
   return el("div", { class: "colour-legend" }, parts);
 }
@@ -103,11 +105,11 @@ function closest(flight, matrix, range) {
     { class: "muted closest" },
     "Closest to the limit: ",
     el("code", {}, best.module || "(root)"),
-    ` reached ${num(best.v)} at step ${best.step}, ${share >= 10 ? Math.round(share) : share.toPrecision(2)}% of the ${flight.dtype || "dtype"} maximum.`,
+    ` reached ${num(best.v)} at step ${count(best.step)}, ${share >= 10 ? Math.round(share) : share.toPrecision(2)}% of the ${flight.dtype || "dtype"} maximum.`,
   );
 }
 
-function draw(flight, matrix, range, origin, width) {
+function draw(flight, matrix, bad, range, origin, width) {
   const rows = flight.modules.length;
   const cols = flight.steps.length;
   // Rows shrink to fit ~520 px, down to 2 px (1 px past 260 layers); the
@@ -133,13 +135,14 @@ function draw(flight, matrix, range, origin, width) {
   const fg = cssVar("--fg");
   const muted = cssVar("--muted");
   const none = cssVar("--none");
+  const nonfinite = cssVar("--nonfinite");
   const scale = linear(range.lo, range.hi, 0, 1);
+  const colour = (v) => `rgb(${colormap(scale(Math.log10(Math.min(Math.max(v, 10 ** range.lo), 10 ** range.hi)))).join(",")})`;
 
   for (let i = 0; i < cols; i++) {
     for (let j = 0; j < rows; j++) {
       const v = matrix[i][j];
-      ctx.fillStyle =
-        v === null ? none : `rgb(${colormap(scale(Math.log10(Math.max(v, 10 ** range.lo)))).join(",")})`;
+      ctx.fillStyle = bad.has(`${i},${j}`) ? nonfinite : v === null ? none : colour(v);
       ctx.fillRect(labelW + i * cellW, j * rowH, cellW - (cellW > 4 ? 1 : 0), rowH - (rowH > 4 ? 1 : 0));
     }
   }
@@ -158,7 +161,7 @@ function draw(flight, matrix, range, origin, width) {
   ctx.font = "11px system-ui, sans-serif";
   const every = Math.max(1, Math.ceil(60 / cellW));
   for (let i = 0; i < cols; i += every)
-    ctx.fillText(String(flight.steps[i]), labelW + i * cellW + cellW / 2, rows * rowH + 12);
+    ctx.fillText(count(flight.steps[i]), labelW + i * cellW + cellW / 2, rows * rowH + 12);
 
   // Ring the origin cell: where the build-up ended.
   const oi = origin ? flight.steps.indexOf(origin.step) : -1;
@@ -177,8 +180,8 @@ function draw(flight, matrix, range, origin, width) {
     const v = matrix[i][j];
     const lines = [
       flight.modules[j] || "(root module)",
-      ["step", String(flight.steps[i])],
-      ["max |x|", v === null ? "no value (non-finite or not recorded)" : num(v)],
+      ["step", count(flight.steps[i])],
+      ["max |x|", bad.has(`${i},${j}`) ? "non-finite (NaN/inf)" : v === null ? "not recorded" : num(v)],
     ];
     if (v !== null && flight.dtype_max && range.limitShown)
       lines.push([`of ${flight.dtype || "dtype"} max`, `${((100 * v) / flight.dtype_max).toPrecision(2)}%`]);
@@ -200,7 +203,8 @@ export function heatmap(flight, origin, width, which = "act") {
     wrap.append(el("p", { class: "chart-empty" }, "This window holds no per-layer values."));
     return wrap;
   }
-  const range = magnitudeRange(matrix, flight.dtype_max);
+  const range = magnitudeRange(flight, matrix);
+  const bad = new Set(((which === "grad" ? flight.grad_nonfinite : flight.act_nonfinite) || []).map(([i, j]) => `${i},${j}`));
   if (!range) {
     wrap.append(el("p", { class: "chart-empty" }, "No finite value in this window."));
     return wrap;
@@ -209,7 +213,7 @@ export function heatmap(flight, origin, width, which = "act") {
     el(
       "div",
       { class: "heatmap-scroll" },
-      draw(flight, matrix, range, origin && origin.rank === flight.rank ? origin : null, width),
+      draw(flight, matrix, bad, range, origin && (origin.rank ?? origin.ranks[0]) === flight.rank ? origin : null, width),
     ),
     colourBar(range, flight),
   );

@@ -123,6 +123,7 @@ export function runPage(main, runId, params) {
     const strip = healthStrip({
       ranks,
       series,
+      startedAt: detail.started_at,
       width: innerWidth(slots.strip),
       onRank: (rank) => {
         parts.table.setRank(rank);

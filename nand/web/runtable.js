@@ -5,7 +5,7 @@ import { el } from "./dom.js";
 import { age, count, datetime, where } from "./format.js";
 
 // Diverged runs first, then the ones that need a look, then the quiet ones.
-const ATTENTION = { diverged: 0, stalled: 1, lost: 2, healthy: 3, finished: 4 };
+const ATTENTION = { diverged: 0, crashed: 1, stalled: 2, lost: 3, healthy: 4, finished: 5 };
 
 const COLUMNS = [
   { key: "run", label: "Run", value: (r) => r.run },
@@ -58,7 +58,7 @@ function originCell(run) {
     "td",
     { class: "origin-cell" },
     el("span", { class: "mono" }, where(o.module, o.module_type)),
-    el("span", { class: "muted block" }, `rank ${o.rank} · step ${count(o.step)} · ${o.phase}`),
+    el("span", { class: "muted block" }, `${o.rank == null ? "ranks together" : `rank ${o.rank}`} · step ${count(o.step)} · ${o.phase}`),
   );
 }
 

@@ -93,7 +93,7 @@ export function stopButton(run, onStopped) {
           { class: "agreed" },
           `Ranks ${rankList(agreed.ranks)} will stop at step `,
           el("strong", { class: "agreed-step" }, count(agreed.step)),
-          ".",
+          " or the next step boundary after it.",
         ),
         el(
           "p",
@@ -139,9 +139,12 @@ export function stopButton(run, onStopped) {
     },
     "Stop run…",
   );
+  // The server says whether any rank can still receive a stop (none once every
+  // rank has exited or is lost, whatever the run's state, "diverged" included).
   const sync = (latest) => {
-    button.disabled = latest.state === "finished";
-    button.title = button.disabled ? "This run has finished" : "";
+    const verdict = latest.verdict || latest;
+    button.disabled = verdict.stoppable === false;
+    button.title = button.disabled ? "Every rank of this run has exited: there is nothing to stop" : "";
   };
   sync(run);
   return { node: el("span", { class: "stop" }, button, dialog), sync };

@@ -20,17 +20,33 @@ const RELATION_WORDS = {
   produced: "produced its own, after the origin",
 };
 
-/** Per rank: first reported step, last step, first non-finite step (or null). */
-function spans(ranks, series) {
-  const firstStep = new Map(series.map((s) => [s.rank, s.points.length ? s.points[0].step : null]));
-  return ranks.map((r) => ({
-    rank: r.rank,
-    state: r.state,
-    relation: r.relation,
-    from: firstStep.get(r.rank) ?? 0,
-    to: r.step,
-    bad: r.first_event ? r.first_event.step : null,
-  }));
+/** The step a rank was at when the run started. Its first heartbeat comes a few
+ * seconds in (NAND_HEARTBEAT_S), so go back from it at its step rate to the
+ * run's start: a run that failed before its first heartbeat then shows its
+ * healthy steps first, not a row that is red from its first pixel. A resumed run
+ * (first heartbeat at step 47,000) still starts near 47,000, not at 0. */
+function startStep(points, startedAt) {
+  if (!points.length) return 0;
+  const p = points[0];
+  const back = startedAt && p.steps_per_s ? (p.time - startedAt) * p.steps_per_s : 0;
+  return Math.max(0, Math.floor(p.step - back));
+}
+
+/** Per rank: first step, last step, first non-finite step (or null). */
+function spans(ranks, series, startedAt) {
+  const points = new Map(series.map((s) => [s.rank, s.points]));
+  return ranks.map((r) => {
+    const bad = r.first_event ? r.first_event.step : null;
+    const from = startStep(points.get(r.rank) || [], startedAt);
+    return {
+      rank: r.rank,
+      state: r.state,
+      relation: r.relation,
+      from: bad === null ? from : Math.min(from, bad),
+      to: Math.max(r.step, bad ?? 0),
+      bad,
+    };
+  });
 }
 
 function colours() {
@@ -61,13 +77,13 @@ function binColour(span, s0, s1, c) {
   return c.ok;
 }
 
-export function healthStrip({ ranks, series, width, onRank }) {
+export function healthStrip({ ranks, series, width, onRank, startedAt = null }) {
   const wrap = el("div", { class: "strip" });
   if (!ranks.length) {
     wrap.append(el("p", { class: "chart-empty" }, "No rank has reported yet."));
     return wrap;
   }
-  const rows = spans(ranks, series);
+  const rows = spans(ranks, series, startedAt);
   const s0 = Math.min(...rows.map((r) => r.from));
   const end = Math.max(s0 + 1, ...rows.map((r) => r.to));
   const plotW = Math.max(120, width - LABEL_W - 8);

@@ -80,6 +80,7 @@ function headline(verdict, run) {
     finished: ["Finished with every value finite."],
     stalled: ["Stalled: ranks are reporting but the step count stopped moving."],
     lost: ["Lost: some ranks stopped reporting."],
+    crashed: ["Crashed: a rank exited with an exception, with every value finite."],
     diverged: ["Diverged."],
   }[verdict.state];
 }
@@ -90,7 +91,10 @@ function originFacts(verdict, ranks) {
   const received = verdict.ranks_received;
   const produced = others.filter((r) => !received.includes(r));
   const facts = [
-    fact("Origin rank", el("span", { class: "big" }, String(o.rank))),
+    // rank is null when several ranks went non-finite at the same point: none was first.
+    o.rank == null
+      ? fact("Origin rank", el("span", { class: "big" }, "none first"), el("span", { class: "muted block" }, `ranks ${rankList(o.ranks)} together`))
+      : fact("Origin rank", el("span", { class: "big" }, String(o.rank))),
     fact("Step", el("span", { class: "big" }, stepLabel(o.step, o.micro_step))),
     fact(
       o.phase === "grad" || o.phase === "param" || o.phase === "optimizer_state" ? "Parameter" : "Layer",
@@ -98,7 +102,7 @@ function originFacts(verdict, ranks) {
       o.module_type ? el("span", { class: "muted" }, ` ${o.module_type}`) : null,
     ),
     fact("Phase", el("span", {}, o.phase), el("span", { class: "muted block" }, PHASE_WORDS[o.phase] || "")),
-    fact("How", `rank ${o.rank} ${CAUSE_WORDS[o.cause] || o.cause}`),
+    fact("How", `${o.rank == null ? `ranks ${rankList(o.ranks)}` : `rank ${o.rank}`} ${CAUSE_WORDS[o.cause] || o.cause}`),
     fact(
       "Tensor",
       `${valueKinds(o)} in ${tensorLabel(o)}`,
@@ -157,9 +161,10 @@ export function verdictCard(verdict, run) {
       el(
         "p",
         { class: "stop-note" },
-        `Stop requested ${age(s.requested_at)}: every rank stops at step ${count(s.step)}`,
+        // The server knew only the last heartbeat's step: a rank may already be past S.
+        `Stop requested ${age(s.requested_at)}: every rank stops at step ${count(s.step)} or the next step boundary after it`,
         s.reason ? ` (${s.reason})` : "",
-        ".",
+        s.stopped_at != null ? `; the ranks stopped at step ${count(s.stopped_at)}.` : ".",
       ),
     );
   }

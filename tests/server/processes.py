@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from typing import Any
 
 
 def free_port() -> int:
@@ -28,7 +29,7 @@ class ServerProcess:
         self.proc: subprocess.Popen[str] | None = None
         self.http_url = ""
 
-    def start(self, timeout: float = 30.0) -> ServerProcess:
+    def start(self, timeout: float = 30.0, stderr: Any = subprocess.DEVNULL) -> ServerProcess:
         command = [
             sys.executable,
             "-m",
@@ -42,7 +43,7 @@ class ServerProcess:
             self.zmq_endpoint,
         ]
         self.proc = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=self.env
+            command, stdout=subprocess.PIPE, stderr=stderr, text=True, env=self.env
         )
         deadline = time.monotonic() + timeout
         assert self.proc.stdout is not None

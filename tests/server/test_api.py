@@ -105,8 +105,14 @@ def test_simultaneous_on_all_ranks(server, agents) -> None:
     for a in ranks:
         a.wait_acked()
     verdict = httpx.get(f"{server.http_url}/api/runs/sim/verdict").json()
-    assert verdict["simultaneous"] is True and verdict["origin"]["rank"] == 0
+    # No rank was first, and the data says so: no origin rank, every rank simultaneous.
+    assert verdict["simultaneous"] is True and verdict["origin"]["rank"] is None
+    assert verdict["origin"]["ranks"] == list(range(8))
     assert verdict["summary"].startswith("all 8 ranks went non-finite at the same point")
+    ranks = httpx.get(f"{server.http_url}/api/runs/sim/ranks").json()
+    assert {r["relation"] for r in ranks} == {"simultaneous"}
+    runs = httpx.get(f"{server.http_url}/api/runs").json()
+    assert next(r for r in runs if r["run"] == "sim")["origin"]["rank"] is None
 
 
 def test_bad_data_on_one_rank_and_overflow_hint_from_flight(server, agents) -> None:
@@ -166,7 +172,7 @@ def test_duplicates_are_acked_again_but_stored_once(server, agents) -> None:
     a.wait_acked({seq, last})
     page = httpx.get(f"{server.http_url}/api/runs/dup/events").json()
     assert page["total"] == 1
-    assert "nand_messages_duplicate_total 3" in httpx.get(f"{server.http_url}/metrics").text
+    assert "nand_messages_duplicate_total 3.0" in httpx.get(f"{server.http_url}/metrics").text
 
 
 def test_events_pagination_and_filters(server, agents) -> None:
@@ -282,10 +288,10 @@ def test_metrics_counts_rejections_by_reason_and_runs_by_state(server, agents) -
     def has(line: str) -> bool:
         return line in httpx.get(f"{server.http_url}/metrics").text
 
-    eventually(lambda: has('nand_messages_rejected_total{reason="not_msgpack"} 1'))
-    assert 'nand_messages_rejected_total{reason="not_a_map"} 1' in text
-    assert 'nand_runs{state="diverged"} 1' in text
-    assert "nand_events_total 1" in text
+    eventually(lambda: has('nand_messages_rejected_total{reason="not_msgpack"} 1.0'))
+    assert 'nand_messages_rejected_total{reason="not_a_map"} 1.0' in text
+    assert 'nand_runs{state="diverged"} 1.0' in text
+    assert "nand_events_total 1.0" in text
     assert httpx.get(f"{server.http_url}/healthz").json()["status"] == "ok"
 
 

@@ -86,7 +86,7 @@ def test_bad_frames_are_counted_by_reason_and_the_loop_goes_on(
     a.wait_acked({good})
     assert good in a.acked and len(a.acked) == 1
     text = httpx.get(f"{server.http_url}/metrics").text
-    assert f'nand_messages_rejected_total{{reason="{reason}"}} 1' in text
+    assert f'nand_messages_rejected_total{{reason="{reason}"}} 1.0' in text
 
 
 def test_oversized_frames_are_refused(start_server) -> None:
@@ -97,7 +97,7 @@ def test_oversized_frames_are_refused(start_server) -> None:
     a.wait_acked({ok})
     assert a.acked == {ok}
     text = httpx.get(f"{server.http_url}/metrics").text
-    assert 'nand_messages_rejected_total{reason="too_large"} 1' in text
+    assert 'nand_messages_rejected_total{reason="too_large"} 1.0' in text
     a.close()
 
 
@@ -121,7 +121,7 @@ def test_token_required_from_agents_when_configured(start_server) -> None:
     ranks = httpx.get(f"{server.http_url}/api/runs/auth/ranks").json()
     assert [r["rank"] for r in ranks] == [2]
     text = httpx.get(f"{server.http_url}/metrics").text
-    assert 'nand_messages_rejected_total{reason="unauthenticated"} 2' in text
+    assert 'nand_messages_rejected_total{reason="unauthenticated"} 2.0' in text
     for agent in (stranger, wrong, good, again):
         agent.close()
 

@@ -143,7 +143,8 @@ class _Agent:
 
 def _flight(modules: list[str], steps: list[int], bad: str, rng: random.Random) -> FlightWindow:
     """Per-layer max|x| where `bad` builds up towards the float16 limit and overflows
-    in the last step; everything after it in the last step is non-finite too."""
+    (+inf) in the last step; everything after it in the last step is NaN. The
+    first step has no gradients recorded (null: "not recorded", not non-finite)."""
     act: list[list[float | None]] = []
     grad: list[list[float | None]] = []
     bad_j = modules.index(bad)
@@ -157,7 +158,10 @@ def _flight(modules: list[str], steps: list[int], bad: str, rng: random.Random) 
         for j, _name in enumerate(modules):
             base = 2.0 + 40.0 * ((j * 7) % 11) / 11 * rng.uniform(0.9, 1.1)
             if last and j >= bad_j:
-                row.append(None)
+                row.append(math.inf if j == bad_j else math.nan)
+                grow.append(math.nan)
+            elif i == 0:
+                row.append(base)
                 grow.append(None)
             elif j == bad_j:
                 row.append(growth)

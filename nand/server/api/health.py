@@ -14,6 +14,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from nand import __version__
 from nand.server import store, views
 from nand.server.api.deps import SessionDep, StateDep
+from nand.server.metrics import CONTENT_TYPE
 
 router = APIRouter(tags=["health"])
 
@@ -52,7 +53,10 @@ def healthz(state: StateDep, session: SessionDep) -> Health | JSONResponse:
 @router.get(
     "/metrics",
     response_class=PlainTextResponse,
-    summary="Prometheus text format: messages in, rejected by reason, events, runs by state, lag",
+    summary=(
+        "Prometheus text format: process metrics, messages in, rejected by reason, events, "
+        "runs by state, ingest lag and request latency histograms"
+    ),
 )
 def metrics(state: StateDep, session: SessionDep) -> PlainTextResponse:
     runs = store.recent_runs(session, limit=10_000)
@@ -61,6 +65,4 @@ def metrics(state: StateDep, session: SessionDep) -> PlainTextResponse:
     by_state: Counter[str] = Counter(
         views.run_summary(r, ranks[r.id], state.settings, now).state for r in runs
     )
-    return PlainTextResponse(
-        state.metrics.render(by_state), media_type="text/plain; version=0.0.4; charset=utf-8"
-    )
+    return PlainTextResponse(state.metrics.render(by_state), media_type=CONTENT_TYPE)

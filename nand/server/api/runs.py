@@ -90,16 +90,22 @@ def get_flight(
         summary = views.run_summary(run, store.ranks_of(session, [run.id])[run.id], settings, 0.0)
         if summary.origin is None:
             raise HTTPException(404, f"run {run.name!r} has no origin yet: pass ?rank=")
-        rank = summary.origin.rank
+        # Simultaneous ranks have no first one: show the lowest of them.
+        rank = summary.origin.rank if summary.origin.rank is not None else summary.origin.ranks[0]
     flight = store.latest_flight(session, run.id, rank)
     if flight is None:
         raise HTTPException(404, f"no flight-recorder window from rank {rank} of {run.name!r}")
-    return _flight_out(run.name, rank, flight.data)
+    low, high = store.flight_scale(session, run.id)
+    return _flight_out(run.name, rank, flight.data).model_copy(
+        update={"scale_min": low, "scale_max": high}
+    )
 
 
 def _flight_out(run: str, rank: int, data: dict[str, Any]) -> FlightOut:
     dtype_max = finite(data.get("dtype_max"))
     return FlightOut(
+        act_nonfinite=_cells(data, "act_nonfinite"),
+        grad_nonfinite=_cells(data, "grad_nonfinite"),
         run=run,
         rank=rank,
         steps=[
@@ -113,6 +119,14 @@ def _flight_out(run: str, rank: int, data: dict[str, Any]) -> FlightOut:
         dtype=str(data.get("dtype") or ""),
         dtype_max=dtype_max,
     )
+
+
+def _cells(data: dict[str, Any], key: str) -> list[list[int]]:
+    return [
+        [int(c[0]), int(c[1])]
+        for c in _list(data, key)
+        if isinstance(c, list) and len(c) == 2 and all(isinstance(i, int) for i in c)
+    ]
 
 
 def _list(data: dict[str, Any], key: str) -> list[Any]:

@@ -54,7 +54,7 @@ def require_token(
         401: {"description": "Missing or wrong token"},
         403: {"description": "The server has no NAND_TOKEN: stopping is disabled"},
         404: {"description": "Unknown run"},
-        409: {"description": "The run has finished, or the step has passed"},
+        409: {"description": "No rank is left running, or the step has passed"},
     },
 )
 def stop_run(
@@ -71,14 +71,20 @@ def stop_run(
         store.request_stop(session, run.id, step, request.reason, time.time())
         session.commit()
         session.refresh(run)
-    running = sorted(r.rank for r, _ in ranks if r.finished_at is None)
+    running = views.live_ranks(ranks, settings, time.time())
     return StopResponse(run=run.name, step=int(run.stop_step or 0), ranks=running)
 
 
 def _check_stoppable(run: Run, ranks: views.RankRows, settings: SettingsDep) -> None:
+    """Refuse a stop that no rank would ever receive."""
+    if views.live_ranks(ranks, settings, time.time()):
+        return
     summary = views.run_summary(run, ranks, settings, time.time())
-    if summary.state == "finished":
-        raise HTTPException(409, f"run {run.name!r} has already finished")
+    raise HTTPException(
+        409,
+        f"run {run.name!r} has no rank left to stop: every rank has exited or is lost "
+        f"(the run is {summary.state})",
+    )
 
 
 def _choose_step(run: Run, ranks: list[Rank], request: StopRequest, settings: SettingsDep) -> int:

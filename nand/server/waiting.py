@@ -1,0 +1,163 @@
+"""``nand wait RUN``: follow the server's event stream until the run reaches a state.
+
+The command reads ``GET /api/stream?run=RUN`` (Server-Sent Events, one ``run``
+event with the run's summary whenever it changes, keep-alives in between)
+instead of polling. When the server goes away it reconnects with backoff, for
+``--retry-for`` seconds (default: for as long as ``--timeout`` allows, or
+forever), saying once on stderr that it lost the server and once that it is
+back; a watchdog never goes blind because the server restarted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+
+from nand import exitcodes
+from nand.client import ApiError, request_json, unreachable_reason
+from nand.errors import CommandError
+from nand.server.rest_commands import api_failure, base_url, run_endpoint, unreachable
+
+#: Exit code of ``nand wait`` for a state that is not the one waited for.
+STATE_EXIT = {
+    "diverged": exitcodes.DIVERGED,
+    "lost": exitcodes.LOST,
+    "stalled": exitcodes.STALLED,
+    "crashed": exitcodes.CRASHED,
+}
+#: The server sends a keep-alive every 15 s: silence for longer means it is gone.
+READ_TIMEOUT_S = 40.0
+MAX_BACKOFF_S = 30.0
+
+
+def wait_exit_code(until: str, state: str) -> int | None:
+    """The exit code once ``state`` is seen while waiting for ``until``; None: keep waiting."""
+    if state == until or (until == "any" and state == "finished"):
+        return exitcodes.OK
+    if state in STATE_EXIT:
+        return STATE_EXIT[state]
+    if state == "finished":
+        return exitcodes.FINISHED
+    return None
+
+
+def stream_states(base: str, run: str, timeout: float) -> Iterator[str]:
+    """The run's states as the server streams them; ends when the connection does."""
+    url = f"{base}/api/stream?run={urllib.parse.quote(run, safe='')}"
+    request = urllib.request.Request(url, headers={"Accept": "text/event-stream"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        kind = ""
+        for raw in response:
+            line = raw.decode("utf-8", "replace").rstrip("\r\n")
+            if line.startswith("event:"):
+                kind = line[len("event:") :].strip()
+            elif line.startswith("data:") and kind == "run":
+                summary = json.loads(line[len("data:") :])
+                if summary.get("run") == run:
+                    yield str(summary["state"])
+            elif not line:
+                kind = ""
+
+
+class Waiter:
+    """One ``nand wait``: the deadline, the outage bookkeeping, the messages."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.base = base_url(args)
+        now = time.monotonic()
+        self.deadline = now + args.timeout if args.timeout is not None else None
+        self.down_since: float | None = None
+        self.announced_unknown = False
+
+    def left(self) -> float | None:
+        return None if self.deadline is None else self.deadline - time.monotonic()
+
+    def run(self) -> int:
+        backoff = self.args.interval
+        while True:
+            try:
+                code = self._follow()
+                if code is not None:
+                    return code
+                backoff = self.args.interval  # the stream ended cleanly: reconnect soon
+            except ApiError as exc:
+                raise api_failure(self.base, exc) from exc
+            except OSError as exc:
+                self._server_down(exc)
+                backoff = min(backoff * 2, MAX_BACKOFF_S)
+            left = self.left()
+            if left is not None and left <= 0:
+                return self._timed_out()
+            time.sleep(backoff if left is None else max(0.0, min(backoff, left)))
+
+    def _follow(self) -> int | None:
+        """Check the run once, then follow its stream; an exit code, or None to reconnect."""
+        self._announce_if_unknown()
+        left = self.left()
+        timeout = READ_TIMEOUT_S if left is None else max(0.1, min(READ_TIMEOUT_S, left))
+        try:
+            for state in stream_states(self.base, self.args.run, timeout):
+                self._server_up()
+                code = wait_exit_code(self.args.until, state)
+                if code is not None:
+                    print(f"{self.args.run}: {state}", flush=True)
+                    return code
+                left = self.left()
+                if left is not None and left <= 0:
+                    return self._timed_out()
+        except TimeoutError:
+            left = self.left()
+            if left is not None and left <= 0:
+                return self._timed_out()
+            raise
+        return None
+
+    def _announce_if_unknown(self) -> None:
+        """Say once that the run has not reported yet: waiting is not hanging."""
+        try:
+            request_json(run_endpoint(self.args, "/verdict"))
+        except ApiError as exc:
+            if exc.status != 404 or str(exc).startswith("Not Found"):
+                raise
+            if not self.announced_unknown:
+                self.announced_unknown = True
+                _say(
+                    f"run {self.args.run!r} has not reported to {self.base} yet; waiting for it "
+                    "(--timeout to give up)"
+                )
+        self._server_up()
+
+    def _server_down(self, exc: OSError) -> None:
+        now = time.monotonic()
+        if self.down_since is None:
+            self.down_since = now
+            _say(f"lost the server at {self.base} ({unreachable_reason(exc)}); retrying")
+        retry_for = self.args.retry_for
+        if retry_for is not None and now - self.down_since > retry_for:
+            raise unreachable(self.base, exc) from exc
+
+    def _server_up(self) -> None:
+        if self.down_since is not None:
+            self.down_since = None
+            _say(f"reached the server at {self.base} again")
+
+    def _timed_out(self) -> int:
+        raise CommandError(
+            f"timed out after {self.args.timeout:g} s waiting for {self.args.run} "
+            f"(--until {self.args.until})",
+            exitcodes.TIMEOUT,
+        )
+
+
+def _say(message: str) -> None:
+    print(f"nand wait: {message}", file=sys.stderr, flush=True)
+
+
+def cmd_wait(args: argparse.Namespace) -> int:
+    return Waiter(args).run()

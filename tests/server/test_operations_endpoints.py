@@ -1,0 +1,90 @@
+"""What an operator scrapes and reads, through a real ``nand server`` process:
+Prometheus metrics from ``prometheus_client`` (process metrics, ingest lag and
+request latency histograms), and ``nand wait`` following the event stream
+through a server restart."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import httpx
+
+from tests.server.agents import FakeAgent
+from tests.server.processes import ServerProcess, free_port
+
+
+def test_metrics_have_process_metrics_and_latency_histograms(tmp_path) -> None:
+    server = ServerProcess(f"sqlite:///{tmp_path / 'm.db'}", free_port()).start()
+    try:
+        agent = FakeAgent(server.zmq_endpoint, run="scraped")
+        agent.hello()
+        agent.heartbeat(3)
+        agent.wait_acked()
+        agent.close()
+        assert httpx.get(f"{server.http_url}/api/runs/scraped/verdict").status_code == 200
+        text = httpx.get(f"{server.http_url}/metrics").text
+    finally:
+        server.stop()
+    assert "process_cpu_seconds_total" in text and "process_resident_memory_bytes" in text
+    assert 'nand_ingest_lag_seconds_bucket{le="0.1"}' in text
+    assert "nand_ingest_lag_seconds_count 2.0" in text  # the hello and the heartbeat
+    verdict_route = 'route="/api/runs/{run}/verdict"'
+    assert any(
+        line.startswith("nand_http_request_duration_seconds_count")
+        and verdict_route in line
+        and 'status="200"' in line
+        for line in text.splitlines()
+    ), text
+
+
+def test_wait_follows_the_stream_and_rides_out_a_server_restart(tmp_path) -> None:
+    db, zmq_port, http_port = f"sqlite:///{tmp_path / 'w.db'}", free_port(), free_port()
+
+    def start() -> subprocess.Popen[str]:
+        args = [
+            "--db",
+            db,
+            "--http",
+            f"127.0.0.1:{http_port}",
+            "--zmq",
+            f"tcp://127.0.0.1:{zmq_port}",
+        ]
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "nand", "server", *args],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        )  # fmt: skip
+        assert proc.stdout is not None and "http=" in proc.stdout.readline()
+        return proc
+
+    url = f"http://127.0.0.1:{http_port}"
+    server = start()
+    agent = FakeAgent(f"tcp://127.0.0.1:{zmq_port}", run="restarted")
+    agent.hello()
+    agent.wait_acked()
+    wait = subprocess.Popen(
+        [sys.executable, "-m", "nand", "wait", "restarted", "--until", "diverged", "--url", url,
+         "--interval", "0.2", "--timeout", "120"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    time.sleep(2)
+    server.terminate()
+    server.wait(20)
+    time.sleep(2)  # the server is down: the wait must keep trying, not give up
+    assert wait.poll() is None
+    server = start()
+    try:
+        agent.event(step=4, phase="forward", module="fc1", nan=1)
+        agent.wait_acked(timeout=20)
+        sent = time.monotonic()
+        out, err = wait.communicate(timeout=60)
+        reacted = time.monotonic() - sent
+    finally:
+        agent.close()
+        server.terminate()
+        server.wait(20)
+    assert wait.returncode == 0, err
+    assert out.strip() == "restarted: diverged"
+    assert "lost the server" in err and "reached the server" in err, err
+    assert reacted < 10, reacted
