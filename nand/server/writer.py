@@ -68,7 +68,7 @@ def _write_batch(engine: Engine, messages: list[dict[str, Any]], now: float) -> 
         unique.setdefault((message["agent"], message["seq"]), message)
     result = BatchResult(acked=list(unique))
     with engine.begin() as conn:
-        run_ids = _ensure_runs(conn, {m["run"] for m in unique.values()}, now)
+        run_ids = _ensure_runs(conn, _first_sent(unique.values(), now), now)
         fresh = _claim(conn, unique, run_ids)
         result.duplicates = len(messages) - len(fresh)
         result.stored = len(fresh)
@@ -87,8 +87,22 @@ def _insert(conn: Connection, table: Any) -> Insert:
     return sqlite.insert(table).on_conflict_do_nothing()
 
 
-def _ensure_runs(conn: Connection, names: set[str], now: float) -> dict[str, int]:
-    rows = [{"name": n, "started_at": now, "last_seen": now, "updated_at": now} for n in names]
+def _first_sent(messages: Iterable[dict[str, Any]], now: float) -> dict[str, float]:
+    """Per run, when its earliest message in the batch was sent (the agent's clock),
+    at most now: a new run started then, not when a spool replay or a slow link
+    brought its first message (the dashboard's strip and charts start there)."""
+    first: dict[str, float] = {}
+    for message in messages:
+        sent = min(now, message["time"])
+        first[message["run"]] = min(first.get(message["run"], sent), sent)
+    return first
+
+
+def _ensure_runs(conn: Connection, started: dict[str, float], now: float) -> dict[str, int]:
+    names = set(started)
+    rows = [
+        {"name": n, "started_at": started[n], "last_seen": now, "updated_at": now} for n in names
+    ]
     conn.execute(_insert(conn, Run), rows)
     found = conn.execute(select(Run.name, Run.id).where(Run.name.in_(names)))
     return {name: run_id for name, run_id in found}

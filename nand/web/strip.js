@@ -28,7 +28,7 @@ const RELATION_WORDS = {
 function startStep(points, startedAt) {
   if (!points.length) return 0;
   const p = points[0];
-  const back = startedAt && p.steps_per_s ? (p.time - startedAt) * p.steps_per_s : 0;
+  const back = startedAt && p.steps_per_s ? Math.max(0, p.time - startedAt) * p.steps_per_s : 0;
   return Math.max(0, Math.floor(p.step - back));
 }
 

@@ -384,3 +384,56 @@ def replay(
     finally:
         for sock in sockets:
             sock.close(0)
+
+
+def short_run(
+    run: str,
+    *,
+    world_size: int = 2,
+    beats: int = 3,
+    bad_step: int | None = None,
+    origin_rank: int = 1,
+    said_bye: bool = False,
+    rate: float = 2.0,
+) -> Scenario:
+    """A run that ended early: a few heartbeats (the first 5 s after the start, as
+    NAND_HEARTBEAT_S makes them), each rank's gradient norm identical (after
+    DDP's all-reduce), and, with ``bad_step``, a first event *after* the last
+    heartbeat on ``origin_rank`` (received by the others). ``said_bye``: every
+    rank has exited."""
+    scenario = Scenario(run=run, world_size=world_size)
+    modules = model_modules(2)
+    start = time.time() - 60
+    for rank in range(world_size):
+        agent = _Agent(scenario, rank, host=f"node-{rank}")
+        agent.hello(modules, start)
+        for i in range(beats):
+            at = start + 5.0 * (i + 1)
+            step = int(rate * 5.0 * (i + 1))
+            summary = StepSummary(
+                step=step, steps_per_s=rate, loss=2.0 - 0.1 * i + 0.05 * rank, grad_norm=1.0 + i
+            )
+            agent.heartbeat(summary, at)
+        last = start + 5.0 * beats
+        if bad_step is not None:
+            if rank == origin_rank:
+                event = Event(
+                    step=bad_step, phase="forward", module=modules[1]["name"],
+                    module_type="Linear", cause="produced", posinf=1, shape=[4, 8],
+                    dtype="float32",
+                )  # fmt: skip
+            else:
+                event = Event(
+                    step=bad_step, phase="grad", module=f"{modules[1]['name']}.weight",
+                    cause="received", nan=32, shape=[8, 8], dtype="float32",
+                )  # fmt: skip
+            agent.event(event, None, last + 1)
+        if said_bye:
+            agent.send(
+                "bye", {"step": bad_step or int(rate * 5.0 * beats), "reason": "closed"}, last + 2
+            )
+    if bad_step is not None:
+        scenario.planted = Planted(
+            run, origin_rank, modules[1]["name"], "Linear", bad_step, "forward"
+        )
+    return scenario
