@@ -1,15 +1,21 @@
-"""Every ``NAND_*`` environment variable, in one place.
+"""Every ``NAND_*`` environment variable, in one place, and the agent's settings.
 
 Each constant below is the *name* of a variable; its docstring says what it
 does and its default. Read them with :func:`get_str`, :func:`get_int`,
 :func:`get_float` and :func:`get_bool`, which raise :class:`~nand.errors.ConfigError`
 naming the variable when a value does not parse. Arguments passed in code
 (``nand.watch(..., server=...)``) win over the environment.
+
+The agent reads them once, into an :class:`AgentConfig` built by
+``nand.watch``; the server reads its own once, into ``nand.server.settings.Settings``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
 
 from nand.errors import ConfigError
 
@@ -40,6 +46,11 @@ NAND_FLIGHT_STEPS = "NAND_FLIGHT_STEPS"
 NAND_MAX_EVENTS = "NAND_MAX_EVENTS"
 """Events kept in memory per rank (``watch.events``); the first is always kept.
 Default 1000."""
+
+NAND_READ_PARAMS_EVERY_STEP = "NAND_READ_PARAMS_EVERY_STEP"
+"""``1`` reads the parameters and optimizer state after every update, also
+where finite gradients imply them finite (``SGD``/``Adam``/``AdamW``; see
+``nand.agent.detect.update_rules``): rules that reasoning out. Default off."""
 
 NAND_DDP_LOCAL_CHECK = "NAND_DDP_LOCAL_CHECK"
 """``0`` turns off the check of each rank's own gradients before DDP's all-reduce
@@ -136,3 +147,73 @@ def get_bool(name: str, default: bool = False) -> bool:
     if lowered in ("0", "false", "no", "off"):
         return False
     raise ConfigError(f"{name}={value!r} is not a boolean (use 1/0, true/false)")
+
+
+# --- the agent's settings, resolved once ------------------------------------
+
+Policy = Literal["warn", "raise", "skip", "stop"]
+POLICIES: tuple[Policy, ...] = get_args(Policy)
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """What one ``nand.watch`` runs with: its arguments, else ``NAND_*``, else
+    the defaults written here (and nowhere else)."""
+
+    on_nonfinite: Policy = "warn"
+    disabled: bool = False
+    server: str | None = None
+    run: str | None = None
+    token: str | None = None
+    events_file: str | None = None
+    log_events: bool = True
+    flight_steps: int = 64
+    max_events: int = 1000
+    ddp_local_check: bool = True
+    read_params_every_step: bool = False
+    heartbeat_s: float = 5.0
+    close_timeout_s: float = 2.0
+
+    @classmethod
+    def resolve(cls, **arguments: Any) -> AgentConfig:
+        """Arguments that are not None win over the environment.
+
+        >>> AgentConfig.resolve(on_nonfinite="raise", flight_steps=8).flight_steps
+        8
+        """
+        from_env: dict[str, Any] = {
+            "on_nonfinite": get_str(NAND_ON_NONFINITE, cls.on_nonfinite),
+            "disabled": get_bool(NAND_DISABLE, cls.disabled),
+            "server": get_str(NAND_SERVER),
+            "run": get_str(NAND_RUN),
+            "token": get_str(NAND_TOKEN),
+            "events_file": get_str(NAND_EVENTS_FILE),
+            "flight_steps": get_int(NAND_FLIGHT_STEPS, cls.flight_steps),
+            "max_events": get_int(NAND_MAX_EVENTS, cls.max_events),
+            "ddp_local_check": get_bool(NAND_DDP_LOCAL_CHECK, cls.ddp_local_check),
+            "read_params_every_step": get_bool(
+                NAND_READ_PARAMS_EVERY_STEP, cls.read_params_every_step
+            ),
+            "heartbeat_s": get_float(NAND_HEARTBEAT_S, cls.heartbeat_s),
+            "close_timeout_s": get_float(NAND_CLOSE_TIMEOUT_S, cls.close_timeout_s),
+        }
+        unknown = set(arguments) - set(from_env) - {"log_events"}
+        if unknown:
+            raise ConfigError(f"unknown agent setting(s): {', '.join(sorted(unknown))}")
+        given = {name: value for name, value in arguments.items() if value is not None}
+        resolved = cls(**{**from_env, **given})
+        resolved.check()
+        if resolved.disabled:  # nothing leaves the process
+            return dataclasses.replace(resolved, server=None, events_file=None, log_events=False)
+        return resolved
+
+    def check(self) -> None:
+        """Raise :class:`ConfigError` naming the first value that makes no sense."""
+        if self.on_nonfinite not in POLICIES:
+            raise ConfigError(
+                f"on_nonfinite={self.on_nonfinite!r}: use one of {', '.join(POLICIES)}"
+            )
+        if self.flight_steps < 1 or self.max_events < 1:
+            raise ConfigError("flight_steps and max_events must be at least 1")
+        if self.heartbeat_s < 0 or self.close_timeout_s < 0:
+            raise ConfigError("heartbeat_s and close_timeout_s must not be negative")

@@ -25,8 +25,6 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from nand import config
-
 _STORE_KEY = "nand/run_id"
 
 
@@ -44,10 +42,11 @@ class Identity:
 
 
 def resolve_identity(run: str | None = None) -> Identity:
-    """Who this process is; ``run`` (e.g. ``nand.watch(run=...)``) wins over the rest."""
+    """Who this process is; ``run`` (``nand.watch(run=...)`` or ``NAND_RUN``,
+    resolved in ``AgentConfig``) wins over the launcher's id."""
     rank, local_rank, world_size = _rank_and_world()
     return Identity(
-        run=run or run_id_from_env() or _agreed_run_id(),
+        run=run or launcher_run_id() or _agreed_run_id(),
         rank=rank,
         local_rank=local_rank,
         world_size=world_size,
@@ -85,11 +84,8 @@ def _initialised_dist() -> Any:
     return None
 
 
-def run_id_from_env() -> str | None:
-    """The run id the environment gives (NAND_RUN, the launcher's), if any."""
-    explicit = config.get_str(config.NAND_RUN)
-    if explicit:
-        return explicit
+def launcher_run_id() -> str | None:
+    """The run id the launcher gives (torchrun's, Slurm's), if any."""
     elastic = os.environ.get("TORCHELASTIC_RUN_ID", "")
     if elastic and elastic.lower() != "none":
         return elastic

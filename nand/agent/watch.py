@@ -1,4 +1,4 @@
-"""``nand.watch``: find where a training run first went non-finite.
+"""``nand.watch``: wire the detectors, the step boundary and the output together.
 
 >>> import torch, nand
 >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
@@ -11,92 +11,23 @@
 >>> watch.step, watch.first
 (3, None)
 
-What is checked, each with step, micro-step, phase and module (see
-``nand.events``): the root's **input** data; every module's **forward** output
-(any structure; a value made inline in a parent's forward is blamed on the
-parent); the **loss** gradient arriving at the model output; every module's
-**backward** (tensor hooks on forward outputs: works with in-place ops and
-catches NaNs made only in backward); parameter **grad** before the optimizer
-step; **param** and **optimizer_state** after it.
+:func:`watch` resolves the settings once (:class:`nand.config.AgentConfig`),
+opens the :class:`~nand.agent.output.session.Session` (log line, JSONL file,
+server) and makes a :class:`Watch`, which installs the detectors of
+``nand.agent.detect``: module and gradient hooks that keep one device-side
+reduction per probed value, the optimizer hooks that mark the step boundary,
+the GradScaler watch and DDP's pre-all-reduce check. At each boundary
+``nand.agent.step`` reads everything once and finds the first non-finite
+value; the outcome comes back here, where the policy (``warn``, ``raise``,
+``skip``, ``stop``) is applied before the update.
 
-Arguments (each defaults to its ``NAND_*`` variable, see ``nand.config``):
-
-- ``on_nonfinite``: ``"warn"`` logs one line per incident and goes on;
-  ``"raise"`` raises :class:`nand.NonFiniteError` (``.event``) out of
-  ``optimizer.step()`` before the update is applied, so the weights stay
-  finite; ``"skip"`` drops that optimizer step (grads set to ``None``) and
-  training goes on; ``"stop"`` is ``raise`` agreed by all ranks (one tiny
-  all-reduce of a 0-d flag per step when ``torch.distributed`` is initialised;
-  ranks that were fine raise :class:`nand.StopRequested`).
-- ``scaler``: the ``torch.amp.GradScaler`` in use. Overflow steps it skips are
-  counted (``watch.amp_skipped``), not reported; a warning comes only when the
-  scale keeps collapsing. Gradient figures are reported unscaled.
-- ``allow_nonfinite``: module names (globs) or type names allowed to emit
-  ``-inf`` on purpose (attention masks); NaN and +inf are still caught there.
-- ``server`` / ``run`` / ``events_file`` / ``flight_steps`` / ``max_events``.
-
-Attributes: ``first`` (the first :class:`nand.Event` on this rank), ``events``
-(incidents, bounded, the first always kept), ``step``, ``nonfinite_steps``,
-``amp_skipped``, ``host_reads``; ``loss(t)`` records the loss for telemetry
-without a sync; ``flight_window()`` returns the flight recorder's window;
-``close()`` removes every hook, also on leaving the ``with`` block.
-
-One incident, one log line (``nand`` logger, WARNING), e.g.::
-
-    nand: rank 0: NaN in forward of attn (Attention) at step 40 [16x10x32 float32];
-    it was produced here from finite inputs; made by code inline in the forward of attn
-
-Steps that stay non-finite afterwards are counted, not logged, until a finite
-step ends the incident.
-
-Cost: every probed value gets one ``aminmax`` (detection and max|x| in one
-pass), kept on the device. A Linear's, convolution's or norm's output
-gradient is not hooked per call: a hook registered once on its bias probes
-the bias's gradient (the output gradient summed over the batch) as it
-arrives, so its gradient figure is the bias gradient's max|x| (real
-probes under DDP/FSDP, ``torch.compile``, and for a second call in a
-micro-step). Gradients get one ``_foreach_norm`` before the optimizer step;
-parameters and optimizer state one right after it (post-hook, while still in
-cache; under 1 MB they ride in the next step's gradient launch instead),
-each only when not implied finite: the state of ``SGD``/``Adam``/``AdamW``
-by finite gradients (``optimizer.state_follows``), their parameters (SGD
-without momentum) by a host-side bound on what one update can move
-(``optimizer.update_bound``). The host reads everything once per optimizer
-step (one ``tolist`` of the probe buffer's slab, see ``probes.ProbeBuffer``).
-Modules that cannot make a finite value non-finite (ReLU, GELU, Dropout,
-Softmax, ...) are not probed in forward (their neighbours are), nor is an
-inline relu/gelu/silu/tanh/sigmoid of the last probed output; in an exact
-``nn.Sequential`` one that feeds a probed layer has no hook at all (an MLP has
-one hook per Linear). ReLU-like ones keep a gradient probe (their backward can
-hide a NaN the next module made) unless what consumes them has a benign
-backward (Linear, convolutions, norms). Param and optimizer-state results are
-read with the next step's boundary (or at ``close``), so a non-finite *update*
-from finite gradients is reported with its step but found one step later, and
-``raise`` cannot prevent that one. Measured on CPU, 1 thread (``python
-benchmarks/overhead.py``): 1.29-1.32x on an MLP 64-256-256-10 SGD step (target
-1.3x, on the line: torch ops' dispatch and Python that runs once a step),
-1.03-1.06x on a 4-layer TransformerEncoder AdamW step (target 1.05x); see
-``benchmarks/README.md``.
-
-Limits: ``torch.compile`` — call ``nand.watch`` *before* compiling or before
-the first compiled call; hooks added later are ignored by dynamo. Tensor hooks
-make graph breaks, so compiled models run in several graphs (checks intact,
-some speed lost; tested with ``backend="aot_eager"``). Only positional inputs
-of submodules are compared for the inline-code check, and a value changed
-in place by inline code is not told from the child's output. Backward blame
-follows the order gradients arrive in: it names the module whose gradient
-fired just before the first non-finite one; with branches (residuals) that is
-a good guess, not a proof. A NaN gradient that a following Dropout zeroes
-everywhere is harmless and may go unreported. On a GPU the one read per step
-is a sync; reading one step late through a non-blocking copy into pinned
-memory, and ``found_inf`` for a free "skip" with fused optimizers, are
-designed for (see ``boundary.py``, ``optimizer.py``) but not implemented.
+What is checked, the policies and the limits are in the README ("What nand
+reports"); what it costs is in ``benchmarks/README.md``.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import deque
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any
@@ -105,28 +36,27 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from nand import config
 from nand.agent.detect import amp, ddp
 from nand.agent.detect.amp import AmpWatch
 from nand.agent.detect.compiled import CompiledSlots
 from nand.agent.detect.hooks import Hooks
 from nand.agent.detect.modules import module_table
-from nand.agent.detect.names import param_names, unwrap, unwrap_optimizer
+from nand.agent.detect.names import param_owners, unwrap, unwrap_optimizer
 from nand.agent.detect.optimizer import OptimizerHooks
 from nand.agent.detect.probes import ProbeBuffer
 from nand.agent.detect.state import HookState
 from nand.agent.output.session import Session
 from nand.agent.safety import Guard
-from nand.agent.step.boundary import HEALTHY, Boundary, Outcome
+from nand.agent.step.boundary import Boundary, Outcome
+from nand.agent.step.incidents import Incidents
 from nand.agent.step.recorder import FlightRecorder
-from nand.errors import ConfigError, NandError, NonFiniteError, StopRequested
+from nand.config import AgentConfig
+from nand.errors import NandError, NonFiniteError, StopRequested
 from nand.events import Event, FlightWindow, StepSummary
 
 __all__ = ["Watch", "watch"]
 
 log = logging.getLogger("nand")
-
-POLICIES = ("warn", "raise", "skip", "stop")
 
 
 class Watch:
@@ -142,29 +72,23 @@ class Watch:
         model: nn.Module,
         optimizer: torch.optim.Optimizer | None,
         *,
-        on_nonfinite: str,
+        settings: AgentConfig,
         session: Session,
-        allow_nonfinite: tuple[str, ...],
-        flight_steps: int,
-        max_events: int,
-        scaler: Any,
+        allow_nonfinite: tuple[str, ...] = (),
+        scaler: Any = None,
         on_stop: Callable[[], None] | None = None,
-        enabled: bool = True,
     ) -> None:
-        """``enabled=False`` (``NAND_DISABLE=1``): an inert watch, nothing
-        installed on the model, the optimizer, DDP or the scaler."""
-        if on_nonfinite not in POLICIES:
-            raise ConfigError(f"on_nonfinite={on_nonfinite!r}: use one of {', '.join(POLICIES)}")
-        self.policy = on_nonfinite
+        """With ``settings.disabled`` (``NAND_DISABLE=1``): an inert watch,
+        nothing installed on the model, the optimizer, DDP or the scaler."""
+        settings.check()
+        self.settings = settings
+        self.policy = settings.on_nonfinite
         #: Stops the framework's loop cleanly instead of raising (integrations).
         self._on_stop = on_stop
         self._stopping = False
         self.session = session
         self.step = 0
-        self.nonfinite_steps = 0
-        self.first: Event | None = None
-        self._events: deque[Event] = deque(maxlen=max(1, max_events - 1))
-        self._in_incident = False
+        self._incidents = Incidents(settings.max_events)
         self._closed = False
         self._micro = 0  # micro-steps of the window read last (for param labels)
         self._guard = Guard()
@@ -172,13 +96,13 @@ class Watch:
         self._root, wrapped = unwrap(model)
         self._infos = module_table(self._root, wrapped, allow_nonfinite)
         names = [info.name for info in self._infos.values()]
-        self.recorder = FlightRecorder(flight_steps, names)
-        self._slots = _compiled_slots(self._root)
+        self.recorder = FlightRecorder(settings.flight_steps, names)
+        self._slots = CompiledSlots.for_model(self._root)
         state = HookState(self._buf, self._guard, self._slots)
         state.window_full = self._window_full
         self._hooks = Hooks(state)
         world = session.who.world_size
-        agree = on_nonfinite in ("skip", "stop") and _dist_up() and world > 1
+        agree = self.policy in ("skip", "stop") and _dist_up() and world > 1
         root_type = type(self._root).__name__
         self._boundary = Boundary(
             self._buf, session.who, self.recorder, len(names), root_type, agree
@@ -188,13 +112,13 @@ class Watch:
         self._amp: AmpWatch | None = None
         self._unlisten: Callable[[], None] | None = None
         self._looking: RemovableHandle | None = None
-        if not enabled:
+        if settings.disabled:
             self._closed = True  # nothing to remove, nobody to tell
             self._guard.off = True  # new_batch, loss(): nothing recorded
             return
         self._install(model, optimizer, scaler, wrapped)
         self._set_dtype()
-        self._hello(optimizer, on_nonfinite)
+        self._hello(optimizer)
 
     def _install(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None, scaler: Any, wrapped: bool
@@ -207,12 +131,12 @@ class Watch:
             self._hooks.state.before_root = self._root_step
         else:
             self._opt = self._hook_optimizer(optimizer, wrapped)
-            self._boundary.params = self._opt
+            self._boundary.params = self._opt.cache
             if scaler is not None:
                 self._adopt_scaler(scaler)
             # Frameworks make their own scaler: learn it when it steps this optimizer.
             self._unlisten = amp.listen(optimizer, self._adopt_scaler)
-        self._boundary.ddp = _install_ddp_check(model)
+        self._boundary.ddp = self._install_ddp_check(model)
         # A plain model trained through a wrapper nand was not given (HF Trainer's
         # callbacks get the model, accelerate wraps it in DDP): found at its first call.
         if not wrapped and _dist_up() and self.session.who.world_size > 1:
@@ -221,10 +145,19 @@ class Watch:
     # --- public API ------------------------------------------------------------
 
     @property
+    def first(self) -> Event | None:
+        """The first non-finite event on this rank."""
+        return self._incidents.first
+
+    @property
     def events(self) -> list[Event]:
         """Incidents on this rank, oldest first; the first one is always kept."""
-        rest = [e for e in self._events if e is not self.first]
-        return ([self.first] if self.first is not None else []) + rest
+        return self._incidents.events
+
+    @property
+    def nonfinite_steps(self) -> int:
+        """Steps read non-finite so far (an incident's later steps included)."""
+        return self._incidents.nonfinite_steps
 
     @property
     def amp_skipped(self) -> int:
@@ -299,29 +232,12 @@ class Watch:
     def _on_step(self) -> None:
         """Optimizer pre-hook: read the window; apply the policy before the
         update; count the update that goes ahead (here, not in a post-hook:
-        one hook call less per step, and an optimizer that raises mid-update
-        is counted all the same). :meth:`_guarded_check`, :meth:`_report` and
-        :meth:`_serve_session` are written out for a healthy step (see
-        ``OptimizerHooks._pre`` on what a call costs here)."""
-        outcome = None
+        an optimizer that raises mid-update is counted all the same)."""
         if self._looking is not None:  # the first step: a wrapper would have been called
             self._looking.remove()
             self._looking = None
-        if not self._guard.off:
-            try:
-                boundary = self._boundary
-                outcome = boundary.check(self.step, self.step - 1, self._micro, False)
-                if outcome is HEALTHY and not self.session.per_step:
-                    self._micro = boundary.micro_steps - 1 if boundary.micro_steps else 0
-                    self._in_incident = False  # (what _report does with a healthy step)
-                else:
-                    self._report(outcome)
-            except NandError:
-                raise
-            except Exception as exc:
-                self._guard.failed(exc, "step boundary")
-        if self.session.per_step or self.session.stop_at is not None:
-            self._serve_session()
+        outcome = self._guarded_check(skipped=False)
+        self._serve_session()
         if outcome is not None:
             if outcome.overflow:
                 assert self._opt is not None
@@ -377,7 +293,7 @@ class Watch:
         try:
             self._boundary.grads_reduced = ddp.grads_are_reduced(wrapper)
             if self._boundary.ddp is None:
-                self._boundary.ddp = _install_ddp_check(wrapper)
+                self._boundary.ddp = self._install_ddp_check(wrapper)
         except Exception as exc:
             self._guard.failed(exc, "wrapper discovery")
 
@@ -402,8 +318,7 @@ class Watch:
         self._guarded_check(skipped=True)
         if not self._guard.off:
             self.step += 1
-        if self.session.per_step or self.session.stop_at is not None:
-            self._serve_session()
+        self._serve_session()
 
     def _stepped(self) -> bool:
         opt = self._opt
@@ -471,38 +386,35 @@ class Watch:
         if beat and self.session.per_step:
             self.session.step_done(self.step, self._summary)
         if event is None:
-            self._in_incident = False
-            return
-        self.nonfinite_steps += 1
-        if self._in_incident:
-            return
-        self._in_incident = True
-        if self.first is None:
-            self.first = event
-        self._events.append(event)
-        self.session.event(event, self.recorder.window())
+            self._incidents.finite_step()
+        elif self._incidents.nonfinite_step(event):
+            self.session.event(event, self.recorder.window())
 
     # --- setup ------------------------------------------------------------------
 
     def _hook_optimizer(self, optimizer: torch.optim.Optimizer, wrapped: bool) -> OptimizerHooks:
-        owners = {m: info for m, info in self._infos.items()}
-        names: dict[Any, tuple[str, str]] = {}
-        for module, info in owners.items():
-            for pname, p in module.named_parameters(recurse=False):
-                names.setdefault(p, (f"{info.name}.{pname}" if info.name else pname, info.type))
-        for p, name in param_names(self._root, wrapped).items():
-            names.setdefault(p, (name, ""))
+        owners = {module: (info.name, info.type) for module, info in self._infos.items()}
         return OptimizerHooks(
             optimizer,
             self._buf,
             self._guard,
-            names,
+            param_owners(self._root, owners, wrapped),
             self._on_step,
             window=self._boundary,
             evaluated=self._on_evaluation,
+            read_params_every_step=self.settings.read_params_every_step,
         )
 
-    def _hello(self, optimizer: Any, policy: str) -> None:
+    def _install_ddp_check(self, model: nn.Module) -> ddp.LocalGradCheck | None:
+        if not self.settings.ddp_local_check:
+            return None
+        try:
+            return ddp.install(model)
+        except Exception as exc:  # DDP refused the hook: go on without the local check
+            log.warning("nand: DDP local gradient check not installed (%s)", exc)
+            return None
+
+    def _hello(self, optimizer: Any) -> None:
         p = next(iter(self._root.parameters()), None)
         modules = [
             {
@@ -515,7 +427,7 @@ class Watch:
         ]
         optimizer_type = type(optimizer).__name__ if optimizer is not None else None
         device = str(p.device) if p is not None else "cpu"
-        self.session.hello(device, modules, optimizer_type, policy)
+        self.session.hello(device, modules, optimizer_type, self.policy)
 
     def _summary(self, steps_per_s: float) -> StepSummary:
         """The heartbeat's figures, from what the last steps already read."""
@@ -538,15 +450,6 @@ class Watch:
             self.recorder.dtype_max = float(torch.finfo(p.dtype).max)
 
 
-def _compiled_slots(root: nn.Module) -> CompiledSlots:
-    """The slots for probes under torch.compile, on the model's device, in a
-    dtype that holds every parameter dtype's range (float64 models: float64)."""
-    params = [p for p in root.parameters() if p.is_floating_point()]
-    device = params[0].device if params else torch.device("cpu")
-    wide = any(p.dtype == torch.float64 for p in params)
-    return CompiledSlots(device, torch.float64 if wide else torch.float32)
-
-
 def _dist_up() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
@@ -564,37 +467,32 @@ def watch(
     max_events: int | None = None,
     scaler: Any = None,
     log_events: bool = True,
+    read_params_every_step: bool | None = None,
     on_stop: Callable[[], None] | None = None,
 ) -> Watch:
-    """Hook nand into ``model`` (and ``optimizer``); see the module docstring."""
+    """Hook nand into ``model`` (and ``optimizer``); see the README for each option.
+
+    Every option left ``None`` comes from its ``NAND_*`` variable
+    (``nand.config``), else its default.
+    """
+    settings = AgentConfig.resolve(
+        on_nonfinite=on_nonfinite,
+        server=server,
+        run=run,
+        events_file=events_file,
+        flight_steps=flight_steps,
+        max_events=max_events,
+        log_events=log_events,
+        read_params_every_step=read_params_every_step,
+    )
     if optimizer is not None:  # accelerate's, Lightning's, DeepSpeed's wrappers
         optimizer = unwrap_optimizer(optimizer)
-    policy = on_nonfinite or config.get_str(config.NAND_ON_NONFINITE, "warn") or "warn"
-    disabled = config.get_bool(config.NAND_DISABLE)
-    session = Session.open(
-        server=None if disabled else server or config.get_str(config.NAND_SERVER),
-        run=run,
-        events_file=None if disabled else events_file or config.get_str(config.NAND_EVENTS_FILE),
-        log_events=log_events and not disabled,
-    )
-    w = Watch(
+    return Watch(
         model,
         optimizer,
-        on_nonfinite=policy,
-        session=session,
+        settings=settings,
+        session=Session.open(settings),
         allow_nonfinite=tuple(allow_nonfinite),
-        flight_steps=flight_steps or config.get_int(config.NAND_FLIGHT_STEPS, 64),
-        max_events=max_events or config.get_int(config.NAND_MAX_EVENTS, 1000),
         scaler=scaler,
         on_stop=on_stop,
-        enabled=not disabled,
     )
-    return w
-
-
-def _install_ddp_check(model: nn.Module) -> ddp.LocalGradCheck | None:
-    try:
-        return ddp.install(model)
-    except Exception as exc:  # DDP refused the hook: go on without the local check
-        log.warning("nand: DDP local gradient check not installed (%s)", exc)
-        return None

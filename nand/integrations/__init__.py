@@ -49,8 +49,10 @@ def with_run(options: dict[str, Any], framework_run: str | None) -> dict[str, An
     """``options`` with the framework's run name as the run id, unless one
     was given or the environment names one (``NAND_RUN``, torchrun's,
     Slurm's: a scheduler waits on those)."""
-    from nand.agent.identity import run_id_from_env
+    from nand.agent.identity import launcher_run_id
+    from nand.config import AgentConfig
 
-    if options.get("run") or run_id_from_env() or not framework_run:
+    chosen = AgentConfig.resolve(run=options.get("run")).run  # (or NAND_RUN)
+    if chosen or launcher_run_id() or not framework_run:
         return options
     return {**options, "run": framework_run}

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import nand
-from nand.agent.detect import optimizer as optimizer_module
+from nand.agent.detect import param_cache
 from tests.agent.models import VALUES, BackwardPlant, Net, Plant, arm_at, mlp, train, where
 
 pytestmark = pytest.mark.parametrize("kind", list(VALUES))
@@ -342,7 +342,7 @@ def test_the_event_says_what_the_values_looked_like(kind):
 def test_param_and_state_findings_from_either_launch(kind, large, monkeypatch):
     # Small models' params and state ride in the next pre-hook's launch; large
     # ones get a post-hook that launches right after the update.
-    monkeypatch.setattr(optimizer_module, "FUSE_BELOW_BYTES", 0 if large else 1 << 30)
+    monkeypatch.setattr(param_cache, "FUSE_BELOW_BYTES", 0 if large else 1 << 30)
     model = mlp()
     opt = torch.optim.RMSprop(model.parameters(), lr=1e-3)
     corrupt_after_step(opt, 2, lambda: model[2].weight.data.__setitem__((0, 0), VALUES[kind]))

@@ -13,6 +13,7 @@ import pytest
 
 from nand.agent import identity
 from nand.agent.identity import resolve_identity
+from nand.config import AgentConfig
 from nand.testing import Receiver
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,8 +51,8 @@ def test_run_id_precedence_argument_nand_run_torchelastic_slurm(monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "elastic-1")
     assert resolve_identity().run == "elastic-1"
     monkeypatch.setenv("NAND_RUN", "mine")
-    assert resolve_identity().run == "mine"
-    assert resolve_identity(run="explicit").run == "explicit"
+    assert resolve_identity(AgentConfig.resolve().run).run == "mine"
+    assert resolve_identity(AgentConfig.resolve(run="explicit").run).run == "explicit"
 
 
 def test_rank_and_world_from_the_torchrun_environment(monkeypatch):

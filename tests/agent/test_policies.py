@@ -12,6 +12,7 @@ import nand
 from nand.agent.output.session import Session
 from nand.agent.output.sinks import JsonlSink, LogSink
 from nand.agent.watch import Watch
+from nand.config import AgentConfig
 from tests.agent.models import VALUES, mlp, train
 
 pytestmark = pytest.mark.parametrize("kind", list(VALUES))
@@ -108,19 +109,11 @@ def test_sinks_get_hello_first_event_with_flight_and_bye(kind):
 
 def test_hello_describes_identity_versions_modules_and_optimizer(kind):
     sink = RecordingSink()
-    session = Session.open(server=None, run="run-x", events_file=None, log_events=False)
+    settings = AgentConfig(run="run-x", log_events=False, flight_steps=4, max_events=10)
+    session = Session.open(settings)
     session.add_sink(sink)
     model = mlp()
-    Watch(
-        model,
-        torch.optim.Adam(model.parameters()),
-        on_nonfinite="warn",
-        session=session,
-        allow_nonfinite=(),
-        flight_steps=4,
-        max_events=10,
-        scaler=None,
-    ).close()
+    Watch(model, torch.optim.Adam(model.parameters()), settings=settings, session=session).close()
     info = sink.named("hello")[0][0]
     assert info["run"] == "run-x" and info["rank"] == 0 and info["optimizer"] == "Adam"
     assert info["versions"]["nand"] == nand.__version__ and info["device"] == "cpu"

@@ -48,6 +48,15 @@ class CompiledSlots:
         #: Set once any probe went here: the watch reads the slots from then on.
         self.active = False
 
+    @classmethod
+    def for_model(cls, root: torch.nn.Module) -> CompiledSlots:
+        """Slots on the model's device, in a dtype that holds every parameter
+        dtype's range (float64 models: float64)."""
+        params = [p for p in root.parameters() if p.is_floating_point()]
+        device = params[0].device if params else torch.device("cpu")
+        wide = any(p.dtype == torch.float64 for p in params)
+        return cls(device, torch.float64 if wide else torch.float32)
+
     def slot(self, info: ModuleInfo, is_input: bool, name: str, dtype: torch.dtype) -> int:
         """The offset of a site's pair in the slab, given out on first use.
 

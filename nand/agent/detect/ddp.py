@@ -32,7 +32,6 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.utils.hooks import RemovableHandle
 
-from nand import config
 from nand.agent.detect.names import unwrap
 
 log = logging.getLogger("nand")
@@ -68,8 +67,6 @@ def install(model: Any) -> LocalGradCheck | None:
     from torch.nn.parallel import DistributedDataParallel
 
     if not isinstance(model, DistributedDataParallel):
-        return None
-    if not config.get_bool(config.NAND_DDP_LOCAL_CHECK, True):
         return None
     if getattr(model, "_comm_hooks", None):
         log.info("nand: DDP already has a communication hook; local gradient check off")

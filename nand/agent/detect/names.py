@@ -64,6 +64,23 @@ def param_names(model: nn.Module, wrapped: bool) -> dict[nn.Parameter, str]:
     return {p: clean_name(n) if wrapped else n for n, p in model.named_parameters()}
 
 
+def param_owners(
+    model: nn.Module, owners: dict[nn.Module, tuple[str, str]], wrapped: bool
+) -> dict[nn.Parameter, tuple[str, str]]:
+    """Every parameter with ``(qualified name, type of the module that owns it)``.
+
+    ``owners`` maps the watched modules to their ``(name, type)``; a parameter
+    of a module not watched gets its name and an empty type.
+    """
+    named: dict[nn.Parameter, tuple[str, str]] = {}
+    for module, (name, type_name) in owners.items():
+        for pname, p in module.named_parameters(recurse=False):
+            named.setdefault(p, (f"{name}.{pname}" if name else pname, type_name))
+    for p, qualified in param_names(model, wrapped).items():
+        named.setdefault(p, (qualified, ""))
+    return named
+
+
 #: Attributes in which optimizer wrappers keep the optimizer they wrap:
 #: accelerate's ``AcceleratedOptimizer`` and DeepSpeed's engines (``optimizer``),
 #: Lightning's ``LightningOptimizer`` (``_optimizer``).

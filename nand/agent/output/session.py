@@ -24,25 +24,28 @@ from typing import Any
 import torch
 
 import nand
-from nand import config
 from nand.agent.identity import Identity, resolve_identity
 from nand.agent.output.sinks import JsonlSink, LogSink, server_sink
 from nand.agent.sink import Sink
+from nand.config import AgentConfig
 from nand.events import Event, FlightWindow, StepSummary
 
 log = logging.getLogger("nand")
 
 
 class Session:
-    def __init__(self, who: Identity, sinks: list[Sink]) -> None:
+    def __init__(
+        self, who: Identity, sinks: list[Sink], settings: AgentConfig | None = None
+    ) -> None:
         self.who = who
+        self.settings = settings or AgentConfig()
         self.sinks: list[Sink] = []
         #: A sink takes heartbeats and commands (see ``Sink.per_step``).
         self.per_step = False
         for sink in sinks:
             self.add_sink(sink)
         self.stop_at: int | None = None
-        self.heartbeat_s = config.get_float(config.NAND_HEARTBEAT_S, 5.0)
+        self.heartbeat_s = self.settings.heartbeat_s
         self._last_beat = time.monotonic()
         self._last_step = 0
 
@@ -54,18 +57,17 @@ class Session:
         self.per_step = any(getattr(sink, "per_step", True) for sink in self.sinks)
 
     @classmethod
-    def open(
-        cls, server: str | None, run: str | None, events_file: str | None, log_events: bool
-    ) -> Session:
-        who = resolve_identity(run)
-        sinks: list[Sink] = [LogSink()] if log_events else []
-        if events_file:
-            sinks.append(JsonlSink(events_file, who.rank))
-        if server:
-            remote = server_sink(server, who, config.get_str(config.NAND_TOKEN))
+    def open(cls, settings: AgentConfig) -> Session:
+        """This rank's identity and the sinks ``settings`` ask for."""
+        who = resolve_identity(settings.run)
+        sinks: list[Sink] = [LogSink()] if settings.log_events else []
+        if settings.events_file:
+            sinks.append(JsonlSink(settings.events_file, who.rank))
+        if settings.server:
+            remote = server_sink(settings.server, who, settings.token)
             if remote is not None:
                 sinks.append(remote)
-        return cls(who, sinks)
+        return cls(who, sinks, settings)
 
     def hello(
         self, device: str, modules: list[dict[str, Any]], optimizer: str | None, policy: str
@@ -123,8 +125,7 @@ class Session:
 
     def close(self, step: int, reason: str) -> None:
         self._call("bye", step, reason)
-        timeout = config.get_float(config.NAND_CLOSE_TIMEOUT_S, 2.0)
-        self._call("close", timeout)
+        self._call("close", self.settings.close_timeout_s)
 
     def _call(self, method: str, *args: Any) -> None:
         for sink in list(self.sinks):
