@@ -28,17 +28,17 @@ __all__ = [
 ]
 
 if typing.TYPE_CHECKING:
-    from nand.agent.watch import Watch, watch
+    from nand.agent.api import Watch, watch
 
 
 def __getattr__(name: str) -> typing.Any:
     # Lazy: importing nand must not import torch (server hosts do not have it).
     if name in ("watch", "Watch"):
         try:
-            from nand.agent import watch as watch_module
+            from nand.agent import api
         except ImportError as exc:
             raise ImportError(
                 f"nand.{name} needs PyTorch: pip install 'nand[agent]' ({exc})"
             ) from exc
-        return getattr(watch_module, name)
+        return getattr(api, name)
     raise AttributeError(f"module 'nand' has no attribute {name!r}")

@@ -1,28 +1,12 @@
-"""``nand.watch``: wire the detectors, the step boundary and the output together.
+"""The :class:`Watch`: wires the detectors, the step boundary and the output.
 
->>> import torch, nand
->>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
->>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
->>> with nand.watch(model, opt, on_nonfinite="warn") as watch:
-...     for _ in range(3):
-...         model(torch.randn(2, 4)).pow(2).mean().backward()
-...         opt.step()
-...         opt.zero_grad()
->>> watch.step, watch.first
-(3, None)
-
-:func:`watch` resolves the settings once (:class:`nand.config.AgentConfig`),
-opens the :class:`~nand.agent.output.session.Session` (log line, JSONL file,
-server) and makes a :class:`Watch`, which installs the detectors of
-``nand.agent.detect``: module and gradient hooks that keep one device-side
-reduction per probed value, the optimizer hooks that mark the step boundary,
-the GradScaler watch and DDP's pre-all-reduce check. At each boundary
-``nand.agent.step`` reads everything once and finds the first non-finite
-value; the outcome comes back here, where the policy (``warn``, ``raise``,
-``skip``, ``stop``) is applied before the update.
-
-What is checked, the policies and the limits are in the README ("What nand
-reports"); what it costs is in ``benchmarks/README.md``.
+It installs the detectors of ``nand.agent.detect``: module and gradient hooks
+that keep one device-side reduction per probed value, the optimizer hooks
+that mark the step boundary, the GradScaler watch and DDP's pre-all-reduce
+check. At each boundary ``nand.agent.step`` reads everything once and finds
+the first non-finite value; the outcome comes back here, where the policy
+(``step.policy``) is applied before the update. What is checked and the
+limits are in the README ("What nand reports"); costs in ``benchmarks/README.md``.
 """
 
 from __future__ import annotations
@@ -40,8 +24,8 @@ from nand.agent.detect import amp, ddp
 from nand.agent.detect.amp import AmpWatch
 from nand.agent.detect.compiled import CompiledSlots
 from nand.agent.detect.hooks import Hooks
-from nand.agent.detect.modules import module_table
-from nand.agent.detect.names import param_owners, unwrap, unwrap_optimizer
+from nand.agent.detect.modules import described, module_table
+from nand.agent.detect.names import param_owners, unwrap
 from nand.agent.detect.optimizer import OptimizerHooks
 from nand.agent.detect.probes import ProbeBuffer
 from nand.agent.detect.state import HookState
@@ -49,12 +33,13 @@ from nand.agent.output.session import Session
 from nand.agent.safety import Guard
 from nand.agent.step.boundary import Boundary, Outcome
 from nand.agent.step.incidents import Incidents
+from nand.agent.step.policy import StepPolicy
 from nand.agent.step.recorder import FlightRecorder
 from nand.config import AgentConfig
 from nand.errors import NandError, NonFiniteError, StopRequested
 from nand.events import Event, FlightWindow, StepSummary
 
-__all__ = ["Watch", "watch"]
+__all__ = ["Watch"]
 
 log = logging.getLogger("nand")
 
@@ -83,9 +68,7 @@ class Watch:
         settings.check()
         self.settings = settings
         self.policy = settings.on_nonfinite
-        #: Stops the framework's loop cleanly instead of raising (integrations).
-        self._on_stop = on_stop
-        self._stopping = False
+        self._policy = StepPolicy(self.policy, self._drop_grads, on_stop)
         self.session = session
         self.step = 0
         self._incidents = Incidents(settings.max_events)
@@ -240,10 +223,9 @@ class Watch:
         self._serve_session()
         if outcome is not None:
             if outcome.overflow:
-                assert self._opt is not None
-                self._opt.drop_grads()  # a fused optimizer got found_inf; nothing to apply
+                self._drop_grads()  # a fused optimizer got found_inf; nothing to apply
             elif outcome.event is not None or outcome.any_rank_bad:
-                self._apply_policy(outcome)
+                self._policy.apply(outcome, self.step)
         if not self._guard.off:  # switched off by its own error: nothing counted from here on
             self.step += 1
 
@@ -253,39 +235,12 @@ class Watch:
         that step after the first evaluation's. The update of that step may
         already be partly applied: ``raise`` stops the line search, nothing more."""
         outcome = self._guarded_check(skipped=False, step=self.step - 1, micro_base=evaluation)
-        if outcome is not None and outcome.event is not None and self.policy in ("raise", "stop"):
+        if outcome is not None and outcome.event is not None and self._policy.raises:
             raise NonFiniteError(outcome.event)
 
-    def _apply_policy(self, outcome: Outcome) -> None:
-        """A non-finite step (here or, agreed, on another rank): warn, skip or raise."""
-        event = outcome.event
-        if self.policy == "warn":
-            return
-        if self.policy == "skip":
-            assert self._opt is not None
-            self._opt.drop_grads()
-            log.warning("nand: skipped optimizer step %d (non-finite)", self.step)
-        elif self.policy == "raise" and event is not None:
-            raise NonFiniteError(event)
-        elif event is not None and event.cause != "received":
-            self._stop(NonFiniteError(event))
-        else:  # (stop) this rank only received it, or another rank saw it
-            self._stop(StopRequested(self.step, "a non-finite value on another rank"))
-
-    def _stop(self, error: NandError) -> None:
-        """Stop training at this step boundary, before the update: raise
-        ``error`` out of ``optimizer.step()``, or, with ``on_stop`` (the
-        framework integrations), skip this update and ask the framework to
-        end its loop (Lightning's ``trainer.should_stop``, HF's
-        ``control.should_training_stop``)."""
-        if self._on_stop is None:
-            raise error
+    def _drop_grads(self) -> None:
         if self._opt is not None:
             self._opt.drop_grads()
-        if not self._stopping:
-            self._stopping = True
-            log.warning("nand: stopping training at step %d: %s", self.step, error)
-            self._on_stop()
 
     def _found_wrapper(self, wrapper: nn.Module) -> None:
         """The watched model runs inside ``wrapper`` (DDP, FSDP): its gradients
@@ -335,7 +290,7 @@ class Watch:
             self.step += 1
             self._serve_session()
             event = outcome.event if outcome is not None else None
-            if event is not None and self.policy in ("raise", "stop"):
+            if event is not None and self._policy.raises:
                 raise NonFiniteError(event)
 
     def _serve_session(self) -> None:
@@ -344,7 +299,8 @@ class Watch:
         if session.per_step:
             session.poll(self.step, self.flight_window)
         if session.stop_at is not None and self.step >= session.stop_at:
-            self._stop(StopRequested(session.stop_at, "requested by the server"))
+            stop = StopRequested(session.stop_at, "requested by the server")
+            self._policy.stop(stop, self.step)
 
     def _window_full(self) -> None:
         """An optimizer that never steps must not make the buffer grow forever."""
@@ -374,14 +330,8 @@ class Watch:
         self._micro = micro_steps - 1 if micro_steps else 0
         event = outcome.event
         if outcome.overflow:
-            if self._amp is not None and self._amp.collapsing():
-                log.warning(
-                    "nand: the AMP loss scale keeps collapsing: %d overflow steps in a row, "
-                    "scale %.3g%s",
-                    self._amp.consecutive,
-                    self._amp.scale,
-                    f"; first non-finite: {outcome.event.message}" if outcome.event else "",
-                )
+            if self._amp is not None:
+                self._amp.warn_if_collapsing(event.message if event else None)
             return
         if beat and self.session.per_step:
             self.session.step_done(self.step, self._summary)
@@ -416,18 +366,9 @@ class Watch:
 
     def _hello(self, optimizer: Any) -> None:
         p = next(iter(self._root.parameters()), None)
-        modules = [
-            {
-                "name": info.name,
-                "type": info.type,
-                "order": info.index,
-                "params": sum(q.numel() for q in module.parameters(recurse=False)),
-            }
-            for module, info in self._infos.items()
-        ]
         optimizer_type = type(optimizer).__name__ if optimizer is not None else None
         device = str(p.device) if p is not None else "cpu"
-        self.session.hello(device, modules, optimizer_type, self.policy)
+        self.session.hello(device, described(self._infos), optimizer_type, self.policy)
 
     def _summary(self, steps_per_s: float) -> StepSummary:
         """The heartbeat's figures, from what the last steps already read."""
@@ -446,53 +387,8 @@ class Watch:
     def _set_dtype(self) -> None:
         p = next((p for p in self._root.parameters() if p.is_floating_point()), None)
         if p is not None:
-            self.recorder.dtype = str(p.dtype).removeprefix("torch.")
-            self.recorder.dtype_max = float(torch.finfo(p.dtype).max)
+            self.recorder.set_dtype(p.dtype)
 
 
 def _dist_up() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
-
-
-def watch(
-    model: nn.Module,
-    optimizer: Any = None,
-    *,
-    on_nonfinite: str | None = None,
-    server: str | None = None,
-    run: str | None = None,
-    events_file: str | None = None,
-    allow_nonfinite: tuple[str, ...] | list[str] = (),
-    flight_steps: int | None = None,
-    max_events: int | None = None,
-    scaler: Any = None,
-    log_events: bool = True,
-    read_params_every_step: bool | None = None,
-    on_stop: Callable[[], None] | None = None,
-) -> Watch:
-    """Hook nand into ``model`` (and ``optimizer``); see the README for each option.
-
-    Every option left ``None`` comes from its ``NAND_*`` variable
-    (``nand.config``), else its default.
-    """
-    settings = AgentConfig.resolve(
-        on_nonfinite=on_nonfinite,
-        server=server,
-        run=run,
-        events_file=events_file,
-        flight_steps=flight_steps,
-        max_events=max_events,
-        log_events=log_events,
-        read_params_every_step=read_params_every_step,
-    )
-    if optimizer is not None:  # accelerate's, Lightning's, DeepSpeed's wrappers
-        optimizer = unwrap_optimizer(optimizer)
-    return Watch(
-        model,
-        optimizer,
-        settings=settings,
-        session=Session.open(settings),
-        allow_nonfinite=tuple(allow_nonfinite),
-        scaler=scaler,
-        on_stop=on_stop,
-    )

@@ -33,7 +33,7 @@ _SET_BY_CALLBACK = frozenset({"on_stop"})
 def watch_options(options: dict[str, Any]) -> dict[str, Any]:
     """``options`` checked against :func:`nand.watch`'s keyword arguments now,
     when the callback is made, rather than when training starts."""
-    from nand.agent.watch import watch
+    from nand.agent.api import watch
 
     allowed = set(inspect.signature(watch).parameters) - {"model", "optimizer"}
     unknown = sorted(set(options) - (allowed - _SET_BY_CALLBACK))

@@ -14,8 +14,8 @@ from pathlib import Path
 AGENT = Path(__file__).resolve().parents[2] / "nand" / "agent"
 
 #: Lowest first. Modules at the top of nand/agent outside this list are shared
-#: by all (identity, sink, safety); watch wires everything.
-LAYERS = ["transport", "output", "detect", "step", "watch"]
+#: by all (identity, sink, safety); watch wires everything, api is the entry point.
+LAYERS = ["transport", "output", "detect", "step", "watch", "api"]
 SHARED = {"identity", "sink", "safety", "__init__"}
 
 

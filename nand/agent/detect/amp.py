@@ -20,12 +20,15 @@ optimizer, that watch adopts it, before the scaler unscales or steps anything.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
+
+log = logging.getLogger("nand")
 
 #: Consecutive overflow-skipped steps after which the scale "keeps collapsing"
 #: (halving from 2**16 takes 16 steps to reach 1; more means something is wrong).
@@ -85,14 +88,20 @@ class AmpWatch:
             self.consecutive = 0
             self.warned = False
 
-    def collapsing(self) -> bool:
-        """True once per collapse: many skips in a row, or a scale below 1."""
+    def warn_if_collapsing(self, first_nonfinite: str | None) -> None:
+        """Log once per collapse (many skips in a row, or a scale below 1):
+        overflow then is no longer the scaler finding its range."""
         if self.warned or not self.consecutive:
-            return False
+            return
         if self.consecutive >= COLLAPSE_STEPS or self.scale < COLLAPSE_SCALE:
             self.warned = True
-            return True
-        return False
+            log.warning(
+                "nand: the AMP loss scale keeps collapsing: %d overflow steps in a row, "
+                "scale %.3g%s",
+                self.consecutive,
+                self.scale,
+                f"; first non-finite: {first_nonfinite}" if first_nonfinite else "",
+            )
 
     def _wrapped_update(self, new_scale: Any = None) -> None:
         if not self.stepped():

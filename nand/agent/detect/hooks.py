@@ -12,33 +12,20 @@ Per module call:
   registered once on the bias (``grads.BiasProxy``), except for a second call
   in a micro-step, under ``torch.compile``, and under DDP/FSDP (there the
   bias gradient is all-reduced: a real probe keeps this rank's own value).
-- the output of a masking module (ReLU) gets its gradient probe only when
-  what consumes it could make a non-finite gradient exactly where it cut
-  (see ``modules.BENIGN_BACKWARD``): the consumer's hook decides.
-- hooks fire when a module *finishes* (children before parents). A value made
-  by code written inline in a parent's ``forward`` reaches the next child as an
-  input that is not the output recorded last; that input is probed as the
-  parent's ("inline"), so the parent is blamed, not the child. Containers check
-  their inputs in a forward pre-hook, before their children run; leaves check
-  them in the forward hook.
-- a parent whose output is its last child's output (``Sequential``) adds no
-  probe: the child already took it.
-- inside an ``nn.Sequential`` the data flow is known: a finite-preserving
-  child that feeds a probed leaf gets no hook at all, and the leaf does not
-  examine its input (``modules.Chains``).
+- inputs that are not the output recorded last were made by inline code in
+  the parent's ``forward`` (``inline.InlineCheck``); containers check them in
+  a forward pre-hook, leaves in the forward hook. A parent whose output is its
+  last child's adds no probe; in an ``nn.Sequential`` a finite-preserving
+  child that feeds a probed leaf gets no hook at all (``modules.Chains``).
 - the **root** pre-hook marks a micro-step and probes the input data
-  (positional and keyword, nested); the root's outputs get a "loss" tensor hook:
-  the gradient arriving there comes from the loss computation.
+  (positional and keyword, nested); the root's outputs get a "loss" tensor
+  hook: the gradient arriving there comes from the loss computation.
 
-Under ``torch.compile`` these hooks are inlined when they are registered before
-the first compiled call; tensor hooks cause graph breaks (see ``watch.py``).
-
-Torch keeps these hooks in the modules' ``__dict__``: ``copy.deepcopy`` (an
-EMA model) and ``torch.save`` of a watched model copy them. Each is handed
-to torch as a :class:`SavableHook`, which copies as a no-op. A shallow copy
-shares the hook dicts themselves: each hook returns at once when called
-for a module other than the one it was installed on.
-
+Under ``torch.compile`` every probe goes to a fixed slot (``compiled.py``).
+Torch keeps module hooks in the modules' ``__dict__``, so ``copy.deepcopy``
+and ``torch.save`` take them along: each is handed to torch as a
+:class:`SavableHook`, which copies as a no-op, and returns at once when called
+for a module other than its own (a shallow copy shares the hook dicts).
 """
 
 from __future__ import annotations
@@ -53,6 +40,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from nand.agent.detect.grads import BiasProxy, GradHooks
+from nand.agent.detect.inline import NEGINF_SAFE_NODES, InlineCheck
 from nand.agent.detect.modules import CONTAINERS, Chains, ModuleInfo, proxy_bias
 from nand.agent.detect.probes import MICRO, Site, iter_tensors
 from nand.agent.detect.state import HookState
@@ -60,41 +48,9 @@ from nand.agent.detect.state import HookState
 # is_dynamo_compiling: False in eager at the cost of a call (dynamo makes it True)
 _is_compiling = torch.compiler.is_dynamo_compiling
 
-#: Autograd nodes of elementwise ops that cannot make a finite value
-#: non-finite, when written inline (``F.relu(self.linear1(x))``); of those, the
-#: ones whose backward zeroes gradients where the input was cut.
-FINITE_NODES = frozenset(
-    {"ReluBackward0", "GeluBackward0", "SiluBackward0", "TanhBackward0", "SigmoidBackward0"}
-)
-#: Those that also keep an allowed -inf finite (gelu(-inf) and silu(-inf) are
-#: -inf * 0 = NaN): used when some module may emit -inf (``allow_nonfinite``).
-NEGINF_SAFE_NODES = frozenset({"ReluBackward0", "TanhBackward0", "SigmoidBackward0"})
-MASKING_NODES = frozenset({"ReluBackward0"})
 #: Probe entries after which a window is read at the next root call even
 #: without an optimizer step (see ``HookState.window_full``).
 MAX_WINDOW = 100_000
-
-
-def _finite_op_of(
-    x: Tensor, last: Tensor | None, nodes: frozenset[str] = FINITE_NODES
-) -> str | None:
-    """The node name if ``x`` is one finite-preserving op applied to ``last``.
-
-    ``last`` was probed (or is such an op of a probed value itself), so ``x``
-    is finite whenever ``last`` is: probing it again would only re-read the
-    same bytes (an 8 MB activation in a transformer's feed-forward block).
-    """
-    node = x.grad_fn
-    # ``last`` changed in place since it was probed (by inline code): not covered.
-    if node is None or last is None or last.grad_fn is None or last._version:
-        return None
-    name = node.name()
-    if name not in nodes:
-        return None
-    nexts = node.next_functions
-    if len(nexts) != 1 or nexts[0][0] is not last.grad_fn or nexts[0][1] != last.output_nr:
-        return None
-    return name
 
 
 #: What a hook of nand's becomes in a pickle or a deep copy (see SavableHook).
@@ -104,15 +60,12 @@ DORMANT_EVENT = "nand.hook: the model was copied or saved from a nand.watch; thi
 class SavableHook(functools.partial):
     """A module hook as nand hands it to torch: called like the function it
     wraps (a C call, no Python frame more), and a no-op once pickled or
-    deep-copied.
+    deep-copied (a closure does not pickle).
 
-    Torch keeps module hooks in the module's ``__dict__``, so
-    ``torch.save(model)`` and ``copy.deepcopy(model)`` take them along, and a
-    closure does not pickle. The copy gets ``partial(sys.audit, ...)``
-    instead: it takes any arguments and returns None (a forward hook's "leave
-    the output alone"), needs only the standard library to load, and tells
-    only an audit hook, if one is installed, that it was called. A parameter's
-    hooks torch does not save at all.
+    The copy gets ``partial(sys.audit, ...)``: it takes any arguments and
+    returns None (a forward hook's "leave the output alone"), needs only the
+    standard library to load, and tells only an audit hook, if one is
+    installed, that it was called.
     """
 
     __slots__ = ()
@@ -128,7 +81,7 @@ class Hooks:
         self.state = state
         self.handles: list[RemovableHandle] = []
         self._grad_hooks: dict[int, GradHooks] = {}
-        self._finite_nodes = FINITE_NODES
+        self._inline = InlineCheck(state, self._probe_output, self._grad_hook)
 
     def install(
         self, root: nn.Module, infos: dict[nn.Module, ModuleInfo], *, proxies: bool = True
@@ -137,7 +90,7 @@ class Hooks:
         where that is exact (not when a wrapper all-reduces the gradients:
         the local value is what tells produced from received)."""
         if any(info.allow_neginf for info in infos.values()):
-            self._finite_nodes = NEGINF_SAFE_NODES
+            self._inline.finite_nodes = NEGINF_SAFE_NODES
         chains = Chains(root, infos)
         biased = self._install_proxies(root, infos) if proxies else {}
         for module, info in infos.items():
@@ -204,9 +157,9 @@ class Hooks:
                     self._slotted(info, output)
                     return
                 if state.pending is not None:
-                    self._settle(info, args)
+                    self._inline.settle(info, args)
                 if not trusting and args and (len(args) > 1 or args[0] is not state.last):
-                    self._check_inputs(args, output, info, module)
+                    self._inline.check_inputs(args, output, info, module)
                 if not isinstance(output, Tensor):
                     self._probe_structure(info, output)
                 elif output.is_floating_point() and output.numel():
@@ -241,9 +194,9 @@ class Hooks:
                 return  # slot mode: finite-preserving modules are not probed, nor tracked
             try:
                 if state.pending is not None:
-                    self._settle(info, args)
+                    self._inline.settle(info, args)
                 if args and (len(args) > 1 or args[0] is not state.last):
-                    self._check_inputs(args, output, info, module)
+                    self._inline.check_inputs(args, output, info, module)
                 if isinstance(output, Tensor):
                     if grad_hooks is not None and output.requires_grad:
                         # Masking: the probe waits for the consumer. A value
@@ -266,7 +219,7 @@ class Hooks:
             if _is_compiling() or state.slots.active:
                 return  # slot mode: no inline check (see compiled.py)
             try:
-                self._check_inputs(args, None, info, module)
+                self._inline.check_inputs(args, None, info, module)
                 if isinstance(args[0], Tensor):
                     state.last = args[0]
             except Exception as exc:
@@ -331,7 +284,7 @@ class Hooks:
                     self._slotted(info, output)
                     return
                 if state.pending is not None:  # consumed by the loss: unknown code
-                    self._settle(None, ())
+                    self._inline.settle(None, ())
                 if output is state.last:  # Sequential-like: the last child's output
                     state.last = None
                     return
@@ -397,82 +350,6 @@ class Hooks:
             state.guard.failed(exc, "the batch check")
 
     # --- helpers (called from the hooks) ---------------------------------------
-
-    def _check_inputs(
-        self, args: tuple[Any, ...], output: Any, info: ModuleInfo, module: nn.Module
-    ) -> None:
-        """Probe inputs that are not the last recorded output, as the parent's.
-
-        Only values that require grad: those derive from the model's
-        activations. A tensor that does not (an attention mask full of -inf
-        on purpose, built inline from constants or from the data) is not a
-        candidate for "the parent's code made it non-finite". So under
-        ``no_grad`` inline code is not told apart from the next child.
-
-        A module with forward pre-hooks of its own (other than nand's) may
-        have had its inputs changed by them: those belong to the module's
-        call, so the value is the module's, not its parent's.
-
-        A value that is one relu/gelu/silu/tanh/sigmoid of the last recorded
-        output cannot be non-finite unless that output was: no forward probe
-        (relu keeps its gradient probe unless its consumer's backward is
-        benign, see :data:`MASKING_NODES` and :meth:`_settle`).
-        """
-        last = self.state.last
-        owner: ModuleInfo | None = None
-        for x in args:
-            if (
-                isinstance(x, Tensor)
-                and x is not last
-                and x is not output
-                and x.requires_grad
-                and x.is_floating_point()
-                and x.numel()
-            ):
-                if owner is None:
-                    nands = 0 if info.leaf else 1  # containers carry nand's pre-hook
-                    own = len(module._forward_pre_hooks) > nands
-                    owner = info if own or info.parent is None else info.parent
-                node = _finite_op_of(x, last, self._finite_nodes)
-                if node is None:
-                    self._probe_output(owner.inline_site(), x)
-                elif node in MASKING_NODES:
-                    # Its backward can hide a NaN the next module made (see
-                    # modules.MASKING): the gradient is probed, unless this
-                    # module, its consumer, has a benign backward.
-                    site = owner.inline_site().backward
-                    assert site is not None
-                    if info.benign:
-                        pass  # nothing it does in backward lines up with the cut
-                    elif info.leaf and not info.safe:
-                        self._grad_hook(site).attach(x)  # this leaf consumes it
-                    else:  # a container or finite-preserving module passes it on
-                        self._defer(x, self._grad_hook(site))
-
-    def _defer(self, value: Tensor, hooks: GradHooks) -> None:
-        """Hold a masking value's gradient probe until its consumer is known."""
-        if self.state.pending is not None:
-            self._settle(None, ())
-        self.state.pending = (value, hooks.attach)
-
-    def _settle(self, consumer: ModuleInfo | None, args: tuple[Any, ...]) -> None:
-        """The pending masking value reaches ``consumer`` (``None``: unknown code).
-
-        A finite-preserving module passes it on (its output carries the same
-        cut positions); a module with a benign backward needs no probe in
-        between; anything else, the probe is attached.
-        """
-        pending = self.state.pending
-        assert pending is not None
-        self.state.pending = None
-        value, attach = pending
-        if consumer is not None and len(args) == 1 and args[0] is self.state.last:
-            if consumer.safe:
-                self.state.pending = pending
-                return
-            if consumer.benign:
-                return
-        attach(value)
 
     def _probe_structure(self, info: ModuleInfo, output: Any) -> None:
         last = None

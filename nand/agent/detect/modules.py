@@ -12,6 +12,7 @@ from __future__ import annotations
 import fnmatch
 import itertools
 from collections.abc import Iterable
+from typing import Any
 
 from torch import Tensor, nn
 
@@ -133,6 +134,19 @@ class ModuleInfo:
         site.backward.forward = site
         site.allow_neginf = self.allow_neginf and kind == "output"
         return site
+
+
+def described(infos: dict[nn.Module, ModuleInfo]) -> list[dict[str, Any]]:
+    """The watched modules as ``hello`` announces them, in execution order."""
+    return [
+        {
+            "name": info.name,
+            "type": info.type,
+            "order": info.index,
+            "params": sum(p.numel() for p in module.parameters(recurse=False)),
+        }
+        for module, info in infos.items()
+    ]
 
 
 def is_allowed(name: str, type_name: str, patterns: Iterable[str]) -> bool:

@@ -16,7 +16,7 @@ class HookState:
 
     ``pending`` is a masking value (a relu's output) whose gradient probe waits
     for its consumer: the first hook to see it as its input decides (see
-    :meth:`Hooks._settle`).
+    :meth:`InlineCheck.settle`).
     """
 
     __slots__ = (

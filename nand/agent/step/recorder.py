@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from collections import deque
 
+import torch
+
 from nand.agent.step.analysis import StepRow, Telemetry, telemetry
 from nand.events import FlightWindow
 
@@ -30,8 +32,10 @@ class FlightRecorder:
         self.dtype = ""
         self.dtype_max: float | None = None
 
-    def push(self, row: StepRow) -> None:
-        self.rows.append(row)
+    def set_dtype(self, dtype: torch.dtype) -> None:
+        """The model's dtype, with its limit: the scale telemetry is read against."""
+        self.dtype = str(dtype).removeprefix("torch.")
+        self.dtype_max = float(torch.finfo(dtype).max)
 
     def last(self) -> Telemetry | None:
         return telemetry(self.rows[-1], len(self.modules)) if self.rows else None

@@ -1,0 +1,75 @@
+"""``nand.watch``: the agent's entry point.
+
+>>> import torch, nand
+>>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+>>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+>>> with nand.watch(model, opt, on_nonfinite="warn") as watch:
+...     for _ in range(3):
+...         model(torch.randn(2, 4)).pow(2).mean().backward()
+...         opt.step()
+...         opt.zero_grad()
+>>> watch.step, watch.first
+(3, None)
+
+It resolves the settings once (:class:`nand.config.AgentConfig`), opens the
+rank's :class:`~nand.agent.output.session.Session` (log line, JSONL file,
+server) and makes the :class:`~nand.agent.watch.Watch` that hooks the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from nand.agent.detect.names import unwrap_optimizer
+from nand.agent.output.session import Session
+from nand.agent.watch import Watch
+from nand.config import AgentConfig
+
+__all__ = ["Watch", "watch"]
+
+
+def watch(
+    model: nn.Module,
+    optimizer: Any = None,
+    *,
+    on_nonfinite: str | None = None,
+    server: str | None = None,
+    run: str | None = None,
+    events_file: str | None = None,
+    allow_nonfinite: tuple[str, ...] | list[str] = (),
+    flight_steps: int | None = None,
+    max_events: int | None = None,
+    scaler: Any = None,
+    log_events: bool = True,
+    read_params_every_step: bool | None = None,
+    on_stop: Callable[[], None] | None = None,
+) -> Watch:
+    """Hook nand into ``model`` (and ``optimizer``); see the README for each option.
+
+    Every option left ``None`` comes from its ``NAND_*`` variable
+    (``nand.config``), else its default.
+    """
+    settings = AgentConfig.resolve(
+        on_nonfinite=on_nonfinite,
+        server=server,
+        run=run,
+        events_file=events_file,
+        flight_steps=flight_steps,
+        max_events=max_events,
+        log_events=log_events,
+        read_params_every_step=read_params_every_step,
+    )
+    if optimizer is not None:  # accelerate's, Lightning's, DeepSpeed's wrappers
+        optimizer = unwrap_optimizer(optimizer)
+    return Watch(
+        model,
+        optimizer,
+        settings=settings,
+        session=Session.open(settings),
+        allow_nonfinite=tuple(allow_nonfinite),
+        scaler=scaler,
+        on_stop=on_stop,
+    )

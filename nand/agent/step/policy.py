@@ -1,0 +1,67 @@
+"""What a rank does with a non-finite step, before the update: ``on_nonfinite``.
+
+- ``warn``: nothing more (the incident was logged and sent).
+- ``skip``: drop the update (every ``.grad`` set to ``None``) and go on.
+- ``raise``: :class:`~nand.errors.NonFiniteError` out of ``optimizer.step()``.
+- ``stop``: ``raise`` agreed by every rank; a rank that only received the
+  value, or saw nothing, raises :class:`~nand.errors.StopRequested`.
+
+With ``on_stop`` (the framework integrations) ``raise``/``stop`` end the
+framework's loop instead: the update is skipped and ``on_stop()`` is called
+once (Lightning's ``trainer.should_stop``, HF's ``control.should_training_stop``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from nand.agent.step.boundary import Outcome
+from nand.config import Policy
+from nand.errors import NandError, NonFiniteError, StopRequested
+
+log = logging.getLogger("nand")
+
+
+class StepPolicy:
+    def __init__(
+        self,
+        name: Policy,
+        drop_grads: Callable[[], None],
+        on_stop: Callable[[], None] | None,
+    ) -> None:
+        self.name = name
+        self.drop_grads = drop_grads
+        self.on_stop = on_stop
+        self._stopping = False
+
+    @property
+    def raises(self) -> bool:
+        """Whether a non-finite step ends training (``raise`` or ``stop``)."""
+        return self.name in ("raise", "stop")
+
+    def apply(self, outcome: Outcome, step: int) -> None:
+        """A non-finite step (here or, agreed, on another rank)."""
+        event = outcome.event
+        if self.name == "warn":
+            return
+        if self.name == "skip":
+            self.drop_grads()
+            log.warning("nand: skipped optimizer step %d (non-finite)", step)
+        elif self.name == "raise" and event is not None:
+            raise NonFiniteError(event)
+        elif event is not None and event.cause != "received":
+            self.stop(NonFiniteError(event), step)
+        else:  # (stop) this rank only received it, or another rank saw it
+            self.stop(StopRequested(step, "a non-finite value on another rank"), step)
+
+    def stop(self, error: NandError, step: int) -> None:
+        """End training at this step boundary, before the update: raise
+        ``error``, or skip the update and call ``on_stop`` (once)."""
+        if self.on_stop is None:
+            raise error
+        self.drop_grads()
+        if not self._stopping:
+            self._stopping = True
+            log.warning("nand: stopping training at step %d: %s", step, error)
+            self.on_stop()
