@@ -70,7 +70,8 @@ def encode(message: Mapping[str, Any]) -> bytes:
     """Pack one message, adding the protocol version."""
     payload = dict(message)
     payload.setdefault("v", PROTOCOL_VERSION)
-    return msgpack.packb(payload, use_bin_type=True, default=_plain)
+    packed: bytes = msgpack.packb(payload, use_bin_type=True, default=_plain)
+    return packed
 
 
 def _plain(value: Any) -> Any:
@@ -162,7 +163,8 @@ def _agent_envelope(message: Mapping[str, Any]) -> Mapping[str, Any]:
         raise WireError("bad_field", "message.run must be 1..256 characters")
     _non_negative(_require(message, "rank", _INT, "message"), "message.rank")
     _require(message, "time", _NUM, "message")
-    return _require(message, "body", (dict,), "message")
+    body: Mapping[str, Any] = _require(message, "body", (dict,), "message")
+    return body
 
 
 def _validate_hello(message: Mapping[str, Any]) -> None:

@@ -144,10 +144,10 @@ def _agent_store() -> Any:
     try:
         from datetime import timedelta
 
-        import torch.distributed as dist
+        from torch._C._distributed_c10d import TCPStore  # (torch.distributed's own)
 
         port = int(env["MASTER_PORT"])
         timeout = timedelta(seconds=10)
-        return dist.TCPStore(env["MASTER_ADDR"], port, is_master=False, timeout=timeout)
+        return TCPStore(env["MASTER_ADDR"], port, is_master=False, timeout=timeout)
     except Exception:
         return None

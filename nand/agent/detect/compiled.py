@@ -23,6 +23,8 @@ parameters' gradients, read at the step boundary as always (see
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -100,10 +102,15 @@ class CompiledSlots:
         return [MICRO, *self.sites], values
 
 
-@torch._dynamo.assume_constant_result
-def _slot_at_trace_time(
+def _slot(
     slots: CompiledSlots, info: ModuleInfo, is_input: bool, name: str, dtype: torch.dtype
 ) -> int:
-    """:meth:`CompiledSlots.slot`, run once by dynamo when it traces a probe;
-    the number it returns is compiled in as a constant."""
     return slots.slot(info, is_input, name, dtype)
+
+
+SlotOf = Callable[[CompiledSlots, ModuleInfo, bool, str, torch.dtype], int]
+_assume_constant_result: Callable[[SlotOf], SlotOf] = torch._dynamo.assume_constant_result
+
+#: :meth:`CompiledSlots.slot`, run once by dynamo when it traces a probe; the
+#: number it returns is compiled in as a constant.
+_slot_at_trace_time = _assume_constant_result(_slot)

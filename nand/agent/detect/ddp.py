@@ -26,8 +26,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
+from torch._C._distributed_c10d import GradBucket  # (torch.distributed's; DDP checks the type)
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.utils.hooks import RemovableHandle
@@ -44,7 +44,7 @@ class LocalGradCheck:
         self._extremes: list[Tensor] = []
         self.active = True  # DDP cannot unregister a hook: close() turns it into a no-op
 
-    def hook(self, process_group: Any, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+    def hook(self, process_group: Any, bucket: GradBucket) -> torch.futures.Future[Tensor]:
         if self.active:  # device work only: one reduction launched, nothing read
             self._extremes.extend(torch.aminmax(bucket.buffer().detach()))
         return default_hooks.allreduce_hook(process_group, bucket)

@@ -7,11 +7,19 @@ before the first non-finite one.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
 from nand.agent.detect.probes import Site
 from nand.agent.detect.state import HookState
+
+
+def register_tensor_hook(t: Tensor, hook: Callable[[Tensor], Tensor | None]) -> RemovableHandle:
+    """``t.register_hook(hook)``, typed (torch leaves that method unannotated)."""
+    register: Callable[[Callable[[Tensor], Tensor | None]], RemovableHandle] = t.register_hook
+    return register(hook)
 
 
 class GradHooks:
@@ -57,7 +65,7 @@ class GradHooks:
         if node is not None and t.output_nr == 0:
             node.register_prehook(self.node_hook)
         else:
-            t.register_hook(self.tensor_hook)
+            register_tensor_hook(t, self.tensor_hook)
 
 
 class BiasProxy:
@@ -104,4 +112,4 @@ class BiasProxy:
             except Exception as exc:
                 guard.failed(exc, f"gradient hook of {site.module!r}")
 
-        return self.bias.register_hook(received)
+        return register_tensor_hook(self.bias, received)

@@ -57,7 +57,7 @@ MAX_WINDOW = 100_000
 DORMANT_EVENT = "nand.hook: the model was copied or saved from a nand.watch; this hook does nothing"
 
 
-class SavableHook(functools.partial):
+class SavableHook(functools.partial[None]):
     """A module hook as nand hands it to torch: called like the function it
     wraps (a C call, no Python frame more), and a no-op once pickled or
     deep-copied (a closure does not pickle).

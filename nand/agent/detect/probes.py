@@ -191,7 +191,8 @@ def local(t: Tensor) -> Tensor:
     if to_local is None:
         return t
     with torch.no_grad():
-        return to_local().detach()
+        shard: Tensor = to_local().detach()
+    return shard
 
 
 def iter_tensors(value: Any, path: str = "", depth: int = 0) -> Iterator[tuple[str, Tensor]]:

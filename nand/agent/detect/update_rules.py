@@ -46,7 +46,7 @@ def _group_follows(kind: type, group: dict[str, Any]) -> bool:
     if kind is torch.optim.SGD:
         if not (_unit(group.get("momentum", 0)) and _unit(group.get("dampening", 0), 1.0)):
             return False
-        return decay == 0 or group.get("momentum", 0) == 0
+        return bool(decay == 0 or group.get("momentum", 0) == 0)
     if not all(_unit(b) for b in group.get("betas", (0.9, 0.999))):
         return False
     decoupled = kind is torch.optim.AdamW or group.get("decoupled_weight_decay", False)
