@@ -22,7 +22,7 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 #: Where in a training step a value was checked, in execution order.
 #:
@@ -34,15 +34,8 @@ from typing import Any
 #: - ``grad``: a parameter's ``.grad`` after backward, before the optimizer step
 #: - ``param``: a parameter after ``optimizer.step()``
 #: - ``optimizer_state``: an optimizer state tensor (e.g. Adam's ``exp_avg_sq``)
-PHASES: tuple[str, ...] = (
-    "input",
-    "forward",
-    "loss",
-    "backward",
-    "grad",
-    "param",
-    "optimizer_state",
-)
+Phase = Literal["input", "forward", "loss", "backward", "grad", "param", "optimizer_state"]
+PHASES: tuple[Phase, ...] = get_args(Phase)
 PHASE_RANK: dict[str, int] = {name: i for i, name in enumerate(PHASES)}
 
 #: Phases whose values arrive through a collective in the common parallel
@@ -56,7 +49,37 @@ COLLECTIVE_PHASES: frozenset[str] = frozenset({"grad", "forward"})
 #: - ``produced``: non-finite output out of finite inputs (this is the origin)
 #: - ``propagated``: a non-finite input made a non-finite output
 #: - ``received``: it arrived through a collective (all-reduce, all-gather)
-CAUSES: tuple[str, ...] = ("data", "produced", "propagated", "received")
+Cause = Literal["data", "produced", "propagated", "received"]
+CAUSES: tuple[Cause, ...] = get_args(Cause)
+
+#: A run's state on the server, worst first where several apply (see
+#: ``nand.server.correlate.run_state``).
+RunState = Literal["healthy", "diverged", "stalled", "finished", "lost", "crashed"]
+RUN_STATES: tuple[RunState, ...] = get_args(RunState)
+
+#: One rank's state on the server.
+RankState = Literal["running", "diverged", "finished", "lost", "stalled", "crashed"]
+RANK_STATES: tuple[RankState, ...] = get_args(RankState)
+
+#: How a rank's first event relates to the run's origin (``nand.server.correlate``).
+Relation = Literal["origin", "simultaneous", "received", "produced"]
+RELATIONS: tuple[Relation, ...] = get_args(Relation)
+
+
+def phase_of(value: str) -> Phase:
+    """``value`` as a :data:`Phase` (stored values were checked on the wire)."""
+    for phase in PHASES:
+        if phase == value:
+            return phase
+    raise ValueError(f"unknown phase {value!r}; known: {', '.join(PHASES)}")
+
+
+def cause_of(value: str) -> Cause:
+    """``value`` as a :data:`Cause` (stored values were checked on the wire)."""
+    for cause in CAUSES:
+        if cause == value:
+            return cause
+    raise ValueError(f"unknown cause {value!r}; known: {', '.join(CAUSES)}")
 
 
 @dataclass
@@ -80,11 +103,11 @@ class Event:
     pid: int = 0
     step: int = 0
     micro_step: int = 0
-    phase: str = "forward"
+    phase: Phase = "forward"
     module: str = ""
     module_type: str = ""
     order: int = 0
-    cause: str = "produced"
+    cause: Cause = "produced"
     nan: int | None = None
     posinf: int | None = None
     neginf: int | None = None

@@ -41,7 +41,7 @@ from typing import Any
 import msgpack
 
 from nand.errors import WireError
-from nand.events import PHASES
+from nand.events import CAUSES, PHASES
 
 PROTOCOL_VERSION = 1
 
@@ -187,7 +187,9 @@ def validate_event_dict(event: Mapping[str, Any], where: str = "event") -> None:
     for key in ("step", "micro_step", "order"):
         _non_negative(_require(event, key, _INT, where), f"{where}.{key}")
     _require(event, "module", _STR, where)
-    _require(event, "cause", _STR, where)
+    cause = _require(event, "cause", _STR, where)
+    if cause not in CAUSES:
+        raise WireError("bad_field", f"{where}.cause {cause!r} not in {CAUSES}")
     for key in ("nan", "posinf", "neginf"):
         _require(event, key, _INT, where, optional=True)
     for key in ("min", "max", "max_abs"):

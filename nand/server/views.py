@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from sqlalchemy.orm import Session
 
-from nand.events import Event, value_kinds
+from nand.events import Event, cause_of, phase_of, value_kinds
 from nand.server import correlate, store, summary
 from nand.server.evidence import FlightEvidence, heartbeat_evidence
 from nand.server.models import EventRow, Rank, Run
@@ -49,11 +49,11 @@ def _event_fields(row: EventRow, run: str) -> Event:
         pid=row.pid,
         step=row.step,
         micro_step=row.micro_step,
-        phase=row.phase,
+        phase=phase_of(row.phase),
         module=row.module,
         module_type=row.module_type,
         order=row.ord,
-        cause=row.cause,
+        cause=cause_of(row.cause),
         call=row.call,
         nan=row.nan,
         posinf=row.posinf,

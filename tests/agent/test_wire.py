@@ -154,6 +154,9 @@ def test_agent_messages_with_bad_fields_say_which_field():
     bad_phase = {"event": {**FULL_EVENT.to_dict(), "phase": "sideways"}, "flight": None}
     with pytest.raises(WireError, match=r"event.phase"):
         wire.decode(_msg("event", bad_phase))
+    bad_cause = {"event": {**FULL_EVENT.to_dict(), "cause": "cosmic rays"}, "flight": None}
+    with pytest.raises(WireError, match=r"event.cause 'cosmic rays' not in"):
+        wire.decode(_msg("event", bad_cause))
     ragged = {**FLIGHT.to_dict(), "act_max_abs": [[1.0]]}
     with pytest.raises(WireError, match=r"act_max_abs"):
         wire.decode(_msg("flight", {"flight": ragged, "reason": "x"}))

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from nand.agent.detect.names import module_names
 from nand.agent.detect.probes import Site
+from nand.events import Phase
 
 CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 
@@ -128,7 +129,7 @@ class ModuleInfo:
             self._inline = self._new_site("forward", "", "inline")
         return self._inline
 
-    def _new_site(self, phase: str, slot: str, kind: str) -> Site:
+    def _new_site(self, phase: Phase, slot: str, kind: str) -> Site:
         site = Site(phase, self.name, self.type, self.index, slot, kind)
         site.backward = Site("backward", self.name, self.type, self.index, slot, kind)
         site.backward.forward = site

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from nand.agent.detect.probes import Site, local
+from nand.events import Phase
 
 #: Parameters and state smaller than this (bytes) are checked in the next
 #: pre-hook's launch rather than in a launch of their own after the update.
@@ -131,7 +132,7 @@ class ParamCache:
                     sites.append(site)
         return tensors, sites
 
-    def _site(self, p: Tensor, phase: str, key: str) -> Site:
+    def _site(self, p: Tensor, phase: Phase, key: str) -> Site:
         site = self._sites.get((id(p), phase, key))
         if site is None:
             name, owner_type = self.names.get(p, (f"param{len(self._sites)}", ""))

@@ -24,6 +24,8 @@ import torch
 from torch import Tensor
 from torch.compiler import is_dynamo_compiling as is_compiling
 
+from nand.events import Phase
+
 #: Marks the start of a micro-step (a root forward call) in ``ProbeBuffer.sites``.
 MICRO = None
 
@@ -36,7 +38,7 @@ class Site:
     outputs, the parent for an inline value computed in the parent's forward.
     """
 
-    phase: str
+    phase: Phase
     module: str
     module_type: str
     index: int = -1  # position in the module table; -1 for parameters

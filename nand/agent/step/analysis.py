@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from nand.agent.detect.probes import ProbeBuffer, Site, local
-from nand.events import PHASE_RANK
+from nand.events import PHASE_RANK, Cause, Phase
 
 _ACT_KINDS = frozenset({"output", "inline"})
 
@@ -126,7 +126,7 @@ class Finding:
     """The logically first non-finite entry of a step."""
 
     site: Site
-    phase: str
+    phase: Phase
     module: str
     module_type: str
     micro: int
@@ -134,7 +134,7 @@ class Finding:
     call: int
     lo: float
     hi: float
-    cause: str
+    cause: Cause
     tensor: Tensor | None = None  # norm entries: the tensor to count on
     #: What was checked when it was less than usual (under torch.compile).
     note: str = ""
@@ -143,7 +143,7 @@ class Finding:
 def first_finding(
     buf: ProbeBuffer,
     values: list[float],
-    grad_cause: str = "produced",
+    grad_cause: Cause = "produced",
     prev_micro: int = 0,
     micro_base: int = 0,
 ) -> Finding | None:
@@ -209,7 +209,7 @@ def _activation_findings(buf: ProbeBuffer, values: list[float], micro_base: int)
             first_bad_backward.add(micro)
             found.append(_backward_finding(site, prev_backward.get(micro), micro, order, lo, hi))
         elif not finite:
-            cause = "data" if site.phase == "input" else "produced"
+            cause: Cause = "data" if site.phase == "input" else "produced"
             module = "" if site.phase == "loss" else site.module
             found.append(
                 Finding(
@@ -231,7 +231,7 @@ def _backward_finding(
 
 
 def _norm_findings(
-    buf: ProbeBuffer, values: list[float], grad_cause: str, prev_micro: int
+    buf: ProbeBuffer, values: list[float], grad_cause: Cause, prev_micro: int
 ) -> list[Finding]:
     start = 2 * (len(buf.sites) - buf.sites.count(None))
     last_micro = max(buf.sites.count(None) - 1, 0)

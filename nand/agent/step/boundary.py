@@ -33,7 +33,7 @@ from nand.agent.step.analysis import (
 )
 from nand.agent.step.recorder import FlightRecorder
 from nand.agent.step.report import build_event
-from nand.events import Event
+from nand.events import Cause, Event
 
 log = logging.getLogger("nand")
 
@@ -225,7 +225,7 @@ class Boundary:
             names.append("loss")
         return names
 
-    def _grad_cause(self, values: list[float], extras: list[str]) -> str:
+    def _grad_cause(self, values: list[float], extras: list[str]) -> Cause:
         """A non-finite ``.grad`` first seen here: made on this rank, or received?
 
         With DDP's local check the answer is measured: were this rank's own
