@@ -38,11 +38,6 @@ Phase = Literal["input", "forward", "loss", "backward", "grad", "param", "optimi
 PHASES: tuple[Phase, ...] = get_args(Phase)
 PHASE_RANK: dict[str, int] = {name: i for i, name in enumerate(PHASES)}
 
-#: Phases whose values arrive through a collective in the common parallel
-#: strategies: DDP all-reduces ``.grad``; FSDP all-gathers parameters, so a bad
-#: shard shows up in every rank's ``forward`` of the next step.
-COLLECTIVE_PHASES: frozenset[str] = frozenset({"grad", "forward"})
-
 #: Why the value was non-finite, as far as this rank can tell.
 #:
 #: - ``data``: the input batch already held it
@@ -238,11 +233,6 @@ class FlightWindow:
     def from_dict(cls, data: dict[str, Any]) -> FlightWindow:
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
-
-
-def first_event(events: list[Event]) -> Event | None:
-    """The logically first event of a list (one rank or many), or None."""
-    return min(events, key=Event.sort_key, default=None)
 
 
 def finite_or_none(value: float | None) -> float | None:

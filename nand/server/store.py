@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from sqlalchemy import Select, delete, func, select, update
 from sqlalchemy.orm import Session
 
-from nand.events import PHASE_RANK
 from nand.server.models import Agent, EventRow, Flight, Heartbeat, Message, Rank, Run
 
 
@@ -221,7 +220,3 @@ def prune(session: Session, older_than: float) -> list[str]:
             session.execute(delete(table).where(table.run_id.in_(chunk)))
         session.execute(delete(Run).where(Run.id.in_(chunk)))
     return [name for _, name in doomed]
-
-
-def valid_phase(phase: str) -> bool:
-    return phase in PHASE_RANK

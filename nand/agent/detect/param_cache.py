@@ -56,7 +56,10 @@ class ParamCache:
     def params(self) -> list[Tensor]:
         """The optimizer's parameters (cached until the param groups change)."""
         groups = self.optimizer.param_groups
-        count = sum(len(g["params"]) for g in groups)
+        # (called twice a step: one group, the common case, without a generator)
+        count = (
+            len(groups[0]["params"]) if len(groups) == 1 else sum(len(g["params"]) for g in groups)
+        )
         if len(groups) != self._params_seen[0] or count != self._params_seen[1]:
             self._params_seen = (len(groups), count)
             self._params_version += 1
@@ -137,6 +140,6 @@ class ParamCache:
         if site is None:
             name, owner_type = self.names.get(p, (f"param{len(self._sites)}", ""))
             module = f"{name}:{key}" if key else name
-            site = Site(phase, module, owner_type, -1, key, "norm", param=p, state_key=key)
+            site = Site(phase, module, owner_type, -1, key, "norm", param=p)
             self._sites[(id(p), phase, key)] = site
         return site

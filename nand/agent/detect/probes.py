@@ -49,8 +49,7 @@ class Site:
     allow_neginf: bool = False  # allow-listed module: -inf is on purpose
     backward: Site | None = None  # the site of this value's gradient
     forward: Site | None = None  # for a gradient site: the site of the value
-    param: Tensor | None = None  # norm sites: the parameter
-    state_key: str = ""  # optimizer_state sites: the key in optimizer.state[param]
+    param: Tensor | None = None  # norm sites: the parameter (its state tensor for state)
 
 
 #: Values the slab holds at first, and at most (a window with more is stacked).

@@ -60,10 +60,11 @@ ROUNDING = 1.1
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class UpdateTerms:
-    """:func:`update_bound` of one group with its learning rate left out.
+    """How far one update of a group can move its parameters, per unit of lr.
 
     After one update, ``max|p| <= |1 + lr*grow| * max|p| before + lr * (fixed +
-    per_grad * grad_max)``: linear in ``lr``, so a schedule that changes it
+    per_grad * grad_max)``, in exact arithmetic, where ``grad_max`` bounds
+    every gradient element: linear in ``lr``, so a schedule that changes it
     every step needs no new derivation.
     """
 
@@ -72,26 +73,9 @@ class UpdateTerms:
     per_grad: float = 0.0  # SGD: the step is lr * |g|
 
     def bound(self, lr: float, grad_max: float) -> tuple[float, float]:
-        """``(factor, shift)`` of :func:`update_bound` for this learning rate."""
+        """``(factor, shift)``: max|p| after <= factor * max|p| before + shift."""
         by_grad = self.per_grad * grad_max if self.per_grad else 0.0  # (0 * inf is NaN)
         return abs(1.0 + lr * self.grow), lr * (self.fixed + by_grad)
-
-
-def update_bound(
-    optimizer: torch.optim.Optimizer, group: dict[str, Any], grad_max: float
-) -> tuple[float, float] | None:
-    """``(factor, shift)``: after one update, max|p| <= factor * max|p| before + shift.
-
-    In exact arithmetic; the caller adds the rounding of the final write.
-    ``grad_max`` bounds every gradient element (the largest gradient 2-norm of
-    the window). ``None``: no bound for this group (the parameters are read).
-    The derivation is :func:`update_terms`'.
-    """
-    terms = update_terms(optimizer, group)
-    lr = group.get("lr")
-    if terms is None or not _plain_number(lr):
-        return None
-    return terms.bound(float(lr), grad_max)
 
 
 def update_terms(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> UpdateTerms | None:
