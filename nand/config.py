@@ -109,7 +109,8 @@ Default 300."""
 
 NAND_URL = "NAND_URL"
 """Base URL of the REST API for the CLI (``nand runs``, ``nand verdict``...).
-Default ``http://127.0.0.1:8080``."""
+Default ``http://127.0.0.1:8080``. Set for a training job, rank 0's start line
+links the run's dashboard page there."""
 
 
 def get_str(name: str, default: str | None = None) -> str | None:
@@ -173,6 +174,9 @@ class AgentConfig:
     read_params_every_step: bool = False
     heartbeat_s: float = 5.0
     close_timeout_s: float = 2.0
+    #: The server's web address (``NAND_URL``, as the CLI uses it), for the
+    #: dashboard link in the start line; the agent itself only talks ZeroMQ.
+    url: str | None = None
 
     @classmethod
     def resolve(cls, **arguments: Any) -> AgentConfig:
@@ -196,6 +200,7 @@ class AgentConfig:
             ),
             "heartbeat_s": get_float(NAND_HEARTBEAT_S, cls.heartbeat_s),
             "close_timeout_s": get_float(NAND_CLOSE_TIMEOUT_S, cls.close_timeout_s),
+            "url": get_str(NAND_URL),
         }
         unknown = set(arguments) - set(from_env) - {"log_events"}
         if unknown:

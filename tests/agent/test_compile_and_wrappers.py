@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -102,6 +103,32 @@ def test_wrapper_prefixes_are_stripped_from_names():
         inner[1].value = float("nan")
         train(ddp, opt, 1)
     assert w.first.module == "1"
+
+
+def test_fsdp2_sharded_modules_are_reported_by_their_own_type(monkeypatch):
+    """fully_shard swaps each module's class for FSDP<Type>: reports say <Type>."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(29400 + os.getpid() % 500))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        fully_shard(model[0])
+        fully_shard(model[2])
+        fully_shard(model)
+        assert type(model[2]).__name__ == "FSDPLinear"  # (what torch does)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        with nand.watch(model, opt, log_events=False) as w:
+            train(model, opt, 1)
+            with torch.no_grad():
+                model[2].weight.fill_(float("nan"))  # the local shard: the whole weight here
+            train(model, opt, 2)
+        assert w.first is not None and w.first.module_type == "Linear"
+        assert w.first.module.startswith("2")
+    finally:
+        dist.destroy_process_group()
 
 
 def test_events_go_to_a_jsonl_file_without_nan_literals(tmp_path):

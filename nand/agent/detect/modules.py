@@ -82,12 +82,25 @@ def runs_as(module: nn.Module, kinds: tuple[type[nn.Module], ...]) -> bool:
     return any(forward is kind.forward for kind in kinds)
 
 
+#: Where torch makes the classes it swaps a module's class for: FSDP2's
+#: ``fully_shard`` (``FSDPLinear``) and ``replicate`` subclass the module's own.
+_WRAPPER_CLASS_MODULES = ("torch.distributed.fsdp.", "torch.distributed._composable.")
+
+
+def type_name(module: nn.Module) -> str:
+    """The module's class as the user wrote it (``Linear``, not ``FSDPLinear``)."""
+    cls = type(module)
+    if cls.__module__.startswith(_WRAPPER_CLASS_MODULES) and len(cls.__bases__) > 1:
+        return cls.__bases__[-1].__name__
+    return cls.__name__
+
+
 class ModuleInfo:
     """One hooked module: its sites (cached, so hooks allocate nothing new)."""
 
     def __init__(self, name: str, module: nn.Module, index: int, allow_neginf: bool) -> None:
         self.name = name
-        self.type = type(module).__name__
+        self.type = type_name(module)
         self.index = index
         self.allow_neginf = allow_neginf
         self.leaf = not any(True for _ in module.children())
@@ -164,7 +177,7 @@ def module_table(
     infos: dict[nn.Module, ModuleInfo] = {}
     by_name: dict[str, ModuleInfo] = {}
     for index, (module, name) in enumerate(names.items()):
-        info = ModuleInfo(name, module, index, is_allowed(name, type(module).__name__, allow))
+        info = ModuleInfo(name, module, index, is_allowed(name, type_name(module), allow))
         infos[module] = by_name[name] = info
     for module, info in infos.items():
         if module is not root:

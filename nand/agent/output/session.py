@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import logging
 import platform
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import quote
 
 import torch
 
@@ -88,6 +90,18 @@ class Session:
             "on_nonfinite": policy,
         }
         self._call("hello", info)
+        if self.who.rank == 0 and self.settings.log_events:
+            print(self.start_line(policy), file=sys.stderr, flush=True)
+
+    def start_line(self, policy: str) -> str:
+        """What rank 0 says when the watch starts: the run, where it reports, where to look."""
+        who, settings = self.who, self.settings
+        ranks = f"{who.world_size} ranks" if who.world_size > 1 else "1 process"
+        where = f"server {settings.server}" if settings.server else "no server (log only)"
+        line = f"nand: watching run {who.run} ({ranks}, on_nonfinite={policy}); {where}"
+        if settings.server and settings.url:
+            line += f"; dashboard {settings.url.rstrip('/')}/#/runs/{quote(who.run, safe='')}"
+        return line
 
     def event(self, event: Event, flight: FlightWindow | None) -> None:
         self._call("event", event, flight)
