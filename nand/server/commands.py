@@ -33,7 +33,7 @@ import threading
 import time
 from typing import Any
 
-from nand import config, exitcodes
+from nand import exitcodes
 
 log = logging.getLogger("nand.server")
 
@@ -58,7 +58,7 @@ RUN_HELP = "the run id (NAND_RUN, TORCHELASTIC_RUN_ID or SLURM_JOB_ID of the job
 
 
 def register(subparsers: Any) -> None:
-    from nand.server import rest_commands, waiting
+    from nand.server import rest_commands
 
     _server_parser(subparsers)
 
@@ -81,6 +81,17 @@ def register(subparsers: Any) -> None:
     stop.add_argument("--step", type=int, help="stop at this step (default: chosen by the server)")
     stop.add_argument("--reason", default="", help="shown to the ranks and in the verdict")
     stop.set_defaults(func=rest_commands.cmd_stop)
+
+    _wait_parser(subparsers)
+
+    prune = subparsers.add_parser("prune", help="delete runs last seen before a given age")
+    prune.add_argument("--older-than", type=_duration, required=True, help="e.g. 30d, 12h")
+    prune.add_argument("--db", help="database URL (default: NAND_DB or sqlite:///nand.db)")
+    prune.set_defaults(func=cmd_prune)
+
+
+def _wait_parser(subparsers: Any) -> None:
+    from nand.server import waiting
 
     wait = subparsers.add_parser(
         "wait",
@@ -113,11 +124,6 @@ def register(subparsers: Any) -> None:
     )
     wait.add_argument("--url", help=URL_HELP)
     wait.set_defaults(func=waiting.cmd_wait)
-
-    prune = subparsers.add_parser("prune", help="delete runs last seen before a given age")
-    prune.add_argument("--older-than", type=_duration, required=True, help="e.g. 30d, 12h")
-    prune.add_argument("--db", help="database URL (default: NAND_DB or sqlite:///nand.db)")
-    prune.set_defaults(func=cmd_prune)
 
 
 def _server_parser(subparsers: Any) -> None:
@@ -201,9 +207,9 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
     from nand.server import store
     from nand.server.preflight import open_database
+    from nand.server.settings import Settings
 
-    url = args.db or config.get_str(config.NAND_DB, "sqlite:///nand.db") or ""
-    engine = open_database(url)
+    engine = open_database(Settings.from_env(db_url=args.db).db_url)
     with Session(engine) as session:
         names = store.prune(session, time.time() - args.older_than)
         session.commit()

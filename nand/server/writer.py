@@ -19,12 +19,10 @@ from sqlalchemy import (
     Connection,
     Engine,
     Insert,
-    and_,
     bindparam,
     case,
     func,
     insert,
-    or_,
     select,
     tuple_,
 )
@@ -32,6 +30,7 @@ from sqlalchemy import update as sql_update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 
+from nand.server import firsts as firsts_mod
 from nand.server import rows as build
 from nand.server.models import Agent, EventRow, Flight, Heartbeat, Message, Rank, Run
 from nand.server.sanitize import clean_str
@@ -289,64 +288,14 @@ def _store_events(
         rank_id = rank_ids[_rank_key(message, run_ids)]
         if rank_id not in firsts or build.logical_key(row) < build.logical_key(firsts[rank_id]):
             firsts[rank_id] = row
-    _update_firsts(
+    firsts_mod.update_firsts(
         conn,
         {
-            rank_id: (build.logical_key(row), _event_id(conn, row))
+            rank_id: (build.logical_key(row), firsts_mod.event_id(conn, row))
             for rank_id, row in firsts.items()
         },
     )
     _store_flights(conn, [m for m in messages if m["body"].get("flight")], run_ids)
-
-
-def _event_id(conn: Connection, row: dict[str, Any]) -> int:
-    """The id of a just-inserted event row, found by its rank and logical key."""
-    statement = (
-        select(EventRow.id)
-        .where(
-            EventRow.run_id == row["run_id"],
-            EventRow.rank == row["rank"],
-            EventRow.step == row["step"],
-            EventRow.micro_step == row["micro_step"],
-            EventRow.phase_rank == row["phase_rank"],
-            EventRow.ord == row["ord"],
-        )
-        .order_by(EventRow.id)
-        .limit(1)
-    )
-    return int(conn.execute(statement).scalar_one())
-
-
-def _update_firsts(
-    conn: Connection, firsts: dict[int, tuple[tuple[int, int, int, int], int]]
-) -> None:
-    """Keep each rank's logically first event: replace only by a smaller key."""
-    if not firsts:
-        return
-    new_key = tuple_(
-        bindparam("k_step"), bindparam("k_micro"), bindparam("k_phase"), bindparam("k_ord")
-    )
-    old_key = tuple_(
-        Rank.first_step, Rank.first_micro_step, Rank.first_phase_rank, Rank.first_order
-    )
-    statement = (
-        sql_update(Rank)
-        .where(
-            and_(Rank.id == bindparam("rid"), or_(Rank.first_event_id.is_(None), old_key > new_key))
-        )
-        .values(
-            first_event_id=bindparam("eid"),
-            first_step=bindparam("k_step"),
-            first_micro_step=bindparam("k_micro"),
-            first_phase_rank=bindparam("k_phase"),
-            first_order=bindparam("k_ord"),
-        )
-    )
-    params = [
-        {"rid": rid, "eid": eid, "k_step": k[0], "k_micro": k[1], "k_phase": k[2], "k_ord": k[3]}
-        for rid, (k, eid) in firsts.items()
-    ]
-    conn.execute(statement, params)
 
 
 def _store_flights(

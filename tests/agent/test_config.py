@@ -100,7 +100,6 @@ def test_only_the_settings_modules_read_the_environment():
     assert readers <= {
         "server/settings.py",
         "server/rest_commands.py",
-        "server/commands.py",
         "agent/transport/settings.py",
         "agent/transport/server_sink.py",
         "agent/transport/commands.py",

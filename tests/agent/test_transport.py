@@ -12,8 +12,9 @@ import zmq
 from nand import wire
 from nand.agent.identity import Identity
 from nand.agent.transport import spool as sp
+from nand.agent.transport.frames import Envelope
 from nand.agent.transport.mailbox import Mailbox, Outgoing
-from nand.agent.transport.sender import Envelope, Sender
+from nand.agent.transport.sender import Sender
 from nand.agent.transport.server_sink import ServerSink
 from nand.agent.transport.settings import TransportSettings
 from nand.events import Event, FlightWindow, StepSummary

@@ -29,7 +29,7 @@ def dealer(
     immediate: bool = False,
     sndhwm: int = 1000,
 ) -> zmq.Socket[Any]:
-    sock = ctx.socket(zmq.DEALER)
+    sock: zmq.Socket[Any] = ctx.socket(zmq.DEALER)
     for option, value in (
         (zmq.LINGER, 0),
         (zmq.IMMEDIATE, int(immediate)),

@@ -31,11 +31,9 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
@@ -43,6 +41,7 @@ from nand import wire
 from nand.agent.transport import connection
 from nand.agent.transport import spool as spool_mod
 from nand.agent.transport.backlog import Backlog
+from nand.agent.transport.frames import Envelope, Frame, spooled_frame
 from nand.agent.transport.mailbox import Mailbox, Outgoing
 from nand.agent.transport.settings import TransportSettings
 from nand.errors import WireError
@@ -56,26 +55,6 @@ _FAIL_EVENTS = (
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 )
-
-
-@dataclass
-class Frame:
-    agent: str
-    seq: int
-    kind: str
-    keep: bool
-    data: bytes
-    from_spool: bool = False
-    deadline: float = 0.0
-
-
-@dataclass
-class Envelope:
-    """What the sender needs to wrap bodies into wire messages."""
-
-    agent: str
-    run: str
-    rank: int
 
 
 class Sender(threading.Thread):
@@ -311,7 +290,7 @@ class Sender(threading.Thread):
             self._to_spool()
 
     def _deadline(self) -> float:
-        base = min(_MAX_BACKOFF_S, self.settings.ack_timeout_s * 2 ** min(self._failures, 10))
+        base = min(_MAX_BACKOFF_S, self.settings.ack_timeout_s * 2.0 ** min(self._failures, 10))
         return time.monotonic() + base * random.uniform(0.8, 1.2)
 
     def _pump(self) -> None:
@@ -357,7 +336,7 @@ class Sender(threading.Thread):
         room = self.settings.window - len(self._inflight)
         if room > 0 and self._cursor < spool.size:
             for end, tag, payload in spool.read_from(self._cursor, max_records=room):
-                frame = _spooled_frame(payload, tag)
+                frame = spooled_frame(payload, tag)
                 if self._inflight and frame.agent != self._inflight_agent():
                     break  # one agent in flight at a time: see _inflight_agent
                 if not self._send(frame):
@@ -414,14 +393,3 @@ class Sender(threading.Thread):
         if key not in self._warned:  # log each kind of trouble once, not per message
             self._warned.add(key)
             log.warning(message)
-
-
-def _spooled_frame(payload: bytes, tag: int) -> Frame:
-    """A frame read back from the spool; its (agent, seq) come from the bytes."""
-    try:
-        message = msgpack.unpackb(payload, raw=False)
-        agent, seq = str(message["agent"]), int(message["seq"])
-    except Exception:
-        agent, seq = "?", -1  # sent anyway: the server counts what it rejects
-    kind = spool_mod.KIND_NAMES.get(tag & 0x0F, "event")
-    return Frame(agent, seq, kind, bool(tag & spool_mod.KEEP), payload, from_spool=True)

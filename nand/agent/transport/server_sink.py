@@ -58,8 +58,9 @@ from typing import TYPE_CHECKING, Any
 
 from nand import config
 from nand.agent.identity import Identity
+from nand.agent.transport.frames import Envelope
 from nand.agent.transport.mailbox import Mailbox, Outgoing
-from nand.agent.transport.sender import Envelope, Sender
+from nand.agent.transport.sender import Sender
 from nand.agent.transport.settings import TransportSettings
 from nand.agent.transport.spool import spool_path
 from nand.errors import ConfigError

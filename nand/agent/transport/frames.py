@@ -1,0 +1,40 @@
+"""What the sender moves: a frame (one encoded message and its delivery state)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgpack
+
+from nand.agent.transport import spool as spool_mod
+
+
+@dataclass
+class Frame:
+    agent: str
+    seq: int
+    kind: str
+    keep: bool
+    data: bytes
+    from_spool: bool = False
+    deadline: float = 0.0
+
+
+@dataclass
+class Envelope:
+    """What the sender needs to wrap bodies into wire messages."""
+
+    agent: str
+    run: str
+    rank: int
+
+
+def spooled_frame(payload: bytes, tag: int) -> Frame:
+    """A frame read back from the spool; its (agent, seq) come from the bytes."""
+    try:
+        message = msgpack.unpackb(payload, raw=False)
+        agent, seq = str(message["agent"]), int(message["seq"])
+    except Exception:
+        agent, seq = "?", -1  # sent anyway: the server counts what it rejects
+    kind = spool_mod.KIND_NAMES.get(tag & 0x0F, "event")
+    return Frame(agent, seq, kind, bool(tag & spool_mod.KEEP), payload, from_spool=True)
