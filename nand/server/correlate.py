@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from nand.events import PHASE_RANK, Event
+from nand.events import PHASE_RANK, Event, RankState, Relation, RunState
 from nand.server.evidence import OVERFLOW_SHARE, FlightEvidence, dtype_limit
 
 
@@ -40,7 +40,7 @@ def same_point(a: Event, b: Event) -> bool:
     return a.sort_key()[:3] == b.sort_key()[:3] and a.module == b.module
 
 
-def relation(first: Event, origin_event: Event) -> str:
+def relation(first: Event, origin_event: Event) -> Relation:
     """How one rank's first event relates to the run's origin (see the module doc);
     the origin's own rank is ``origin`` here, :func:`relations` says ``simultaneous``
     for it when another rank went non-finite at the same point."""
@@ -62,7 +62,7 @@ def _through_collective(first: Event, origin_event: Event) -> bool:
     return False
 
 
-def relations(firsts: Sequence[Event]) -> dict[int, str]:
+def relations(firsts: Sequence[Event]) -> dict[int, Relation]:
     """Relation of every rank that has a first event."""
     head = origin(firsts)
     if head is None:
@@ -151,7 +151,7 @@ def rank_state(
     now: float,
     lost_after_s: float,
     stalled_after_s: float,
-) -> str:
+) -> RankState:
     """diverged > crashed (left with an exception) > finished (said bye) > lost (silent)
     > stalled (no step progress) > running."""
     if diverged:
@@ -167,10 +167,11 @@ def rank_state(
     return "running"
 
 
-def run_state(rank_states: Sequence[str]) -> str:
+def run_state(rank_states: Sequence[RankState]) -> RunState:
     """diverged if any rank is; else crashed, lost, stalled if any; finished if all; else
     healthy."""
-    for state in ("diverged", "crashed", "lost", "stalled"):
+    worst: tuple[RunState, ...] = ("diverged", "crashed", "lost", "stalled")
+    for state in worst:
         if state in rank_states:
             return state
     if rank_states and all(s == "finished" for s in rank_states):

@@ -8,21 +8,16 @@ Times are Unix seconds (float, UTC).
 
 from __future__ import annotations
 
-from typing import Literal
-
 from pydantic import BaseModel, Field
 
-RunState = Literal["healthy", "diverged", "stalled", "finished", "lost", "crashed"]
-#: ``finished``: said bye after a normal exit (or a requested stop); ``crashed``:
-#: left with an exception (e.g. gloo's "Connection reset by peer" after a peer died).
-RankState = Literal["running", "diverged", "finished", "lost", "stalled", "crashed"]
-#: How a rank's first non-finite value relates to the run's origin:
-#: ``origin`` (this rank is where it started), ``simultaneous`` (several ranks
-#: went non-finite at the same logical point and none was first: a numerical
-#: problem of the model, not one rank; no rank is then ``origin``),
-#: ``received`` (arrived through a collective), ``produced`` (made it itself,
-#: later than the origin), or null (finite).
-Relation = Literal["origin", "simultaneous", "received", "produced"]
+# The vocabulary is the event model's, written once (nand/events.py):
+# RankState ``finished`` is a bye after a normal exit (or a requested stop),
+# ``crashed`` a bye with an exception (e.g. gloo's "Connection reset by peer"
+# after a peer died). Relation of a rank's first non-finite value to the run's
+# origin: ``origin``, ``simultaneous`` (several ranks at the same logical
+# point, none first: no rank is then ``origin``), ``received`` (through a
+# collective), ``produced`` (made it itself, after the origin), or null.
+from nand.events import Cause, Phase, RankState, Relation, RunState
 
 
 class EventOut(BaseModel):
@@ -34,11 +29,11 @@ class EventOut(BaseModel):
     pid: int
     step: int
     micro_step: int
-    phase: str
+    phase: Phase
     module: str
     module_type: str
     order: int
-    cause: str
+    cause: Cause
     call: int = 0
     nan: int | None = None
     posinf: int | None = None
@@ -73,10 +68,10 @@ class Origin(BaseModel):
     host: str = ""
     step: int
     micro_step: int
-    phase: str
+    phase: Phase
     module: str
     module_type: str
-    cause: str
+    cause: Cause
     dtype: str = ""
     shape: list[int] = Field(default_factory=list)
     nan: int | None = None

@@ -143,7 +143,7 @@ def _opening(head: Event, together: list[int], world: int) -> str:
 
 
 def _followers(
-    firsts: Sequence[Event], rel: dict[int, str], head: Event, world: int, n_together: int
+    firsts: Sequence[Event], rel: Mapping[int, str], head: Event, world: int, n_together: int
 ) -> list[str]:
     by_channel: dict[str, list[int]] = {}
     for event in firsts:

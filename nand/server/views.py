@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from sqlalchemy.orm import Session
 
-from nand.events import Event, cause_of, phase_of, value_kinds
+from nand.events import Event, RankState, cause_of, phase_of, value_kinds
 from nand.server import correlate, store, summary
 from nand.server.evidence import FlightEvidence, heartbeat_evidence
 from nand.server.models import EventRow, Rank, Run
@@ -91,7 +91,7 @@ def origin_out(row: EventRow, ranks: RankRows) -> Origin:
     return Origin(event_id=row.id, values=value_kinds(event), ranks=together, **shared)
 
 
-def rank_states(ranks: RankRows, settings: Settings, now: float) -> dict[int, str]:
+def rank_states(ranks: RankRows, settings: Settings, now: float) -> dict[int, RankState]:
     return {
         rank.rank: correlate.rank_state(
             diverged=event is not None,
@@ -112,7 +112,7 @@ def run_summary(run: Run, ranks: RankRows, settings: Settings, now: float) -> Ru
     head = _origin_row(ranks)
     return RunSummary(
         run=run.name,
-        state=correlate.run_state(list(states.values())),  # type: ignore[arg-type]
+        state=correlate.run_state(list(states.values())),
         world_size=max(run.world_size, len(ranks)),
         ranks_seen=len(ranks),
         latest_step=run.latest_step,
@@ -135,7 +135,7 @@ def verdict(session: Session, run: Run, ranks: RankRows, settings: Settings, now
         text = summary.calm_summary(state, steps, settings.lost_after_s, settings.stalled_after_s)
         return Verdict(
             run=run.name,
-            state=state,  # type: ignore[arg-type]
+            state=state,
             summary=text,
             stop=stop,
             stoppable=stoppable,
@@ -147,7 +147,7 @@ def verdict(session: Session, run: Run, ranks: RankRows, settings: Settings, now
     world = max(run.world_size, len(ranks))
     return Verdict(
         run=run.name,
-        state=state,  # type: ignore[arg-type]
+        state=state,
         origin=origin_out(head_row, ranks),
         ranks_affected=sorted(relations),
         ranks_received=sorted(r for r, k in relations.items() if k == "received"),
@@ -216,7 +216,7 @@ def rank_statuses(
             rank=rank.rank,
             host=rank.host,
             pid=rank.pid,
-            state=states[rank.rank],  # type: ignore[arg-type]
+            state=states[rank.rank],
             step=rank.step,
             last_seen=rank.last_seen,
             steps_per_s=rank.steps_per_s,
@@ -225,7 +225,7 @@ def rank_statuses(
             max_activation=rank.max_activation,
             amp_skipped=rank.amp_skipped,
             first_event=event_out(event, run.name) if event is not None else None,
-            relation=relations.get(rank.rank),  # type: ignore[arg-type]
+            relation=relations.get(rank.rank),
             has_flight=rank.rank in with_flight,
             device=rank.device or "",
             bye_reason=rank.bye_reason or "",

@@ -4,7 +4,8 @@ import { el } from "./dom.js";
 
 export const RUN_STATES = ["diverged", "crashed", "stalled", "lost", "healthy", "finished"];
 
-const EXPLAIN = {
+/** Every run and rank state, in words (tests/web/test_vocabulary.py checks the list). */
+export const STATE_WORDS = {
   healthy: "Every rank is reporting and every value so far is finite",
   diverged: "A rank saw a NaN or an infinity",
   stalled: "Ranks report, but the step count stopped moving",
@@ -15,5 +16,5 @@ const EXPLAIN = {
 };
 
 export function badge(state) {
-  return el("span", { class: `badge badge-${state}`, title: EXPLAIN[state] || state }, state);
+  return el("span", { class: `badge badge-${state}`, title: STATE_WORDS[state] || state }, state);
 }

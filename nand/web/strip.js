@@ -13,7 +13,7 @@ const LABEL_W = 64;
 const AXIS_H = 22;
 const TOP = 6; // room for the first label
 
-const RELATION_WORDS = {
+export const RELATION_WORDS = {
   origin: "origin: went non-finite first",
   simultaneous: "went non-finite at the same point as the origin",
   received: "received it through a collective",

@@ -15,7 +15,7 @@ export const PHASE_WORDS = {
   optimizer_state: "in the optimizer's state (e.g. Adam's moments)",
 };
 
-const CAUSE_WORDS = {
+export const CAUSE_WORDS = {
   produced: "produced it from finite inputs",
   data: "received it in the input data",
   propagated: "passed on a non-finite input",

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated
 
 from fastapi import APIRouter, Query
 
+from nand.events import Phase
 from nand.server import store, views
 from nand.server.api.deps import RunDep, SessionDep
 from nand.server.sanitize import INT32
 from nand.server.schemas import EventPage
 
 router = APIRouter(prefix="/api/runs", tags=["events"])
-
-Phase = Literal["input", "forward", "loss", "backward", "grad", "param", "optimizer_state"]
 
 
 @router.get(
