@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal, get_args
 
 from nand.errors import ConfigError
@@ -152,6 +153,75 @@ def get_bool(name: str, default: bool = False) -> bool:
 
 # --- the agent's settings, resolved once ------------------------------------
 
+#: The largest frame an agent sends (``nand.wire`` refuses larger ones too).
+DEFAULT_MAX_FRAME_BYTES = 4 * 1024 * 1024
+
+
+def default_spool_dir() -> Path:
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "nand" / "spool"
+
+
+@dataclass(frozen=True)
+class TransportConfig:
+    #: Messages held in memory (hand-off queue, and again queue + in flight).
+    queue_max: int = 10_000
+    spool_dir: Path = dataclasses.field(default_factory=default_spool_dir)
+    spool_max_bytes: int = 256 * 1024 * 1024
+    ack_timeout_s: float = 5.0
+    close_timeout_s: float = 2.0
+    curve_server_key: str | None = None
+    #: Frames sent and not yet acknowledged, at most.
+    window: int = 256
+    #: How long messages wait in memory for a first connection before spooling.
+    connect_grace_s: float = 1.0
+    #: The sender wakes at least this often (events and close wake it at once).
+    poll_interval_s: float = 0.1
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    #: With no heartbeat from the training thread for this long, the sender
+    #: thread repeats the last one (``keepalive: true``): a rank blocked in a
+    #: collective then reads as *stalled* (alive, no progress), not *lost*.
+    keepalive_s: float = 10.0
+    #: Sent in ``hello``; the server requires it when it has one (``NAND_TOKEN``).
+    token: str | None = None
+
+    @classmethod
+    def resolve(cls, **overrides: Any) -> TransportConfig:
+        """Settings from the environment; keyword arguments win.
+
+        >>> TransportConfig.resolve(queue_max=10).queue_max
+        10
+        """
+        spool_dir = get_str(NAND_SPOOL_DIR)
+        values: dict[str, Any] = {
+            "queue_max": get_int(NAND_QUEUE_MAX, cls.queue_max),
+            "spool_dir": Path(spool_dir) if spool_dir else default_spool_dir(),
+            "spool_max_bytes": get_int(NAND_SPOOL_MAX_BYTES, cls.spool_max_bytes),
+            "ack_timeout_s": get_float(NAND_ACK_TIMEOUT_S, cls.ack_timeout_s),
+            "close_timeout_s": get_float(NAND_CLOSE_TIMEOUT_S, cls.close_timeout_s),
+            "curve_server_key": get_str(NAND_CURVE_SERVER_KEY),
+            "token": get_str(NAND_TOKEN),
+            "keepalive_s": 2 * get_float(NAND_HEARTBEAT_S, cls.keepalive_s / 2),
+        }
+        return cls(**values).but(**overrides)
+
+    def but(self, **overrides: Any) -> TransportConfig:
+        """These settings with ``overrides`` (those not None), checked."""
+        known = {f.name for f in dataclasses.fields(self)}
+        unknown = set(overrides) - known
+        if unknown:
+            raise ConfigError(
+                f"unknown transport setting(s) {sorted(unknown)}; known: {sorted(known)}"
+            )
+        given = {k: v for k, v in overrides.items() if v is not None}
+        if "spool_dir" in given:
+            given["spool_dir"] = Path(given["spool_dir"])
+        settings = dataclasses.replace(self, **given)
+        if settings.queue_max < 1 or settings.window < 1 or settings.ack_timeout_s <= 0:
+            raise ConfigError("queue_max and window must be >= 1 and ack_timeout_s > 0")
+        return settings
+
+
 Policy = Literal["warn", "raise", "skip", "stop"]
 POLICIES: tuple[Policy, ...] = get_args(Policy)
 
@@ -165,7 +235,6 @@ class AgentConfig:
     disabled: bool = False
     server: str | None = None
     run: str | None = None
-    token: str | None = None
     events_file: str | None = None
     log_events: bool = True
     flight_steps: int = 64
@@ -174,6 +243,7 @@ class AgentConfig:
     read_params_every_step: bool = False
     heartbeat_s: float = 5.0
     close_timeout_s: float = 2.0
+    transport: TransportConfig = dataclasses.field(default_factory=TransportConfig)
     #: The server's web address (``NAND_URL``, as the CLI uses it), for the
     #: dashboard link in the start line; the agent itself only talks ZeroMQ.
     url: str | None = None
@@ -190,7 +260,6 @@ class AgentConfig:
             "disabled": get_bool(NAND_DISABLE, cls.disabled),
             "server": get_str(NAND_SERVER),
             "run": get_str(NAND_RUN),
-            "token": get_str(NAND_TOKEN),
             "events_file": get_str(NAND_EVENTS_FILE),
             "flight_steps": get_int(NAND_FLIGHT_STEPS, cls.flight_steps),
             "max_events": get_int(NAND_MAX_EVENTS, cls.max_events),
@@ -201,6 +270,7 @@ class AgentConfig:
             "heartbeat_s": get_float(NAND_HEARTBEAT_S, cls.heartbeat_s),
             "close_timeout_s": get_float(NAND_CLOSE_TIMEOUT_S, cls.close_timeout_s),
             "url": get_str(NAND_URL),
+            "transport": TransportConfig.resolve(),
         }
         unknown = set(arguments) - set(from_env) - {"log_events"}
         if unknown:

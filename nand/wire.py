@@ -40,6 +40,7 @@ from typing import Any
 
 import msgpack
 
+from nand.config import DEFAULT_MAX_FRAME_BYTES
 from nand.errors import WireError
 from nand.events import CAUSES, PHASES
 
@@ -47,7 +48,7 @@ PROTOCOL_VERSION = 1
 
 #: Frames above this size are rejected unread (a flight window of 1,000 layers
 #: by 64 steps is about 1.2 MB).
-DEFAULT_MAX_BYTES = 4 * 1024 * 1024
+DEFAULT_MAX_BYTES = DEFAULT_MAX_FRAME_BYTES
 
 AGENT_KINDS = frozenset({"hello", "event", "heartbeat", "flight", "bye"})
 SERVER_KINDS = frozenset({"ack", "command", "reject"})

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
+import os
 import pathlib
 
 import pytest
 import torch
 
 import nand
+from nand.agent.output.session import Session
 from nand.config import AgentConfig
 from nand.errors import ConfigError
 from tests.agent.models import mlp, train
@@ -17,8 +20,8 @@ NAND = pathlib.Path(nand.__file__).parent
 
 
 def test_defaults_without_environment_or_arguments(monkeypatch):
-    for name in ("NAND_ON_NONFINITE", "NAND_SERVER", "NAND_FLIGHT_STEPS", "NAND_DISABLE"):
-        monkeypatch.delenv(name, raising=False)
+    for name in [n for n in os.environ if n.startswith("NAND_")]:
+        monkeypatch.delenv(name)
     assert AgentConfig.resolve() == AgentConfig()
 
 
@@ -96,11 +99,22 @@ def test_only_the_settings_modules_read_the_environment():
             ):
                 readers.add(str(path.relative_to(NAND)))
     # The agent's are AgentConfig's (nand/config.py); the server's its Settings;
-    # the CLI clients read the URL and token they are pointed at.
-    assert readers <= {
-        "server/settings.py",
-        "server/rest_commands.py",
-        "agent/transport/settings.py",
-        "agent/transport/server_sink.py",
-        "agent/transport/commands.py",
-    }, readers
+    # the CLI's REST client reads the URL and token it is pointed at.
+    assert readers == {"server/settings.py", "server/rest_commands.py"}, readers
+
+
+def test_the_transport_runs_with_the_settings_watch_resolved(monkeypatch, tmp_path):
+    monkeypatch.setenv("NAND_QUEUE_MAX", "77")
+    monkeypatch.setenv("NAND_TOKEN", "from-the-environment")
+    resolved = AgentConfig.resolve(server="tcp://127.0.0.1:1")
+    monkeypatch.setenv("NAND_QUEUE_MAX", "5")  # read once: a later change is not seen
+    settings = dataclasses.replace(
+        resolved,
+        transport=resolved.transport.but(spool_dir=tmp_path, close_timeout_s=0.0),
+    )
+    session = Session.open(settings)
+    try:
+        (remote,) = [s for s in session.sinks if type(s).__name__ == "ServerSink"]
+        assert remote.settings.queue_max == 77 and remote.token == "from-the-environment"
+    finally:
+        session.close(0, "closed")

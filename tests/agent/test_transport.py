@@ -16,7 +16,7 @@ from nand.agent.transport.frames import Envelope
 from nand.agent.transport.mailbox import Mailbox, Outgoing
 from nand.agent.transport.sender import Sender
 from nand.agent.transport.server_sink import ServerSink
-from nand.agent.transport.settings import TransportSettings
+from nand.config import TransportConfig
 from nand.events import Event, FlightWindow, StepSummary
 from nand.testing import Receiver
 
@@ -302,7 +302,7 @@ class _DequeThatRecordsItsPeak(deque):
 def test_the_sender_never_holds_more_frames_than_queue_max_even_mid_batch(tmp_path):
     """The bound holds at every append, not only once a batch is routed
     (another thread reads the count, and a batch can be the mailbox's size)."""
-    settings = TransportSettings.resolve(queue_max=5, spool_dir=tmp_path)
+    settings = TransportConfig.resolve(queue_max=5, spool_dir=tmp_path)
     mailbox = Mailbox(settings.queue_max)
     sender = Sender(
         "tcp://127.0.0.1:9", Envelope("a1", "run-t", 1), mailbox, settings, tmp_path / "spool"

@@ -66,7 +66,7 @@ class Session:
         if settings.events_file:
             sinks.append(JsonlSink(settings.events_file, who.rank))
         if settings.server:
-            remote = server_sink(settings.server, who, settings.token)
+            remote = server_sink(settings.server, who, settings.transport)
             if remote is not None:
                 sinks.append(remote)
         return cls(who, sinks, settings)

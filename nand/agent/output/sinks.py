@@ -15,6 +15,7 @@ import queue
 import threading
 from typing import Any
 
+from nand.config import TransportConfig
 from nand.events import Event, FlightWindow, StepSummary, finite_or_none
 
 log = logging.getLogger("nand")
@@ -111,7 +112,7 @@ class JsonlSink:
                 log.error("nand: cannot write %s: %s", self.path, exc)
 
 
-def server_sink(endpoint: str, identity: Any, token: str | None) -> Any | None:
+def server_sink(endpoint: str, identity: Any, settings: TransportConfig) -> Any | None:
     """The transport to the nand server, or None (logged once) if unavailable."""
     try:
         from nand.agent.transport.server_sink import ServerSink  # (pyzmq: the agent extra)
@@ -119,7 +120,7 @@ def server_sink(endpoint: str, identity: Any, token: str | None) -> Any | None:
         log.error("nand: cannot report to %s (%s); going on without the server", endpoint, exc)
         return None
     try:
-        return ServerSink(endpoint, identity, token=token)
+        return ServerSink(endpoint, identity, settings=settings)
     except Exception as exc:  # a bad endpoint must not stop training
         log.error("nand: cannot connect to %s (%s); going on without the server", endpoint, exc)
         return None

@@ -13,7 +13,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from nand import config
+from nand.config import AgentConfig
 
 
 def register(subparsers: Any) -> None:
@@ -33,7 +33,8 @@ def register(subparsers: Any) -> None:
 def _replay(args: argparse.Namespace) -> int:
     from nand.agent.transport.replay import replay_file, spool_files
 
-    server = args.server or config.get_str(config.NAND_SERVER)
+    settings = AgentConfig.resolve()
+    server = args.server or settings.server
     if not server:
         print("nand spool replay: no server; pass --server tcp://HOST:PORT or set NAND_SERVER")
         return 2
@@ -48,7 +49,7 @@ def _replay(args: argparse.Namespace) -> int:
             server,
             timeout=args.timeout,
             keep=args.keep,
-            curve_server_key=config.get_str(config.NAND_CURVE_SERVER_KEY),
+            curve_server_key=settings.transport.curve_server_key,
         )
         status = "skipped: " + result.skipped if result.skipped else "rejected: " + result.rejected
         if not result.skipped and not result.rejected:

@@ -43,7 +43,7 @@ from nand.agent.transport import spool as spool_mod
 from nand.agent.transport.backlog import Backlog
 from nand.agent.transport.frames import Envelope, Frame, spooled_frame
 from nand.agent.transport.mailbox import Mailbox, Outgoing
-from nand.agent.transport.settings import TransportSettings
+from nand.config import TransportConfig
 from nand.errors import WireError
 
 log = logging.getLogger("nand.agent.transport")
@@ -63,7 +63,7 @@ class Sender(threading.Thread):
         endpoint: str,
         envelope: Envelope,
         mailbox: Mailbox,
-        settings: TransportSettings,
+        settings: TransportConfig,
         spool_path: Path,
         on_idle: Callable[[], None] | None = None,
     ) -> None:

@@ -56,13 +56,12 @@ import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from nand import config
 from nand.agent.identity import Identity
 from nand.agent.transport.frames import Envelope
 from nand.agent.transport.mailbox import Mailbox, Outgoing
 from nand.agent.transport.sender import Sender
-from nand.agent.transport.settings import TransportSettings
 from nand.agent.transport.spool import spool_path
+from nand.config import TransportConfig
 from nand.errors import ConfigError
 from nand.events import Event, FlightWindow, StepSummary
 
@@ -77,14 +76,21 @@ class ServerSink:
     per_step = True  # heartbeats, and the server's commands
 
     def __init__(
-        self, endpoint: str, identity: Identity, *, token: str | None = None, **overrides: Any
+        self,
+        endpoint: str,
+        identity: Identity,
+        *,
+        settings: TransportConfig | None = None,
+        **overrides: Any,
     ) -> None:
+        """``settings``: as ``nand.watch`` resolved them (default: from the
+        environment); ``overrides`` (``token=``, ``queue_max=``...) win."""
         if not _ENDPOINT.match(endpoint):
             raise ConfigError(f"server endpoint {endpoint!r} is not like tcp://host:port")
         self.endpoint = endpoint
         self.identity = identity
-        self.token = token if token is not None else config.get_str(config.NAND_TOKEN)
-        self.settings = TransportSettings.resolve(**overrides)
+        self.settings = (settings or TransportConfig.resolve()).but(**overrides)
+        self.token = self.settings.token
         self._closed = False
         self._hello: dict[str, Any] | None = None
         self._said_bye = False
@@ -312,9 +318,10 @@ def _with_flight(body: dict[str, Any], flight: FlightWindow | None) -> Any:
 
 
 def _close_all_at_exit() -> None:
-    timeout = config.get_float(config.NAND_CLOSE_TIMEOUT_S, 2.0)
+    sinks = list(_LIVE)
+    timeout = max((sink.settings.close_timeout_s for sink in sinks), default=0.0)
     deadline = time.monotonic() + timeout
-    for sink in list(_LIVE):
+    for sink in sinks:
         sink._bye_at_exit()
         sink.close(max(0.0, deadline - time.monotonic()))
 
