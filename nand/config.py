@@ -30,6 +30,13 @@ NAND_RUN = "NAND_RUN"
 """Run id shared by all ranks of a job. Default: ``TORCHELASTIC_RUN_ID``, then
 ``SLURM_JOB_ID``, then an id agreed through the process group's store."""
 
+NAND_LAUNCH = "NAND_LAUNCH"
+"""Launch identity: the same for every rank of one launch, new each time the job
+is launched again under the same run id (a re-applied Kubernetes Job: its
+``controller-uid`` label). Sent in ``hello``; the server starts a new attempt of
+the run for a new launch at once. Unset: the server starts one when a rank comes
+back after every rank of the live attempt has ended or gone silent."""
+
 NAND_ON_NONFINITE = "NAND_ON_NONFINITE"
 """What to do when a rank goes non-finite: ``warn`` (default), ``raise``,
 ``skip`` or ``stop``."""
@@ -235,6 +242,7 @@ class AgentConfig:
     disabled: bool = False
     server: str | None = None
     run: str | None = None
+    launch: str | None = None
     events_file: str | None = None
     log_events: bool = True
     flight_steps: int = 64
@@ -260,6 +268,7 @@ class AgentConfig:
             "disabled": get_bool(NAND_DISABLE, cls.disabled),
             "server": get_str(NAND_SERVER),
             "run": get_str(NAND_RUN),
+            "launch": get_str(NAND_LAUNCH),
             "events_file": get_str(NAND_EVENTS_FILE),
             "flight_steps": get_int(NAND_FLIGHT_STEPS, cls.flight_steps),
             "max_events": get_int(NAND_MAX_EVENTS, cls.max_events),

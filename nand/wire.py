@@ -5,7 +5,8 @@ Every message is one msgpack map (one ZeroMQ frame)::
     message   = {"v": PROTOCOL_VERSION, "kind": kind, ...kind fields}
 
     agent → server (all carry "agent", "seq", "run", "rank", "time", "body"):
-      hello      body = {identity..., "versions", "device", "modules", "optimizer", "token"?}
+      hello      body = {identity..., "versions", "device", "modules", "optimizer", "token"?,
+                         "launch"?}  launch: NAND_LAUNCH, tells a rerun under the same run apart
       event      body = {"event": Event.to_dict(), "flight": FlightWindow.to_dict() | None}
       heartbeat  body = StepSummary.to_dict()
       flight     body = {"flight": FlightWindow.to_dict(), "reason": str}
@@ -173,6 +174,7 @@ def _validate_hello(message: Mapping[str, Any]) -> None:
     _non_negative(_require(body, "world_size", _INT, "hello"), "hello.world_size")
     _require(body, "host", _STR, "hello")
     _require(body, "pid", _INT, "hello")
+    _require(body, "launch", _STR, "hello", optional=True)
     modules = _require(body, "modules", (list,), "hello", optional=True) or []
     for i, entry in enumerate(modules):
         if not isinstance(entry, dict):

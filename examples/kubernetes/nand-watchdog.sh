@@ -8,11 +8,14 @@ set -u
 : "${NAND_RUN:?set NAND_RUN (e.g. from the Job's name)}"
 : "${NAND_URL:?set NAND_URL, e.g. http://nand-server:8080}"
 
+# A re-applied Job keeps its name, hence its run id: the server makes it a new
+# attempt of the run, and --launch (the Job's uid, NAND_LAUNCH in job.yaml) has
+# the wait ignore the last attempt's "diverged" until this launch says hello.
+nand wait "$NAND_RUN" --until diverged ${NAND_LAUNCH:+--launch "$NAND_LAUNCH"} &
+wait_pid=$!
+
 "$@" &
 train_pid=$!
-
-nand wait "$NAND_RUN" --until diverged &
-wait_pid=$!
 
 # Whichever ends first decides.
 while kill -0 "$train_pid" 2>/dev/null && kill -0 "$wait_pid" 2>/dev/null; do

@@ -114,6 +114,7 @@ class Commander:
             select(Run.name, Rank.rank, Run.stop_step, Run.stop_reason)
             .join(Rank, Rank.run_id == Run.id)
             .where(Run.name.in_(runs), Run.stop_step.is_not(None), Rank.finished_at.is_(None))
+            .where(Run.superseded_at.is_(None))  # a stop of an earlier attempt is over
         )
         with Session(self.engine) as session:
             rows = session.execute(statement).all()
@@ -131,7 +132,7 @@ class Commander:
         statement = (
             select(Run.name, Flight.rank)
             .join(Flight, Flight.run_id == Run.id)
-            .where(tuple_(Run.name, Flight.rank).in_(list(wanted)))
+            .where(tuple_(Run.name, Flight.rank).in_(list(wanted)), Run.superseded_at.is_(None))
             .distinct()
         )
         with Session(self.engine) as session:

@@ -48,7 +48,8 @@ WAIT_EPILOG = """exit codes (for job scripts):
   8    the server could not be reached for --retry-for seconds
   2    bad arguments or --url;  124  --timeout passed first
 
-A run that has not reported yet is waited for (said once on stderr).
+A run that has not reported yet is waited for (said once on stderr). A run id
+used again is a new attempt: the live (latest) attempt's state counts.
 """
 
 URL_HELP = (
@@ -121,6 +122,13 @@ def _wait_parser(subparsers: Any) -> None:
         type=float,
         default=1.0,
         help="seconds before the first reconnect to a lost server, doubling up to 30 (1)",
+    )
+    wait.add_argument(
+        "--launch",
+        default=None,
+        help="count only the attempt of this launch identity (the job's NAND_LAUNCH): a run "
+        "id used again, e.g. by a re-applied Job, starts a new attempt; an earlier launch's "
+        "state does not count (default: the live attempt, whichever launch)",
     )
     wait.add_argument("--url", help=URL_HELP)
     wait.set_defaults(func=waiting.cmd_wait)

@@ -205,7 +205,7 @@ class Ingest:
         messages = [m for _, m in accepted]
         started = time.time()
         try:
-            result = write_batch(self.engine, messages, started)
+            result = write_batch(self.engine, messages, started, self.settings.lost_after_s)
         except Exception:
             self.metrics.write_error()
             if not self._database_answers():
@@ -242,7 +242,11 @@ class Ingest:
         for message in messages:
             key = (message["agent"], message["seq"])
             try:
-                acked.update(write_batch(self.engine, [message], time.time()).acked)
+                acked.update(
+                    write_batch(
+                        self.engine, [message], time.time(), self.settings.lost_after_s
+                    ).acked
+                )
             except Exception as exc:
                 if not self._database_answers():
                     return acked

@@ -10,7 +10,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Float, ForeignKey, Index, Integer, String, Text
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 #: 64-bit ids that are still SQLite rowid aliases (autoincrementing).
@@ -22,10 +32,19 @@ class Base(DeclarativeBase):
 
 
 class Run(Base):
+    """One attempt of a run: a run id used again (a re-applied Kubernetes Job, a
+    requeued Slurm job) is a new attempt, see :mod:`nand.server.attempts`."""
+
     __tablename__ = "runs"
+    __table_args__ = (UniqueConstraint("name", "attempt", name="uq_runs_name_attempt"),)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    name: Mapped[str] = mapped_column(String(256), unique=True)
+    name: Mapped[str] = mapped_column(String(256), index=True)
+    attempt: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
+    #: When a newer attempt replaced this one (null: the live attempt).
+    superseded_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    #: The agents' ``NAND_LAUNCH``: one launch is one attempt (null: not sent).
+    launch: Mapped[str | None] = mapped_column(String(256), nullable=True)
     world_size: Mapped[int] = mapped_column(Integer, default=0)
     started_at: Mapped[float] = mapped_column(Float)
     last_seen: Mapped[float] = mapped_column(Float, index=True)

@@ -11,6 +11,7 @@ import math
 from typing import Any
 
 from nand.events import PHASE_RANK, Event, value_kinds
+from nand.server.attempts import RunIds
 from nand.server.evidence import flight_evidence
 from nand.server.sanitize import clean_str, finite, jsonable, number
 
@@ -48,10 +49,10 @@ def run_info(body: dict[str, Any]) -> dict[str, Any]:
     return info
 
 
-def heartbeat_row(message: dict[str, Any], run_ids: dict[str, int]) -> dict[str, Any]:
+def heartbeat_row(message: dict[str, Any], run_ids: RunIds) -> dict[str, Any]:
     body = message["body"]
     return {
-        "run_id": run_ids[message["run"]],
+        "run_id": run_ids.of(message),
         "rank": message["rank"],
         "time": message["time"],
         "step": body["step"],
@@ -76,10 +77,10 @@ def progress_params(rank_id: int, row: dict[str, Any], now: float) -> dict[str, 
     }
 
 
-def event_row(message: dict[str, Any], run_ids: dict[str, int]) -> dict[str, Any]:
+def event_row(message: dict[str, Any], run_ids: RunIds) -> dict[str, Any]:
     event = message["body"]["event"]
     return {
-        "run_id": run_ids[message["run"]],
+        "run_id": run_ids.of(message),
         "rank": message["rank"],
         "world_size": int_or_zero(event.get("world_size")),
         "host": clean_str(event.get("host"), 256),
@@ -136,7 +137,7 @@ def _float(value: Any, default: float) -> float:
     return default if number is None else number
 
 
-def flight_row(message: dict[str, Any], run_ids: dict[str, int]) -> dict[str, Any]:
+def flight_row(message: dict[str, Any], run_ids: RunIds) -> dict[str, Any]:
     """A flight window (JSON-safe) with its evidence precomputed for the verdict."""
     body = message["body"]
     raw = body["flight"] if isinstance(body["flight"], dict) else {}
@@ -148,7 +149,7 @@ def flight_row(message: dict[str, Any], run_ids: dict[str, int]) -> dict[str, An
     evidence = flight_evidence(data if isinstance(data, dict) else {})
     low, high = magnitudes(raw)
     return {
-        "run_id": run_ids[message["run"]],
+        "run_id": run_ids.of(message),
         "rank": message["rank"],
         "time": message["time"],
         "reason": clean_str(body.get("reason"), 500),

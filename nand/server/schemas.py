@@ -97,6 +97,12 @@ class Verdict(BaseModel):
     """The one call a scheduler polls: is this run healthy, and if not, where from."""
 
     run: str
+    #: Which attempt of the run this is (see RunSummary.attempt).
+    attempt: int = 1
+    #: The agents' launch identity (``NAND_LAUNCH``), null when they sent none.
+    launch: str | None = None
+    #: False for an earlier attempt read with ``?attempt=``: its state is history.
+    live: bool = True
     state: RunState
     origin: Origin | None = None
     #: Ranks that went non-finite, in rank order.
@@ -119,6 +125,13 @@ class Verdict(BaseModel):
 
 class RunSummary(BaseModel):
     run: str
+    #: 1, 2, ...: a run id used again (a re-applied Job) is a new attempt; this
+    #: is the live (latest) one unless ``?attempt=`` asked for another.
+    attempt: int = 1
+    #: The agents' launch identity (``NAND_LAUNCH``), null when they sent none.
+    launch: str | None = None
+    #: False for an earlier attempt, superseded by a newer one.
+    live: bool = True
     state: RunState
     world_size: int
     ranks_seen: int
@@ -129,8 +142,21 @@ class RunSummary(BaseModel):
     origin: Origin | None = None
 
 
+class AttemptInfo(BaseModel):
+    """One attempt of a run; ``GET /api/runs/{run}?attempt=N`` reads it."""
+
+    attempt: int
+    launch: str | None = None
+    started_at: float
+    last_seen: float
+    #: When a newer attempt replaced it; null for the live attempt.
+    superseded_at: float | None = None
+
+
 class RunDetail(RunSummary):
     verdict: Verdict
+    #: Every attempt of the run, oldest first (the last one is the live one).
+    attempts: list[AttemptInfo] = Field(default_factory=list)
     modules: list[ModuleInfo] = Field(default_factory=list)
     optimizer: str = ""
     versions: dict[str, str] = Field(default_factory=dict)

@@ -26,18 +26,33 @@ class EventFilter:
     step_max: int | None = None
 
 
-def run_by_name(session: Session, name: str) -> Run | None:
-    return session.scalars(select(Run).where(Run.name == name)).one_or_none()
+def run_by_name(session: Session, name: str, attempt: int | None = None) -> Run | None:
+    """The live attempt of a run, or attempt number ``attempt``."""
+    statement = select(Run).where(Run.name == name)
+    if attempt is None:
+        statement = statement.where(Run.superseded_at.is_(None))
+    else:
+        statement = statement.where(Run.attempt == attempt)
+    return session.scalars(statement.order_by(Run.attempt.desc()).limit(1)).first()
+
+
+def attempts_of(session: Session, name: str) -> Sequence[Run]:
+    """Every attempt of a run, oldest first."""
+    return session.scalars(select(Run).where(Run.name == name).order_by(Run.attempt)).all()
 
 
 def recent_runs(session: Session, limit: int, offset: int = 0) -> Sequence[Run]:
-    statement = select(Run).order_by(Run.last_seen.desc(), Run.id.desc())
+    """Live attempts, most recently seen first (older attempts: by name and attempt)."""
+    statement = (
+        select(Run).where(Run.superseded_at.is_(None)).order_by(Run.last_seen.desc(), Run.id.desc())
+    )
     return session.scalars(statement.offset(offset).limit(limit)).all()
 
 
 def runs_updated_since(session: Session, since: float, active_since: float) -> Sequence[Run]:
     """Runs changed after ``since`` or seen after ``active_since`` (their state may age)."""
-    statement = select(Run).where((Run.updated_at >= since) | (Run.last_seen >= active_since))
+    changed = (Run.updated_at >= since) | (Run.last_seen >= active_since)
+    statement = select(Run).where(changed, Run.superseded_at.is_(None))
     return session.scalars(statement.order_by(Run.id).limit(1000)).all()
 
 
@@ -205,7 +220,7 @@ def request_stop(session: Session, run_id: int, step: int, reason: str, now: flo
 def stops_requested_since(session: Session, since: float) -> Sequence[tuple[str, int, int]]:
     """(run name, run id, stop step) of stops recorded after ``since``."""
     statement = select(Run.name, Run.id, Run.stop_step).where(
-        Run.stop_requested_at >= since, Run.stop_step.is_not(None)
+        Run.stop_requested_at >= since, Run.stop_step.is_not(None), Run.superseded_at.is_(None)
     )
     return [(name, run_id, int(step or 0)) for name, run_id, step in session.execute(statement)]
 
@@ -219,4 +234,4 @@ def prune(session: Session, older_than: float) -> list[str]:
         for table in (EventRow, Heartbeat, Flight, Message, Agent, Rank):
             session.execute(delete(table).where(table.run_id.in_(chunk)))
         session.execute(delete(Run).where(Run.id.in_(chunk)))
-    return [name for _, name in doomed]
+    return sorted({name for _, name in doomed})

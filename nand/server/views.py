@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 from sqlalchemy.orm import Session
 
@@ -16,6 +17,7 @@ from nand.server import correlate, store, summary
 from nand.server.evidence import FlightEvidence, heartbeat_evidence
 from nand.server.models import EventRow, Rank, Run
 from nand.server.schemas import (
+    AttemptInfo,
     EventOut,
     ModuleInfo,
     Origin,
@@ -112,6 +114,7 @@ def run_summary(run: Run, ranks: RankRows, settings: Settings, now: float) -> Ru
     head = _origin_row(ranks)
     return RunSummary(
         run=run.name,
+        **_attempt_fields(run),
         state=correlate.run_state(list(states.values())),
         world_size=max(run.world_size, len(ranks)),
         ranks_seen=len(ranks),
@@ -127,7 +130,8 @@ def verdict(session: Session, run: Run, ranks: RankRows, settings: Settings, now
     states = rank_states(ranks, settings, now)
     state = correlate.run_state(list(states.values()))
     stop = _stop(run, ranks)
-    stoppable = bool(live_ranks(ranks, settings, now))
+    # An earlier attempt's ranks are gone or belong to history: never stop them.
+    stoppable = run.superseded_at is None and bool(live_ranks(ranks, settings, now))
     firsts = [to_event(e) for _, e in ranks if e is not None]
     head_row = _origin_row(ranks)
     if head_row is None:
@@ -135,6 +139,7 @@ def verdict(session: Session, run: Run, ranks: RankRows, settings: Settings, now
         text = summary.calm_summary(state, steps, settings.lost_after_s, settings.stalled_after_s)
         return Verdict(
             run=run.name,
+            **_attempt_fields(run),
             state=state,
             summary=text,
             stop=stop,
@@ -147,6 +152,7 @@ def verdict(session: Session, run: Run, ranks: RankRows, settings: Settings, now
     world = max(run.world_size, len(ranks))
     return Verdict(
         run=run.name,
+        **_attempt_fields(run),
         state=state,
         origin=origin_out(head_row, ranks),
         ranks_affected=sorted(relations),
@@ -241,9 +247,25 @@ def run_detail(
     return RunDetail(
         **summary.model_dump(),
         verdict=verdict(session, run, ranks, settings, now),
+        attempts=[_attempt_info(a) for a in store.attempts_of(session, run.name)],
         modules=_modules(run.modules),
         optimizer=run.optimizer,
         versions={str(k): str(v) for k, v in (run.versions or {}).items()},
+    )
+
+
+def _attempt_fields(run: Run) -> dict[str, Any]:
+    """Which attempt a summary or verdict speaks for."""
+    return {"attempt": run.attempt, "launch": run.launch, "live": run.superseded_at is None}
+
+
+def _attempt_info(run: Run) -> AttemptInfo:
+    return AttemptInfo(
+        attempt=run.attempt,
+        launch=run.launch,
+        started_at=run.started_at,
+        last_seen=run.last_seen,
+        superseded_at=run.superseded_at,
     )
 
 

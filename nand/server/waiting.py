@@ -6,6 +6,12 @@ instead of polling. When the server goes away it reconnects with backoff, for
 ``--retry-for`` seconds (default: for as long as ``--timeout`` allows, or
 forever), saying once on stderr that it lost the server and once that it is
 back; a watchdog never goes blind because the server restarted.
+
+It follows the run's live attempt (:mod:`nand.server.attempts`): when a run id
+is used again the states that count are the new attempt's. ``--launch ID``
+counts only the attempt of that launch identity (the agents' ``NAND_LAUNCH``):
+a watchdog started next to a re-applied Kubernetes Job begins before its
+trainer says hello, while the live attempt is still last time's, diverged.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import time
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
+from typing import Any
 
 from nand import exitcodes
 from nand.client import ApiError, request_json, unreachable_reason
@@ -46,8 +53,8 @@ def wait_exit_code(until: str, state: str) -> int | None:
     return None
 
 
-def stream_states(base: str, run: str, timeout: float) -> Iterator[str]:
-    """The run's states as the server streams them; ends when the connection does."""
+def stream_summaries(base: str, run: str, timeout: float) -> Iterator[dict[str, Any]]:
+    """The run's summaries as the server streams them; ends with the connection."""
     url = f"{base}/api/stream?run={urllib.parse.quote(run, safe='')}"
     request = urllib.request.Request(url, headers={"Accept": "text/event-stream"})
     with urllib.request.urlopen(request, timeout=timeout) as response:
@@ -59,7 +66,7 @@ def stream_states(base: str, run: str, timeout: float) -> Iterator[str]:
             elif line.startswith("data:") and kind == "run":
                 summary = json.loads(line[len("data:") :])
                 if summary.get("run") == run:
-                    yield str(summary["state"])
+                    yield summary
             elif not line:
                 kind = ""
 
@@ -74,6 +81,8 @@ class Waiter:
         self.deadline = now + args.timeout if args.timeout is not None else None
         self.down_since: float | None = None
         self.announced_unknown = False
+        #: The attempt last said to be another launch's (said once per attempt).
+        self.announced_other: int | None = None
 
     def left(self) -> float | None:
         return None if self.deadline is None else self.deadline - time.monotonic()
@@ -102,8 +111,11 @@ class Waiter:
         left = self.left()
         timeout = READ_TIMEOUT_S if left is None else max(0.1, min(READ_TIMEOUT_S, left))
         try:
-            for state in stream_states(self.base, self.args.run, timeout):
+            for summary in stream_summaries(self.base, self.args.run, timeout):
                 self._server_up()
+                if not self._counts(summary):
+                    continue
+                state = str(summary["state"])
                 code = wait_exit_code(self.args.until, state)
                 if code is not None:
                     print(f"{self.args.run}: {state}", flush=True)
@@ -117,6 +129,20 @@ class Waiter:
                 return self._timed_out()
             raise
         return None
+
+    def _counts(self, summary: dict[str, Any]) -> bool:
+        """Whether this attempt's state is the one to act on (``--launch``)."""
+        wanted = self.args.launch
+        if wanted is None or summary.get("launch") == wanted:
+            return True
+        attempt = int(summary.get("attempt", 1))
+        if self.announced_other != attempt:
+            self.announced_other = attempt
+            _say(
+                f"the live attempt {attempt} of {self.args.run!r} is another launch "
+                f"({summary.get('launch')}); waiting for launch {wanted}"
+            )
+        return False
 
     def _announce_if_unknown(self) -> None:
         """Say once that the run has not reported yet: waiting is not hanging."""

@@ -2,8 +2,9 @@
 
 :func:`write_batch` is the whole store-side of ingest: it drops duplicates by
 ``(agent, seq)`` (a primary key, so two servers cannot both store a message),
-creates runs and ranks on first sight, stores events, heartbeats and flight
-windows, and keeps each rank's cached first event with a conditional update.
+creates runs (one row per attempt: :mod:`nand.server.attempts`) and ranks on
+first sight, stores events, heartbeats and flight windows, and keeps each
+rank's cached first event with a conditional update.
 It returns the ``(agent, seq)`` pairs that are now committed, duplicates
 included, which is exactly what the ingest loop may acknowledge.
 """
@@ -30,10 +31,13 @@ from sqlalchemy import update as sql_update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 
+from nand.server import attempts
 from nand.server import firsts as firsts_mod
 from nand.server import rows as build
+from nand.server.attempts import RunIds
 from nand.server.models import Agent, EventRow, Flight, Heartbeat, Message, Rank, Run
 from nand.server.sanitize import clean_str
+from nand.server.settings import Settings
 
 Key = tuple[str, int]
 
@@ -51,23 +55,35 @@ class BatchResult:
     kinds: Counter[str] = field(default_factory=Counter)
 
 
-def write_batch(engine: Engine, messages: list[dict[str, Any]], now: float) -> BatchResult:
-    """Store ``messages`` (decoded and validated) and commit; see the module doc."""
+def write_batch(
+    engine: Engine,
+    messages: list[dict[str, Any]],
+    now: float,
+    lost_after_s: float = Settings.lost_after_s,
+) -> BatchResult:
+    """Store ``messages`` (decoded and validated) and commit; see the module doc.
+
+    ``lost_after_s``: how long a silent rank counts as alive, which decides
+    whether a rerun without a launch identity is a new attempt.
+    """
     try:
-        return _write_batch(engine, messages, now)
+        return _write_batch(engine, messages, now, lost_after_s)
     except IntegrityError:
         # Another server committed one of these messages between our lookup and
         # our insert: a second pass sees it and skips it.
-        return _write_batch(engine, messages, now)
+        return _write_batch(engine, messages, now, lost_after_s)
 
 
-def _write_batch(engine: Engine, messages: list[dict[str, Any]], now: float) -> BatchResult:
+def _write_batch(
+    engine: Engine, messages: list[dict[str, Any]], now: float, lost_after_s: float
+) -> BatchResult:
     unique: dict[Key, dict[str, Any]] = {}
     for message in messages:
         unique.setdefault((message["agent"], message["seq"]), message)
     result = BatchResult(acked=list(unique))
     with engine.begin() as conn:
-        run_ids = _ensure_runs(conn, _first_sent(unique.values(), now), now)
+        started = _first_sent(unique.values(), now)
+        run_ids = attempts.resolve(conn, unique.values(), started, now, lost_after_s)
         fresh = _claim(conn, unique, run_ids)
         result.duplicates = len(messages) - len(fresh)
         result.stored = len(fresh)
@@ -97,18 +113,8 @@ def _first_sent(messages: Iterable[dict[str, Any]], now: float) -> dict[str, flo
     return first
 
 
-def _ensure_runs(conn: Connection, started: dict[str, float], now: float) -> dict[str, int]:
-    names = set(started)
-    rows = [
-        {"name": n, "started_at": started[n], "last_seen": now, "updated_at": now} for n in names
-    ]
-    conn.execute(_insert(conn, Run), rows)
-    found = conn.execute(select(Run.name, Run.id).where(Run.name.in_(names)))
-    return {name: run_id for name, run_id in found}
-
-
 def _claim(
-    conn: Connection, unique: dict[Key, dict[str, Any]], run_ids: dict[str, int]
+    conn: Connection, unique: dict[Key, dict[str, Any]], run_ids: RunIds
 ) -> list[dict[str, Any]]:
     """Insert the dedup keys of the messages not stored before; return those messages.
 
@@ -136,7 +142,7 @@ def _claim(
             seen.update((agent, seq) for (seq,) in found)
     fresh = [m for key, m in unique.items() if key not in seen]
     if fresh:
-        rows = [{"agent": m["agent"], "seq": m["seq"], "run_id": run_ids[m["run"]]} for m in fresh]
+        rows = [{"agent": m["agent"], "seq": m["seq"], "run_id": run_ids.of(m)} for m in fresh]
         _bulk_insert(conn, Message, rows)
     return fresh
 
@@ -162,9 +168,7 @@ def _bulk_insert(conn: Connection, table: Any, rows: list[dict[str, Any]]) -> No
     conn.exec_driver_sql(sql, [tuple(row[c] for c in columns) for row in rows])
 
 
-def _store(
-    conn: Connection, fresh: list[dict[str, Any]], run_ids: dict[str, int], now: float
-) -> int:
+def _store(conn: Connection, fresh: list[dict[str, Any]], run_ids: RunIds, now: float) -> int:
     by_kind: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for message in fresh:
         by_kind[message["kind"]].append(message)
@@ -178,12 +182,12 @@ def _store(
     return len(by_kind["event"])
 
 
-def _rank_key(message: dict[str, Any], run_ids: dict[str, int]) -> tuple[int, int]:
-    return run_ids[message["run"]], message["rank"]
+def _rank_key(message: dict[str, Any], run_ids: RunIds) -> tuple[int, int]:
+    return run_ids.of(message), message["rank"]
 
 
 def _ensure_ranks(
-    conn: Connection, fresh: list[dict[str, Any]], run_ids: dict[str, int], now: float
+    conn: Connection, fresh: list[dict[str, Any]], run_ids: RunIds, now: float
 ) -> dict[tuple[int, int], int]:
     keys = {_rank_key(m, run_ids) for m in fresh}
     rows = [
@@ -215,12 +219,12 @@ def _greatest(column: Any, param: str) -> Any:
 def _store_hellos(
     conn: Connection,
     hellos: list[dict[str, Any]],
-    run_ids: dict[str, int],
+    run_ids: RunIds,
     rank_ids: dict[tuple[int, int], int],
 ) -> None:
     for message in hellos:
         body = message["body"]
-        run_id, rank_id = run_ids[message["run"]], rank_ids[_rank_key(message, run_ids)]
+        run_id, rank_id = run_ids.of(message), rank_ids[_rank_key(message, run_ids)]
         conn.execute(
             sql_update(Rank)
             .where(Rank.id == rank_id)
@@ -240,7 +244,7 @@ def _store_hellos(
 def _store_heartbeats(
     conn: Connection,
     beats: list[dict[str, Any]],
-    run_ids: dict[str, int],
+    run_ids: RunIds,
     rank_ids: dict[tuple[int, int], int],
     now: float,
 ) -> None:
@@ -276,7 +280,7 @@ _RANK_PROGRESS = (
 def _store_events(
     conn: Connection,
     messages: list[dict[str, Any]],
-    run_ids: dict[str, int],
+    run_ids: RunIds,
     rank_ids: dict[tuple[int, int], int],
 ) -> None:
     if not messages:
@@ -298,9 +302,7 @@ def _store_events(
     _store_flights(conn, [m for m in messages if m["body"].get("flight")], run_ids)
 
 
-def _store_flights(
-    conn: Connection, messages: list[dict[str, Any]], run_ids: dict[str, int]
-) -> None:
+def _store_flights(conn: Connection, messages: list[dict[str, Any]], run_ids: RunIds) -> None:
     """Flight windows, alone or attached to an event (they belong to the rank)."""
     if messages:
         conn.execute(insert(Flight), [build.flight_row(m, run_ids) for m in messages])
@@ -309,7 +311,7 @@ def _store_flights(
 def _store_byes(
     conn: Connection,
     byes: list[dict[str, Any]],
-    run_ids: dict[str, int],
+    run_ids: RunIds,
     rank_ids: dict[tuple[int, int], int],
     now: float,
 ) -> None:
@@ -329,11 +331,11 @@ def _store_byes(
 
 
 def _touch_runs(
-    conn: Connection, fresh: Iterable[dict[str, Any]], run_ids: dict[str, int], now: float
+    conn: Connection, fresh: Iterable[dict[str, Any]], run_ids: RunIds, now: float
 ) -> None:
     stats: dict[int, dict[str, Any]] = {}
     for message in fresh:
-        run_id = run_ids[message["run"]]
+        run_id = run_ids.of(message)
         entry = stats.setdefault(run_id, {"rid": run_id, "now": now, "step": 0, "n": 0, "ws": 0})
         body = message["body"]
         kind = message["kind"]

@@ -3,14 +3,18 @@ head, and a database written by an earlier revision opens with data intact."""
 
 from __future__ import annotations
 
+import time
+
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import inspect, text
 
+from nand import wire
 from nand.server import migrate
 from nand.server.db import make_engine
 from nand.server.models import Base
+from nand.server.writer import write_batch
 
 
 def test_empty_database_upgrades_to_head_and_models_match_it(db_url) -> None:
@@ -51,3 +55,30 @@ def test_every_revision_upgrades_in_turn_and_keeps_data(db_url) -> None:
 def test_migrations_ship_with_the_package() -> None:
     assert (migrate.MIGRATIONS / "env.py").is_file()
     assert list((migrate.MIGRATIONS / "versions").glob("0001_*.py"))
+
+
+def test_a_database_of_revision_0002_upgrades_to_attempts_and_takes_a_rerun(db_url) -> None:
+    engine = make_engine(db_url)
+    migrate.upgrade(engine, "0002")
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO runs (name, world_size, started_at, last_seen, updated_at, "
+                "latest_step, event_count, optimizer, stop_reason) "
+                "VALUES ('job', 1, 1.0, 2.0, 2.0, 7, 0, '', '')"
+            )
+        )
+    migrate.upgrade(engine)
+    with engine.connect() as conn:
+        rows = conn.execute(text("SELECT name, attempt, superseded_at, launch FROM runs")).all()
+    assert rows == [("job", 1, None, None)]
+    # The same name now takes a second attempt (the unique name is gone).
+    for agent, launch in (("a1", "uid-1"), ("a2", "uid-2")):
+        hello = {"world_size": 1, "host": "h", "pid": len(launch), "launch": launch}
+        message = wire.agent_message("hello", agent=agent, seq=1, run="job", rank=0, body=hello)
+        write_batch(engine, [wire.decode(wire.encode(message))], time.time())
+    with engine.connect() as conn:
+        query = "SELECT attempt, launch, superseded_at IS NULL FROM runs ORDER BY attempt"
+        rows = conn.execute(text(query)).all()
+    assert [tuple(r) for r in rows] == [(1, "uid-1", False), (2, "uid-2", True)]
+    engine.dispose()

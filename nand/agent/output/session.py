@@ -89,6 +89,8 @@ class Session:
             "optimizer": optimizer,
             "on_nonfinite": policy,
         }
+        if self.settings.launch:  # tells the server a rerun under the same id apart
+            info["launch"] = self.settings.launch
         self._call("hello", info)
         if self.who.rank == 0 and self.settings.log_events:
             print(self.start_line(policy), file=sys.stderr, flush=True)

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Annotated
 
-from fastapi import Depends, HTTPException, Path, Request
+from fastapi import Depends, HTTPException, Path, Query, Request
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
@@ -53,14 +53,19 @@ SessionDep = Annotated[Session, Depends(get_session)]
 RunName = Annotated[str, Path(description="The run id (NAND_RUN / TORCHELASTIC_RUN_ID / ...).")]
 
 
-def get_run(run: RunName, session: SessionDep) -> Run:
+Attempt = Annotated[
+    int | None,
+    Query(ge=1, le=1_000_000, description="An earlier attempt of the run (default: the live one)"),
+]
+
+
+def get_run(run: RunName, session: SessionDep, attempt: Attempt = None) -> Run:
     found = None
     if 0 < len(run) <= 256 and "\x00" not in run:
-        found = store.run_by_name(session, run)
+        found = store.run_by_name(session, run, attempt)
     if found is None:
-        raise HTTPException(
-            status_code=404, detail=f"unknown run {run!r}: no agent has reported it"
-        )
+        which = f"attempt {attempt} of run {run!r}" if attempt else f"run {run!r}"
+        raise HTTPException(status_code=404, detail=f"unknown {which}: no agent has reported it")
     return found
 
 

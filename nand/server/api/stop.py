@@ -54,7 +54,10 @@ def require_token(
         401: {"description": "Missing or wrong token"},
         403: {"description": "The server has no NAND_TOKEN: stopping is disabled"},
         404: {"description": "Unknown run"},
-        409: {"description": "No rank is left running, or the step has passed"},
+        409: {
+            "description": "No rank is left running, the step has passed, or the attempt "
+            "asked for is not the live one"
+        },
     },
 )
 def stop_run(
@@ -64,6 +67,8 @@ def stop_run(
     request: Annotated[StopRequest | None, Body()] = None,
 ) -> StopResponse:
     request = request or StopRequest()
+    if run.superseded_at is not None:
+        raise HTTPException(409, f"attempt {run.attempt} of {run.name!r} is over: a newer one runs")
     ranks = store.ranks_of(session, [run.id])[run.id]
     if run.stop_step is None:
         _check_stoppable(run, ranks, settings)
