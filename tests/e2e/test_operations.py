@@ -98,6 +98,36 @@ def test_the_kubernetes_watchdog_stops_a_diverged_job(nand_server, tmp_path):
     assert "diverged" in wrapper.stderr
 
 
+def run_watchdog(server, run: str, launch_id: str, *trainer: str) -> subprocess.CompletedProcess:
+    """One launch of examples/kubernetes/job.yaml: the wrapper around a torchrun job."""
+    env = agent_env(server.zmq_endpoint, run, TOKEN, NAND_URL=server.http_url)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"  # `nand` on PATH
+    env["NAND_LAUNCH"] = launch_id  # the Job's uid, new each time it is applied
+    return subprocess.run(
+        [str(REPO / "examples/kubernetes/nand-watchdog.sh"), *torchrun(2), *TRAINER, *trainer],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+
+
+def test_a_reapplied_job_is_a_new_attempt_the_watchdog_lets_run(nand_server, tmp_path):
+    run = "reapplied"  # the Job's name: the same both times
+    fault = ["--steps", "100000", "--step-time", "0.05", "--policy", "warn"]
+    first = run_watchdog(nand_server, run, "uid-1", *fault, "--fault", "nan_forward:rank=1:step=5")
+    assert first.returncode == 3, first.stderr[-3000:]
+
+    second = run_watchdog(nand_server, run, "uid-2", "--steps", "30", "--policy", "warn")
+    assert second.returncode == 0, second.stderr[-3000:]  # not killed on attempt 1's verdict
+    verdict = wait_for(
+        lambda: (v := api(nand_server.http_url, run, "/verdict"))["state"] == "finished" and v
+    )
+    assert (verdict["attempt"], verdict["launch"]) == (2, "uid-2")
+    old = request_json(run_url(nand_server.http_url, run, "/verdict") + "?attempt=1")
+    assert (old["state"], old["origin"]["rank"], old["launch"]) == ("diverged", 1, "uid-1")
+
+
 def test_the_demo_command_prints_the_verdict_of_its_planted_fault(tmp_path):
     options = ["--no-wait", "--ranks", "2", "--steps", "24", "--step-time", "0"]
     demo = subprocess.run(
