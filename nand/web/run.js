@@ -28,6 +28,9 @@ function header(run) {
     `last seen ${age(run.last_seen)}`,
   ];
   if (run.ranks_seen !== run.world_size) bits.splice(1, 0, `${run.ranks_seen} reported`);
+  // A run id used again (a re-applied Job) is a new attempt; the page shows the live one.
+  const attempts = run.attempts || [];
+  if (attempts.length > 1) bits.unshift(`attempt ${count(run.attempt)} of ${count(attempts.length)}`);
   if (run.optimizer) bits.push(run.optimizer);
   const versions = Object.entries(run.versions || {})
     .map(([k, v]) => `${k} ${v}`)

@@ -323,3 +323,26 @@ def test_screenshots_of_every_page_in_light_and_dark(page, dark_page, dashboard:
     background = dark_page.evaluate("getComputedStyle(document.body).backgroundColor")
     channels = [int(c) for c in background[background.index("(") + 1 : -1].split(",")[:3]]
     assert sum(channels) < 3 * 60, background
+
+
+def _launched(run: scenario.Scenario, launch: str) -> scenario.Scenario:
+    """The scenario's hellos carrying a launch identity (NAND_LAUNCH)."""
+    for messages in run.messages.values():
+        for i, message in enumerate(messages):
+            if message["kind"] == "hello":
+                messages[i] = {**message, "body": {**message["body"], "launch": launch}}
+    return run
+
+
+def test_a_rerun_under_the_same_id_shows_its_live_attempt(page, dashboard: Dashboard) -> None:
+    name = "reapplied-job"
+    first = scenario.diverged_run(run=name, world_size=2, origin_rank=1, bad_step=6)
+    scenario.replay(dashboard.server.zmq_endpoint, _launched(first, "uid-1"), token=dashboard.token)
+    second = scenario.healthy_run(run=name, world_size=2, steps=20)
+    scenario.replay(
+        dashboard.server.zmq_endpoint, _launched(second, "uid-2"), token=dashboard.token
+    )
+    open_run(page, dashboard, name)
+    expect(page.locator(".meta")).to_contain_text("attempt 2 of 2")
+    expect(page.locator(".run-head .badge")).not_to_have_text("diverged")
+    expect(page.locator(".verdict-title")).not_to_contain_text("produced")
