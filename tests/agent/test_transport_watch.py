@@ -70,3 +70,16 @@ def test_a_stop_command_from_the_server_stops_training_at_that_step(rx):
         assert info.value.step == 30 and w.step == 30
     finally:
         w.close()
+
+
+def test_the_launch_identity_rides_in_the_hello_and_is_left_out_when_unset(rx, monkeypatch):
+    model, opt = _model()
+    monkeypatch.setenv("NAND_LAUNCH", "job-uid-7")
+    with nand.watch(model, optimizer=opt, server=rx.endpoint, log_events=False):
+        _step(model, opt, torch.ones(3, 4))
+    monkeypatch.delenv("NAND_LAUNCH")
+    with nand.watch(model, optimizer=opt, server=rx.endpoint, log_events=False):
+        _step(model, opt, torch.ones(3, 4))
+    assert rx.wait_for(lambda: rx.count("bye") == 2, timeout=10)
+    hellos = [m["body"] for msgs in rx.messages.values() for m in msgs if m["kind"] == "hello"]
+    assert sorted(h.get("launch", "") for h in hellos) == ["", "job-uid-7"]
