@@ -32,6 +32,9 @@ class Settings:
     poll_s: float = 0.5
     #: Largest accepted frame, in bytes.
     max_frame_bytes: int = 4 * 1024 * 1024
+    #: Agent bindings kept in memory (nand.server.admission); older ones are
+    #: looked up in the database again when their agent speaks.
+    max_agents_cached: int = 50_000
 
     @classmethod
     def from_env(cls, **overrides: object) -> Settings:
