@@ -7,7 +7,7 @@ dashboard's static files (``nand/web/``) are served at ``/``, with
 
 >>> from fastapi.testclient import TestClient
 >>> app = create_app(Settings(db_url="sqlite:///:memory:", zmq_bind="tcp://127.0.0.1:*"))
->>> with TestClient(app) as client:
+>>> with TestClient(app, base_url="http://127.0.0.1") as client:
 ...     client.get("/healthz").json()["database"]
 'ok'
 """
@@ -30,6 +30,7 @@ from nand import __version__
 from nand.server.api import ROUTERS
 from nand.server.api.deps import ServerState
 from nand.server.db import make_engine
+from nand.server.guard import BrowserGuard
 from nand.server.ingest import Ingest
 from nand.server.metrics import Metrics
 from nand.server.migrate import upgrade
@@ -72,6 +73,8 @@ def create_app(settings: Settings | None = None, *, ingest: bool = True) -> Fast
     for router in ROUTERS:
         app.include_router(router)
     app.add_middleware(RequestTimer)
+    # Outermost: a request for a foreign Host is refused before anything else runs.
+    app.add_middleware(BrowserGuard, bind_host=settings.http_host, allowed=settings.allowed_hosts)
     app.add_exception_handler(OperationalError, _database_unavailable)
     _mount_docs(app)
     _mount_web(app)

@@ -17,6 +17,8 @@ class Settings:
     db_url: str = "sqlite:///nand.db"
     http_host: str = "127.0.0.1"
     http_port: int = 8080
+    #: Host names the REST API answers to besides IPs and localhost (nand.server.guard).
+    allowed_hosts: tuple[str, ...] = ()
     zmq_bind: str = "tcp://127.0.0.1:5557"
     #: Shared secret; required from agents (hello) and for stop when set.
     token: str | None = None
@@ -43,6 +45,7 @@ class Settings:
             "db_url": config.get_str(config.NAND_DB, cls.db_url),
             "http_host": config.get_str(config.NAND_HTTP_HOST, cls.http_host),
             "http_port": config.get_int(config.NAND_HTTP_PORT, cls.http_port),
+            "allowed_hosts": _names(config.get_str(config.NAND_ALLOWED_HOSTS)),
             "zmq_bind": config.get_str(config.NAND_ZMQ_BIND, cls.zmq_bind),
             "token": config.get_str(config.NAND_TOKEN),
             "curve_secret_key": config.get_str(config.NAND_CURVE_SECRET_KEY),
@@ -52,3 +55,8 @@ class Settings:
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]
+
+
+def _names(text: str | None) -> tuple[str, ...]:
+    """``"a, b,,c"`` → ``("a", "b", "c")``."""
+    return tuple(name.strip() for name in (text or "").split(",") if name.strip())
