@@ -15,6 +15,9 @@ to that (run, rank) and to the ZeroMQ connection it came on. After that:
   connection, so a new routing id) or a spool replayed by the next agent of
   the rank.
 
+A run id the REST API could not address (``a/b``, ``..``: see
+:func:`nand.wire.run_problem`) is refused first (``bad_run``).
+
 With a token (``NAND_TOKEN``), only a ``hello`` carrying it binds a new agent
 id (anything else is ``unauthenticated``); an id that said such a hello is in
 the ``agents`` table, so it binds again after a server restart or on another
@@ -44,10 +47,11 @@ from typing import Any
 from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
 
+from nand import wire
 from nand.server.models import Agent, Run
 
 #: Reasons this module refuses a message for (besides "unauthenticated").
-IDENTITY_REASONS = ("identity_mismatch", "agent_in_use")
+IDENTITY_REASONS = ("identity_mismatch", "agent_in_use", "bad_run")
 
 #: Is the connection with this routing id still up? (asked with the agent id).
 StillConnected = Callable[[bytes, str], bool]
@@ -119,6 +123,8 @@ class Admission:
 
     def refusal(self, ident: bytes, message: dict[str, Any]) -> str | None:
         """Why ``message`` from connection ``ident`` is refused, or None to accept it."""
+        if wire.run_problem(message["run"]) is not None:
+            return "bad_run"
         agent = message["agent"]
         binding = self.bindings.get(agent)
         if self.token and message["kind"] == "hello" and not self._valid_token(message):

@@ -45,6 +45,7 @@ _REFUSAL_TEXT = {
     "unauthenticated": "no valid token (NAND_TOKEN differs)",
     "identity_mismatch": "its run or rank differs from the one its agent id said hello with",
     "agent_in_use": "its agent id is in use on another live connection",
+    "bad_run": "its run id cannot be addressed by the REST API ('/', '.' or '..')",
 }
 
 
@@ -188,7 +189,7 @@ class Ingest:
     ) -> list[tuple[bytes, dict[str, Any]]]:
         """The messages whose connection may speak for their agent (:mod:`admission`)."""
         self.admission.prepare(m["agent"] for _, m in decoded)
-        accepted, unauthenticated = [], set()
+        accepted, replies = [], {}
         for ident, message in decoded:
             reason = self.admission.refusal(ident, message)
             if reason is None:
@@ -197,10 +198,13 @@ class Ingest:
             self.metrics.rejected(reason)
             self._refusals.refused(message, _REFUSAL_TEXT[reason])
             if reason == "unauthenticated":
-                unauthenticated.add(ident)
-        for ident in unauthenticated:
-            reply = {"kind": "reject", "reason": "unauthenticated: a valid token is required"}
-            self._send(sock, ident, reply)
+                replies[ident] = "unauthenticated: a valid token is required"
+            elif reason == "bad_run":
+                replies[ident] = f"bad_run: {wire.run_problem(message['run'])}"
+        # Only these two are answered: the agent can do nothing but stop (and says
+        # why). Identity refusals are not: see nand.server.admission.
+        for ident, reason in replies.items():
+            self._send(sock, ident, {"kind": "reject", "reason": reason})
         return accepted
 
     def _still_connected(self, ident: bytes, agent: str) -> bool:
