@@ -25,6 +25,8 @@ from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 from sqlalchemy.exc import OperationalError
+from starlette.routing import Match, Mount
+from starlette.types import Scope
 
 from nand import __version__
 from nand.server.api import ROUTERS
@@ -126,4 +128,21 @@ def _mount_web(app: FastAPI) -> None:
             raise HTTPException(404, "the dashboard is not installed")
         return FileResponse(index)
 
-    app.mount("/", StaticFiles(directory=WEB_DIR, html=True, check_dir=False), name="web")
+    files = StaticFiles(directory=WEB_DIR, html=True, check_dir=False)
+    app.router.routes.append(WebMount("/", app=files, name="web"))
+
+
+class WebMount(Mount):
+    """The dashboard's files at ``/``, for every path but the API's.
+
+    A plain mount at ``/`` matches every path, so a request with the wrong
+    method for an API route (``OPTIONS /api/runs/x/stop``) would reach the
+    static files and get their 405 with ``Allow: GET, HEAD``. Without it, the
+    router answers with the API route's own methods, and an unknown ``/api/``
+    path gets the API's JSON 404.
+    """
+
+    def matches(self, scope: Scope) -> tuple[Match, Scope]:
+        if scope["type"] == "http" and scope["path"].startswith("/api/"):
+            return Match.NONE, {}
+        return super().matches(scope)

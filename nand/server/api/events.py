@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Query
 
 from nand.server import store, views
-from nand.server.api.deps import RunDep, SessionDep
+from nand.server.api.deps import UNKNOWN_RUN, RunDep, SessionDep
 from nand.server.sanitize import INT32
 from nand.server.schemas import EventPage
 
@@ -18,6 +18,7 @@ Phase = Literal["input", "forward", "loss", "backward", "grad", "param", "optimi
 
 @router.get(
     "/{run}/events",
+    responses=UNKNOWN_RUN,
     response_model=EventPage,
     summary="A run's events in logical order (step, micro_step, phase, order, rank)",
 )
