@@ -31,6 +31,7 @@ from starlette.types import Scope
 from nand import __version__
 from nand.server.api import ROUTERS
 from nand.server.api.deps import ServerState
+from nand.server.bodylimit import BodyLimit
 from nand.server.db import make_engine
 from nand.server.guard import BrowserGuard
 from nand.server.ingest import Ingest
@@ -75,6 +76,7 @@ def create_app(settings: Settings | None = None, *, ingest: bool = True) -> Fast
     for router in ROUTERS:
         app.include_router(router)
     app.add_middleware(RequestTimer)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     # Outermost: a request for a foreign Host is refused before anything else runs.
     app.add_middleware(BrowserGuard, bind_host=settings.http_host, allowed=settings.allowed_hosts)
     app.add_exception_handler(OperationalError, _database_unavailable)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 import uvicorn
 from fastapi import FastAPI
 
+from nand.server import descriptors
 from nand.server.app import create_app
 from nand.server.settings import Settings
 
@@ -64,6 +65,7 @@ def start(
         zmq_bind=zmq_endpoint,
     )
     app = create_app(settings)
+    descriptors.quiet_accept_failures()
     # IPPROTO_TCP, not the default 0: asyncio sets TCP_NODELAY on accepted
     # connections only when the listening socket says it is TCP. Without it,
     # Nagle's algorithm and delayed ACKs add ~40 ms to every keep-alive request.

@@ -112,7 +112,9 @@ class Ingest:
 
     def _bind(self, context: zmq.Context) -> zmq.Socket:
         sock = context.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.RCVHWM, 100_000)
+        # Per connection: above an agent's window (256 frames) with room for
+        # its replays, and small enough that a flooding peer is held in check.
+        sock.setsockopt(zmq.RCVHWM, 2_000)
         sock.setsockopt(zmq.SNDHWM, 100_000)
         # Frames a little too large are read and counted (too_large); beyond 4x the
         # limit libzmq drops the connection unread, so no peer can exhaust memory.
@@ -145,14 +147,18 @@ class Ingest:
                 self.commander.poll()
 
     def _drain(self, sock: zmq.Socket) -> list[tuple[bytes, bytes]]:
+        """Up to ``max_batch`` frames and about ``max_batch_bytes``: a flood of
+        large frames is held in ZeroMQ's bounded queues, not in this list."""
         frames: list[tuple[bytes, bytes]] = []
-        while len(frames) < self.settings.max_batch:
+        size = 0
+        while len(frames) < self.settings.max_batch and size < self.settings.max_batch_bytes:
             try:
                 parts = sock.recv_multipart(zmq.NOBLOCK, copy=True)
             except zmq.Again:
                 break
             if len(parts) >= 2:
                 frames.append((parts[0], parts[-1]))
+                size += len(parts[-1])
         self.metrics.received(len(frames))
         return frames
 

@@ -34,6 +34,10 @@ class Settings:
     poll_s: float = 0.5
     #: Largest accepted frame, in bytes.
     max_frame_bytes: int = 4 * 1024 * 1024
+    #: Largest REST request body (a stop request is well under 1 KiB).
+    max_body_bytes: int = 64 * 1024
+    #: Most bytes of frames read from the ZeroMQ socket in one turn.
+    max_batch_bytes: int = 64 * 1024 * 1024
     #: Agent bindings kept in memory (nand.server.admission); older ones are
     #: looked up in the database again when their agent speaks.
     max_agents_cached: int = 50_000

@@ -59,6 +59,7 @@ def require_token(
         },
         404: {"model": Problem, "description": "Unknown run"},
         409: {"model": Problem, "description": "No rank is left running, or the step has passed"},
+        413: {"model": Problem, "description": "The body is over 64 KiB"},
     },
 )
 def stop_run(
