@@ -102,6 +102,12 @@ NAND_DB = "NAND_DB"
 NAND_HTTP_HOST = "NAND_HTTP_HOST"
 """Address the REST API and dashboard bind to. Default ``127.0.0.1``."""
 
+NAND_ALLOWED_HOSTS = "NAND_ALLOWED_HOSTS"
+"""Comma-separated host names the REST API answers to besides IP addresses,
+``localhost`` and the name it binds to (the ``Host`` header check against DNS
+rebinding), e.g. ``nand.example.org,head-node``; ``*`` answers any. Default:
+none; a server bound to all interfaces also answers to this machine's name."""
+
 NAND_HTTP_PORT = "NAND_HTTP_PORT"
 """Port of the REST API and dashboard. Default 8080."""
 

@@ -22,6 +22,10 @@ Every message is one msgpack map (one ZeroMQ frame)::
                  {"command": "send_flight"}
       reject     {"reason": str}                 e.g. a bad token; the agent stops sending
 
+``run`` is one path segment of the server's REST API (``/api/runs/{run}``), so
+the server refuses a run id with a ``/`` or that is ``.`` or ``..``
+(:func:`run_problem`): it could be stored but never read back.
+
 ``agent`` is a random id per agent process; ``(agent, seq)`` identifies a
 message for deduplication (delivery is at-least-once). ``seq`` starts at 1.
 
@@ -103,6 +107,22 @@ def agent_message(
         "time": time.time(),
         "body": dict(body),
     }
+
+
+def run_problem(run: str) -> str | None:
+    """Why ``run`` cannot be a run id the REST API can address, or None if it can.
+
+    >>> run_problem("llama-7b.exp3"), run_problem("a<b c")
+    (None, None)
+    >>> run_problem("team/exp3")
+    "run id 'team/exp3' contains '/'; use another character, e.g. 'team-exp3'"
+    """
+    if run in (".", ".."):
+        return f"run id {run!r} is a path step ('.' or '..'); name the run"
+    if "/" in run:
+        suggestion = run.replace("/", "-")
+        return f"run id {run!r} contains '/'; use another character, e.g. {suggestion!r}"
+    return None
 
 
 def decode(frame: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES) -> dict[str, Any]:

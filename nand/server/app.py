@@ -7,7 +7,7 @@ dashboard's static files (``nand/web/``) are served at ``/``, with
 
 >>> from fastapi.testclient import TestClient
 >>> app = create_app(Settings(db_url="sqlite:///:memory:", zmq_bind="tcp://127.0.0.1:*"))
->>> with TestClient(app) as client:
+>>> with TestClient(app, base_url="http://127.0.0.1") as client:
 ...     client.get("/healthz").json()["database"]
 'ok'
 """
@@ -25,11 +25,15 @@ from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 from sqlalchemy.exc import OperationalError
+from starlette.routing import Match, Mount
+from starlette.types import Scope
 
 from nand import __version__
 from nand.server.api import ROUTERS
 from nand.server.api.deps import ServerState
+from nand.server.bodylimit import BodyLimit
 from nand.server.db import make_engine
+from nand.server.guard import BrowserGuard
 from nand.server.ingest import Ingest
 from nand.server.metrics import Metrics
 from nand.server.migrate import upgrade
@@ -72,6 +76,9 @@ def create_app(settings: Settings | None = None, *, ingest: bool = True) -> Fast
     for router in ROUTERS:
         app.include_router(router)
     app.add_middleware(RequestTimer)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    # Outermost: a request for a foreign Host is refused before anything else runs.
+    app.add_middleware(BrowserGuard, bind_host=settings.http_host, allowed=settings.allowed_hosts)
     app.add_exception_handler(OperationalError, _database_unavailable)
     _mount_docs(app)
     _mount_web(app)
@@ -123,4 +130,21 @@ def _mount_web(app: FastAPI) -> None:
             raise HTTPException(404, "the dashboard is not installed")
         return FileResponse(index)
 
-    app.mount("/", StaticFiles(directory=WEB_DIR, html=True, check_dir=False), name="web")
+    files = StaticFiles(directory=WEB_DIR, html=True, check_dir=False)
+    app.router.routes.append(WebMount("/", app=files, name="web"))
+
+
+class WebMount(Mount):
+    """The dashboard's files at ``/``, for every path but the API's.
+
+    A plain mount at ``/`` matches every path, so a request with the wrong
+    method for an API route (``OPTIONS /api/runs/x/stop``) would reach the
+    static files and get their 405 with ``Allow: GET, HEAD``. Without it, the
+    router answers with the API route's own methods, and an unknown ``/api/``
+    path gets the API's JSON 404.
+    """
+
+    def matches(self, scope: Scope) -> tuple[Match, Scope]:
+        if scope["type"] == "http" and scope["path"].startswith("/api/"):
+            return Match.NONE, {}
+        return super().matches(scope)

@@ -36,6 +36,8 @@ log = logging.getLogger("nand.server.commander")
 
 #: Seconds between two stop commands to one connection.
 COMMAND_EVERY_S = 1.0
+#: (run, rank) pairs remembered as asked for their flight window.
+MAX_FLIGHT_ASKED = 100_000
 
 Send = Callable[[bytes, dict[str, Any]], None]
 Accepted = list[tuple[bytes, dict[str, Any]]]
@@ -137,6 +139,8 @@ class Commander:
         )
         with Session(self.engine) as session:
             have = {(name, rank) for name, rank in session.execute(statement)}
+        if len(self._flight_asked) > MAX_FLIGHT_ASKED:
+            self._flight_asked.clear()  # a flood of new ranks; at worst one more ask each
         for key, ident in wanted.items():
             self._flight_asked.add(key)
             if key not in have:

@@ -161,8 +161,10 @@ def _duration(text: str) -> float:
 
 
 def cmd_server(args: argparse.Namespace) -> int:
-    from nand.server import embedded, preflight
+    from nand.server import descriptors, embedded, preflight
     from nand.server.settings import Settings
+
+    descriptors.raise_descriptor_limit()
 
     settings = Settings.from_env(db_url=args.db)
     host, port = (

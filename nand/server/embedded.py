@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 import uvicorn
 from fastapi import FastAPI
 
+from nand.server import descriptors
 from nand.server.app import create_app
 from nand.server.settings import Settings
 
@@ -64,7 +65,12 @@ def start(
         zmq_bind=zmq_endpoint,
     )
     app = create_app(settings)
-    sock = socket.socket(socket.AF_INET6 if ":" in http_host else socket.AF_INET)
+    descriptors.quiet_accept_failures()
+    # IPPROTO_TCP, not the default 0: asyncio sets TCP_NODELAY on accepted
+    # connections only when the listening socket says it is TCP. Without it,
+    # Nagle's algorithm and delayed ACKs add ~40 ms to every keep-alive request.
+    family = socket.AF_INET6 if ":" in http_host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((http_host, http_port))
     config = uvicorn.Config(

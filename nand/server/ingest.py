@@ -7,19 +7,18 @@ logged, and otherwise ignored: never a crash), writes the good ones in one
 transaction (:func:`nand.server.writer.write_batch`) and only then sends each
 agent ``{"kind": "ack", "agent": id, "seqs": [...]}``, duplicates included.
 
-Authentication: with a token configured, an agent's ``hello`` must carry it;
-an agent id that said a valid hello is remembered in the database (table
-``agents``), so it stays authenticated across reconnects and on every server
-sharing the database. Other messages from unknown agents get
-``{"kind": "reject", "reason": "unauthenticated"}``. With a CURVE secret key,
-the socket is a CURVE server and only encrypted peers connect.
+Admission (:mod:`nand.server.admission`): every agent id is bound to the run,
+rank and connection it introduced itself with; with a token configured, only
+a ``hello`` carrying it binds a new agent id, and other messages from unknown
+agents get ``{"kind": "reject", "reason": "unauthenticated"}``. Messages that
+claim another agent's identity are refused and counted. With a CURVE secret
+key, the socket is a CURVE server and only encrypted peers connect.
 
 Commands to agents (``stop``, ``send_flight``): :mod:`nand.server.commander`.
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
 import threading
 import time
@@ -27,20 +26,27 @@ from collections import defaultdict
 from typing import Any
 
 import zmq
-from sqlalchemy import Engine, select, text
-from sqlalchemy.orm import Session
+from sqlalchemy import Engine, text
 
 from nand import wire
 from nand.errors import WireError
 from nand.server import announce
+from nand.server.admission import Admission
 from nand.server.commander import Commander
 from nand.server.metrics import Metrics
-from nand.server.models import Agent
 from nand.server.sanitize import out_of_range
 from nand.server.settings import Settings
 from nand.server.writer import write_batch
 
 log = logging.getLogger("nand.server.ingest")
+
+#: What the log says when an agent is refused, by reason.
+_REFUSAL_TEXT = {
+    "unauthenticated": "no valid token (NAND_TOKEN differs)",
+    "identity_mismatch": "its run or rank differs from the one its agent id said hello with",
+    "agent_in_use": "its agent id is in use on another live connection",
+    "bad_run": "its run id cannot be addressed by the REST API ('/', '.' or '..')",
+}
 
 
 class Ingest:
@@ -64,7 +70,9 @@ class Ingest:
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
-        self._authed: set[str] = set()
+        self.admission = Admission(
+            engine, settings.token, self._still_connected, settings.max_agents_cached
+        )
         self._refusals = announce.Refusals()
         self._sock: zmq.Socket | None = None
         self.commander = Commander(engine, settings, metrics, self._reply)
@@ -104,11 +112,19 @@ class Ingest:
 
     def _bind(self, context: zmq.Context) -> zmq.Socket:
         sock = context.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.RCVHWM, 100_000)
+        # Per connection: above an agent's window (256 frames) with room for
+        # its replays, and small enough that a flooding peer is held in check.
+        sock.setsockopt(zmq.RCVHWM, 2_000)
         sock.setsockopt(zmq.SNDHWM, 100_000)
         # Frames a little too large are read and counted (too_large); beyond 4x the
         # limit libzmq drops the connection unread, so no peer can exhaust memory.
         sock.setsockopt(zmq.MAXMSGSIZE, 4 * self.settings.max_frame_bytes)
+        # A send to a connection that is gone fails instead of vanishing: how
+        # admission tells a reconnected agent from a second connection.
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # Peers that vanish without closing TCP are dropped after 15 s of silence.
+        sock.setsockopt(zmq.HEARTBEAT_IVL, 5000)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 15000)
         if self.settings.curve_secret_key:
             sock.curve_secretkey = self.settings.curve_secret_key.encode()
             sock.curve_server = True
@@ -131,14 +147,18 @@ class Ingest:
                 self.commander.poll()
 
     def _drain(self, sock: zmq.Socket) -> list[tuple[bytes, bytes]]:
+        """Up to ``max_batch`` frames and about ``max_batch_bytes``: a flood of
+        large frames is held in ZeroMQ's bounded queues, not in this list."""
         frames: list[tuple[bytes, bytes]] = []
-        while len(frames) < self.settings.max_batch:
+        size = 0
+        while len(frames) < self.settings.max_batch and size < self.settings.max_batch_bytes:
             try:
                 parts = sock.recv_multipart(zmq.NOBLOCK, copy=True)
             except zmq.Again:
                 break
             if len(parts) >= 2:
                 frames.append((parts[0], parts[-1]))
+                size += len(parts[-1])
         self.metrics.received(len(frames))
         return frames
 
@@ -173,33 +193,40 @@ class Ingest:
     def _authorised(
         self, sock: zmq.Socket, decoded: list[tuple[bytes, dict[str, Any]]]
     ) -> list[tuple[bytes, dict[str, Any]]]:
-        token = self.settings.token
-        if not token:
-            return decoded
-        for _ident, message in decoded:
-            given = message["body"].get("token") if message["kind"] == "hello" else None
-            if isinstance(given, str) and hmac.compare_digest(given.encode(), token.encode()):
-                self._authed.add(message["agent"])
-        self._authed.update(self._known_agents({m["agent"] for _, m in decoded} - self._authed))
-        accepted, refused = [], set()
+        """The messages whose connection may speak for their agent (:mod:`admission`)."""
+        self.admission.prepare(m["agent"] for _, m in decoded)
+        accepted, replies = [], {}
         for ident, message in decoded:
-            if message["agent"] in self._authed:
+            reason = self.admission.refusal(ident, message)
+            if reason is None:
                 accepted.append((ident, message))
-            else:
-                self.metrics.rejected("unauthenticated")
-                self._refusals.refused(message, "no valid token (NAND_TOKEN differs)")
-                refused.add(ident)
-        for ident in refused:
-            reply = {"kind": "reject", "reason": "unauthenticated: a valid token is required"}
-            self._send(sock, ident, reply)
+                continue
+            self.metrics.rejected(reason)
+            self._refusals.refused(message, _REFUSAL_TEXT[reason])
+            if reason == "unauthenticated":
+                replies[ident] = "unauthenticated: a valid token is required"
+            elif reason == "bad_run":
+                replies[ident] = f"bad_run: {wire.run_problem(message['run'])}"
+        # Only these two are answered: the agent can do nothing but stop (and says
+        # why). Identity refusals are not: see nand.server.admission.
+        for ident, reason in replies.items():
+            self._send(sock, ident, {"kind": "reject", "reason": reason})
         return accepted
 
-    def _known_agents(self, agents: set[str]) -> set[str]:
-        if not agents:
-            return set()
-        with Session(self.engine) as session:
-            found = session.scalars(select(Agent.agent).where(Agent.agent.in_(agents)))
-            return set(found)
+    def _still_connected(self, ident: bytes, agent: str) -> bool:
+        """Probe a connection with an empty ack: the socket is ROUTER_MANDATORY, so a
+        send to a connection that is gone fails at once (EHOSTUNREACH)."""
+        if self._sock is None:
+            return False
+        try:
+            self._sock.send_multipart(
+                [ident, wire.encode({"kind": "ack", "agent": agent, "seqs": []})], zmq.NOBLOCK
+            )
+        except zmq.Again:  # up, but its queue is full
+            return True
+        except zmq.ZMQError:
+            return False
+        return True
 
     def _write(self, accepted: list[tuple[bytes, dict[str, Any]]]) -> set[tuple[str, int]]:
         messages = [m for _, m in accepted]

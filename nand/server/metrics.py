@@ -31,12 +31,13 @@ from prometheus_client import (
 )
 
 from nand.events import RUN_STATES
+from nand.server.admission import IDENTITY_REASONS
 from nand.wire import REASONS
 
 __all__ = ["CONTENT_TYPE", "Metrics"]
 
 #: Reasons the server adds to nand.wire.REASONS.
-SERVER_REASONS = ("store_error", "unauthenticated")
+SERVER_REASONS = ("store_error", "unauthenticated", *IDENTITY_REASONS)
 #: Agent send → commit: a healthy server stays well under a second.
 LAG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 

@@ -228,6 +228,12 @@ class FlightOut(BaseModel):
     scale_max: float | None = None
 
 
+class Problem(BaseModel):
+    """Why a request was refused (every 4xx/5xx the API itself answers)."""
+
+    detail: str
+
+
 class StopRequest(BaseModel):
     reason: str = Field(default="", max_length=500)
     #: Stop at this step boundary; default: the next one every rank can reach.

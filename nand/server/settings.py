@@ -17,6 +17,8 @@ class Settings:
     db_url: str = "sqlite:///nand.db"
     http_host: str = "127.0.0.1"
     http_port: int = 8080
+    #: Host names the REST API answers to besides IPs and localhost (nand.server.guard).
+    allowed_hosts: tuple[str, ...] = ()
     zmq_bind: str = "tcp://127.0.0.1:5557"
     #: Shared secret; required from agents (hello) and for stop when set.
     token: str | None = None
@@ -32,6 +34,13 @@ class Settings:
     poll_s: float = 0.5
     #: Largest accepted frame, in bytes.
     max_frame_bytes: int = 4 * 1024 * 1024
+    #: Largest REST request body (a stop request is well under 1 KiB).
+    max_body_bytes: int = 64 * 1024
+    #: Most bytes of frames read from the ZeroMQ socket in one turn.
+    max_batch_bytes: int = 64 * 1024 * 1024
+    #: Agent bindings kept in memory (nand.server.admission); older ones are
+    #: looked up in the database again when their agent speaks.
+    max_agents_cached: int = 50_000
 
     @classmethod
     def from_env(cls, **overrides: object) -> Settings:
@@ -40,6 +49,7 @@ class Settings:
             "db_url": config.get_str(config.NAND_DB, cls.db_url),
             "http_host": config.get_str(config.NAND_HTTP_HOST, cls.http_host),
             "http_port": config.get_int(config.NAND_HTTP_PORT, cls.http_port),
+            "allowed_hosts": _names(config.get_str(config.NAND_ALLOWED_HOSTS)),
             "zmq_bind": config.get_str(config.NAND_ZMQ_BIND, cls.zmq_bind),
             "token": config.get_str(config.NAND_TOKEN),
             "curve_secret_key": config.get_str(config.NAND_CURVE_SECRET_KEY),
@@ -49,3 +59,8 @@ class Settings:
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]
+
+
+def _names(text: str | None) -> tuple[str, ...]:
+    """``"a, b,,c"`` → ``("a", "b", "c")``."""
+    return tuple(name.strip() for name in (text or "").split(",") if name.strip())

@@ -111,6 +111,20 @@ class FakeAgent:
                 raise TimeoutError(f"not acked: {sorted(wanted - self.acked)}")
             self.pump(0.1)
 
+    def send_until_acked(self, kind: str, body: dict[str, Any], timeout: float = 10.0) -> int:
+        """Send one message and resend it until acked, as a real agent does after its
+        ack timeout (a connection that takes over an agent id may be refused until
+        the server has seen the old one go); its seq."""
+        seq = self.seq + 1
+        deadline = time.monotonic() + timeout
+        while seq not in self.acked:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"seq {seq} never acked")
+            self.send(kind, body, seq=seq)
+            self.pump(0.3)
+        self.seq = seq
+        return seq
+
     def wait_for(self, what: str, timeout: float = 10.0) -> dict[str, Any]:
         """Wait for the next ``reject``, or the next command named ``what`` (``stop``...)."""
         deadline = time.monotonic() + timeout

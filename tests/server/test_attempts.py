@@ -184,7 +184,9 @@ def test_a_reconnecting_agent_stays_in_its_attempt(server, connect) -> None:
     first = launch_job(connect, "same", pid_base=100)
     first[0].event(step=5, phase="forward", module="fc1", nan=1)
     finish(first)  # every rank ended: the next new process would start attempt 2
-    # The same agent on a new connection (after a network blip), saying hello again.
+    # The same agent on a new connection (after a network blip: the old one is
+    # gone, a second live connection under its id would be refused), saying hello again.
+    first[0].close()
     again = connect("same", 0, agent=first[0].agent)
     again.seq = first[0].seq
     again.hello(TOKEN, pid=100)

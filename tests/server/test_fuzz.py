@@ -181,7 +181,7 @@ def test_random_frames_never_stop_the_ingest_loop(fuzz_server: Any, batch: list[
 @pytest.fixture(scope="module")
 def client(engine_url: str) -> Iterator[TestClient]:
     app = create_app(Settings(db_url=engine_url), ingest=False)
-    with TestClient(app) as test_client:
+    with TestClient(app, base_url="http://127.0.0.1") as test_client:
         engine = app.state.nand.engine
         for seq, kind, body in (
             (1, "hello", {"world_size": 2, "host": "h", "pid": 1, "modules": [{"name": "fc"}]}),

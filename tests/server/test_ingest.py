@@ -113,11 +113,12 @@ def test_token_required_from_agents_when_configured(start_server) -> None:
     good.hello(token="s3cret")
     good.heartbeat(3)
     good.wait_acked()
-    # A reconnect (new socket, same agent id) stays authenticated: the database remembers.
+    # A reconnect (new socket, same agent id) stays authenticated: the database
+    # remembers. The new connection takes the id over once the old one is gone.
+    good.close()
     again = FakeAgent(server.zmq_endpoint, run="auth", rank=2, agent=good.agent)
     again.seq = good.seq
-    again.heartbeat(4)
-    again.wait_acked({again.seq})
+    again.send_until_acked("heartbeat", {"step": 4})
     ranks = httpx.get(f"{server.http_url}/api/runs/auth/ranks").json()
     assert [r["rank"] for r in ranks] == [2]
     text = httpx.get(f"{server.http_url}/metrics").text

@@ -5,12 +5,15 @@ through a server restart."""
 
 from __future__ import annotations
 
+import statistics
 import subprocess
 import sys
 import time
 
 import httpx
 
+from nand.server import embedded
+from nand.server.settings import Settings
 from tests.server.agents import FakeAgent
 from tests.server.processes import ServerProcess, free_port
 
@@ -88,3 +91,17 @@ def test_wait_follows_the_stream_and_rides_out_a_server_restart(tmp_path) -> Non
     assert out.strip() == "restarted: diverged"
     assert "lost the server" in err and "reached the server" in err, err
     assert reacted < 10, reacted
+
+
+def test_keep_alive_requests_are_not_held_back_by_nagle(tmp_path) -> None:
+    """Nagle's algorithm with delayed ACKs costs ~40 ms a request on a kept-alive
+    connection unless the server sets TCP_NODELAY (44 ms → 1.7 ms p50 measured)."""
+    url = f"sqlite:///{tmp_path / 'nand.db'}"
+    with embedded.start(url, settings=Settings(db_url=url)) as server, httpx.Client() as client:
+        client.get(f"{server.http_url}/healthz")
+        seconds = []
+        for _ in range(30):
+            started = time.perf_counter()
+            client.get(f"{server.http_url}/api/runs")
+            seconds.append(time.perf_counter() - started)
+    assert statistics.median(seconds) < 0.02, f"p50 {statistics.median(seconds) * 1000:.1f} ms"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, HTTPException, Path, Query, Request
 from sqlalchemy import Engine
@@ -15,6 +15,7 @@ from nand.server import store
 from nand.server.ingest import Ingest
 from nand.server.metrics import Metrics
 from nand.server.models import Run
+from nand.server.schemas import Problem
 from nand.server.settings import Settings
 
 
@@ -70,3 +71,8 @@ def get_run(run: RunName, session: SessionDep, attempt: Attempt = None) -> Run:
 
 
 RunDep = Annotated[Run, Depends(get_run)]
+
+#: The response every route taking ``{run}`` may give (OpenAPI ``responses=``).
+UNKNOWN_RUN: dict[int | str, dict[str, Any]] = {
+    404: {"model": Problem, "description": "Unknown run: no agent has reported it"}
+}

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Query
 
 from nand.events import Phase
 from nand.server import store, views
-from nand.server.api.deps import RunDep, SessionDep
+from nand.server.api.deps import UNKNOWN_RUN, RunDep, SessionDep
 from nand.server.sanitize import INT32
 from nand.server.schemas import EventPage
 
@@ -17,6 +17,7 @@ router = APIRouter(prefix="/api/runs", tags=["events"])
 
 @router.get(
     "/{run}/events",
+    responses=UNKNOWN_RUN,
     response_model=EventPage,
     summary="A run's events in logical order (step, micro_step, phase, order, rank)",
 )

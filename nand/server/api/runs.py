@@ -8,10 +8,11 @@ from typing import Annotated, Any
 from fastapi import APIRouter, HTTPException, Query
 
 from nand.server import store, views
-from nand.server.api.deps import RunDep, SessionDep, SettingsDep
+from nand.server.api.deps import UNKNOWN_RUN, RunDep, SessionDep, SettingsDep
 from nand.server.sanitize import INT32, finite
 from nand.server.schemas import (
     FlightOut,
+    Problem,
     RankSeries,
     RankStatus,
     RunDetail,
@@ -35,13 +36,20 @@ def list_runs(
     return [views.run_summary(run, ranks[run.id], settings, now) for run in runs]
 
 
-@router.get("/{run}", response_model=RunDetail, summary="One run, with its verdict")
+@router.get(
+    "/{run}", responses=UNKNOWN_RUN, response_model=RunDetail, summary="One run, with its verdict"
+)
 def get_run(run: RunDep, session: SessionDep, settings: SettingsDep) -> RunDetail:
     ranks = store.ranks_of(session, [run.id])[run.id]
     return views.run_detail(session, run, ranks, settings, time.time())
 
 
-@router.get("/{run}/ranks", response_model=list[RankStatus], summary="Every rank's health")
+@router.get(
+    "/{run}/ranks",
+    responses=UNKNOWN_RUN,
+    response_model=list[RankStatus],
+    summary="Every rank's health",
+)
 def get_ranks(run: RunDep, session: SessionDep, settings: SettingsDep) -> list[RankStatus]:
     ranks = store.ranks_of(session, [run.id])[run.id]
     with_flight = store.ranks_with_flight(session, run.id)
@@ -50,6 +58,7 @@ def get_ranks(run: RunDep, session: SessionDep, settings: SettingsDep) -> list[R
 
 @router.get(
     "/{run}/series",
+    responses=UNKNOWN_RUN,
     response_model=list[RankSeries],
     summary="Heartbeat telemetry per rank, downsampled to at most `points` per rank",
 )
@@ -78,7 +87,7 @@ def _point(row: tuple) -> SeriesPoint:
     "/{run}/flight",
     response_model=FlightOut,
     summary="The latest flight-recorder window of a rank (default: the origin rank)",
-    responses={404: {"description": "Unknown run, or no window from that rank"}},
+    responses={404: {"model": Problem, "description": "Unknown run, or no window from that rank"}},
 )
 def get_flight(
     run: RunDep,

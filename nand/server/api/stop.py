@@ -20,7 +20,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from nand.server import stoprule, store, views
 from nand.server.api.deps import RunDep, SessionDep, SettingsDep
 from nand.server.models import Rank, Run
-from nand.server.schemas import StopRequest, StopResponse
+from nand.server.schemas import Problem, StopRequest, StopResponse
 
 router = APIRouter(prefix="/api/runs", tags=["stop"])
 bearer = HTTPBearer(auto_error=False, description="The server's NAND_TOKEN")
@@ -51,13 +51,19 @@ def require_token(
     dependencies=[Depends(require_token)],
     summary="Stop every rank of a run at one step boundary",
     responses={
-        401: {"description": "Missing or wrong token"},
-        403: {"description": "The server has no NAND_TOKEN: stopping is disabled"},
-        404: {"description": "Unknown run"},
-        409: {
-            "description": "No rank is left running, the step has passed, or the attempt "
-            "asked for is not the live one"
+        400: {"model": Problem, "description": "The body could not be read as JSON"},
+        401: {"model": Problem, "description": "Missing or wrong token"},
+        403: {
+            "model": Problem,
+            "description": "The server has no NAND_TOKEN: stopping is disabled",
         },
+        404: {"model": Problem, "description": "Unknown run"},
+        409: {
+            "model": Problem,
+            "description": "No rank is left running, the step has passed, or the attempt "
+            "asked for is not the live one",
+        },
+        413: {"model": Problem, "description": "The body is over 64 KiB"},
     },
 )
 def stop_run(

@@ -7,7 +7,7 @@ import time
 from fastapi import APIRouter
 
 from nand.server import store, views
-from nand.server.api.deps import RunDep, SessionDep, SettingsDep
+from nand.server.api.deps import UNKNOWN_RUN, RunDep, SessionDep, SettingsDep
 from nand.server.schemas import Verdict
 
 router = APIRouter(prefix="/api/runs", tags=["verdict"])
@@ -15,6 +15,7 @@ router = APIRouter(prefix="/api/runs", tags=["verdict"])
 
 @router.get(
     "/{run}/verdict",
+    responses=UNKNOWN_RUN,
     response_model=Verdict,
     summary="Is this run healthy, and if not, where did it first go non-finite?",
     description=(

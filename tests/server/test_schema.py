@@ -1,0 +1,82 @@
+"""The OpenAPI document tells the truth: schemathesis (its CLI, a real process)
+sends generated and mutated requests to a real server, with a bounded budget
+and a fixed seed, and every response must match the document: status codes,
+bodies, headers, ``Allow`` on a wrong method, and never a 5xx."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from nand.server import embedded
+from nand.server.settings import Settings
+from tests.server.agents import FakeAgent
+
+TOKEN = "schema-token"
+SEED = 20
+#: Generated cases per operation, and a wall-clock bound for the whole run.
+MAX_EXAMPLES = 15
+TIME_LIMIT_S = 240
+
+
+@pytest.fixture
+def server(sqlite_url):
+    with embedded.start(sqlite_url, settings=Settings(db_url=sqlite_url, token=TOKEN)) as server:
+        agent = FakeAgent(server.zmq_endpoint, run="run-1", world_size=2)
+        agent.hello(token=TOKEN)
+        agent.heartbeat(3)
+        agent.event(step=3, phase="forward", module="fc1", cause="produced", nan=1)
+        agent.wait_acked()
+        agent.close()
+        yield server
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(TIME_LIMIT_S + 60)
+def test_every_response_matches_the_openapi_document(server, tmp_path: Path) -> None:
+    st = shutil.which("st", path=str(Path(sys.executable).parent))
+    if st is None:
+        pytest.fail("schemathesis is not installed: pip install -e '.[dev]'")
+    command = [
+        st,
+        "run",
+        f"{server.http_url}/openapi.json",
+        "--checks=all",
+        f"--max-examples={MAX_EXAMPLES}",
+        f"--seed={SEED}",
+        "--generation-database=none",
+        "--request-timeout=10",
+        f"--header=Authorization: Bearer {TOKEN}",
+        # The event stream is endless by design (tests/server/test_ingest.py
+        # covers it): every request to it would only wait for the timeout.
+        "--exclude-path=/api/stream",
+        "--no-color",
+    ]
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=TIME_LIMIT_S, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+
+
+def test_the_document_declares_what_the_run_routes_answer(server) -> None:
+    document = httpx.get(f"{server.http_url}/openapi.json").json()
+    for path, operations in document["paths"].items():
+        for method, operation in operations.items():
+            if "{run}" in path:
+                assert "404" in operation["responses"], (method, path)
+    stop = document["paths"]["/api/runs/{run}/stop"]["post"]["responses"]
+    assert {"400", "401", "403", "404", "409", "422"} <= set(stop)
+
+
+def test_a_wrong_method_on_an_api_route_names_the_right_one(server) -> None:
+    response = httpx.options(f"{server.http_url}/api/runs/run-1/stop")
+    assert response.status_code == 405
+    assert response.headers["allow"] == "POST"
+    missing = httpx.get(f"{server.http_url}/api/no-such-thing")
+    assert missing.status_code == 404
+    assert missing.json() == {"detail": "Not Found"}
