@@ -229,10 +229,11 @@ class TransportConfig:
         given = {k: v for k, v in overrides.items() if v is not None}
         if "spool_dir" in given:
             given["spool_dir"] = Path(given["spool_dir"])
-        settings = dataclasses.replace(self, **given)
-        if settings.queue_max < 1 or settings.window < 1 or settings.ack_timeout_s <= 0:
+        return dataclasses.replace(self, **given)
+
+    def __post_init__(self) -> None:
+        if self.queue_max < 1 or self.window < 1 or self.ack_timeout_s <= 0:
             raise ConfigError("queue_max and window must be >= 1 and ack_timeout_s > 0")
-        return settings
 
 
 Policy = Literal["warn", "raise", "skip", "stop"]
@@ -292,13 +293,13 @@ class AgentConfig:
             raise ConfigError(f"unknown agent setting(s): {', '.join(sorted(unknown))}")
         given = {name: value for name, value in arguments.items() if value is not None}
         resolved = cls(**{**from_env, **given})
-        resolved.check()
         if resolved.disabled:  # nothing leaves the process
             return dataclasses.replace(resolved, server=None, events_file=None, log_events=False)
         return resolved
 
-    def check(self) -> None:
-        """Raise :class:`ConfigError` naming the first value that makes no sense."""
+    def __post_init__(self) -> None:
+        """Raise :class:`ConfigError` naming the first value that makes no sense
+        (here, so that no AgentConfig, however made, holds one)."""
         if self.on_nonfinite not in POLICIES:
             raise ConfigError(
                 f"on_nonfinite={self.on_nonfinite!r}: use one of {', '.join(POLICIES)}"

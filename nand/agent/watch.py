@@ -65,7 +65,6 @@ class Watch:
     ) -> None:
         """With ``settings.disabled`` (``NAND_DISABLE=1``): an inert watch,
         nothing installed on the model, the optimizer, DDP or the scaler."""
-        settings.check()
         self.settings = settings
         self.policy = settings.on_nonfinite
         self._policy = StepPolicy(self.policy, self._drop_grads, on_stop)

@@ -10,9 +10,9 @@ limit; the application never sees more than ``max_bytes``.
 
 from __future__ import annotations
 
-import json
-
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from nand.server.asgi import send_json_error
 
 
 class BodyTooLarge(Exception):
@@ -56,19 +56,8 @@ class BodyLimit:
                 await self._refuse(send)
 
     async def _refuse(self, send: Send) -> None:
-        body = json.dumps({"detail": f"the request body is over {self.max_bytes} bytes"}).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 413,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                    (b"connection", b"close"),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
+        detail = f"the request body is over {self.max_bytes} bytes"
+        await send_json_error(send, 413, detail, [(b"connection", b"close")])
 
 
 def _content_length(scope: Scope) -> int | None:

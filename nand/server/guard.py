@@ -27,11 +27,12 @@ False
 from __future__ import annotations
 
 import ipaddress
-import json
 import socket
 from collections.abc import Iterable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from nand.server.asgi import send_json_error
 
 #: Where all interfaces are bound: the machine may be reached by its name.
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
@@ -130,21 +131,8 @@ def _with_security_headers(headers: list[tuple[bytes, bytes]], csp: str) -> list
 
 
 async def _refuse(send: Send, host: str) -> None:
-    body = json.dumps(
-        {
-            "detail": f"this server does not answer to host {host_name(host)!r}: "
-            "add it to NAND_ALLOWED_HOSTS if that is its name"
-        }
-    ).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": 400,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                *SECURITY_HEADERS,
-            ],
-        }
+    detail = (
+        f"this server does not answer to host {host_name(host)!r}: "
+        "add it to NAND_ALLOWED_HOSTS if that is its name"
     )
-    await send({"type": "http.response.body", "body": body})
+    await send_json_error(send, 400, detail, SECURITY_HEADERS)

@@ -15,6 +15,7 @@ from nand.agent.output.session import Session
 from nand.config import AgentConfig
 from nand.errors import ConfigError
 from tests.agent.models import mlp, train
+from tests.agent.test_optimizer_state import counting_norms
 
 NAND = pathlib.Path(nand.__file__).parent
 
@@ -65,19 +66,8 @@ def test_read_params_every_step_turns_the_implied_finite_shortcuts_off():
     def tensors_normed(**options):
         model = mlp()  # 6 parameters
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        counts = []
-        real = torch._foreach_norm
-
-        def counting(tensors, *args, **kwargs):
-            counts.append(len(tensors))
-            return real(tensors, *args, **kwargs)
-
-        torch._foreach_norm = counting  # type: ignore[assignment]
-        try:
-            with nand.watch(model, opt, log_events=False, **options):
-                train(model, opt, 4)
-        finally:
-            torch._foreach_norm = real  # type: ignore[assignment]
+        with counting_norms() as counts, nand.watch(model, opt, log_events=False, **options):
+            train(model, opt, 4)
         return counts
 
     # One launch a step, and the last look at close (the parameters).
