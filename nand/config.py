@@ -83,6 +83,10 @@ NAND_ACK_TIMEOUT_S = "NAND_ACK_TIMEOUT_S"
 NAND_CLOSE_TIMEOUT_S = "NAND_CLOSE_TIMEOUT_S"
 """Seconds ``watch.close()`` and exit may spend flushing to the server. Default 2."""
 
+NAND_SILENCE_WARN_S = "NAND_SILENCE_WARN_S"
+"""Seconds with messages waiting and nothing acknowledged before the agent says
+that nothing reaches the server (once; again at exit). Default 10."""
+
 NAND_TOKEN = "NAND_TOKEN"
 """Shared secret: agents send it in ``hello``; the server requires it from agents
 when set, and always for REST calls that change something (stop)."""
@@ -195,6 +199,8 @@ class TransportConfig:
     #: thread repeats the last one (``keepalive: true``): a rank blocked in a
     #: collective then reads as *stalled* (alive, no progress), not *lost*.
     keepalive_s: float = 10.0
+    #: With messages waiting and nothing acknowledged for this long, say so once.
+    silence_warn_s: float = 10.0
     #: Sent in ``hello``; the server requires it when it has one (``NAND_TOKEN``).
     token: str | None = None
 
@@ -215,6 +221,7 @@ class TransportConfig:
             "curve_server_key": get_str(NAND_CURVE_SERVER_KEY),
             "token": get_str(NAND_TOKEN),
             "keepalive_s": 2 * get_float(NAND_HEARTBEAT_S, cls.keepalive_s / 2),
+            "silence_warn_s": get_float(NAND_SILENCE_WARN_S, cls.silence_warn_s),
         }
         return cls(**values).but(**overrides)
 

@@ -6,7 +6,9 @@ accepted (duplicates too, so the agent can forget them) with
 ``{"kind": "ack", "agent": ..., "seqs": [...]}``, and counts what it rejects
 by reason. It can send a command to an agent, stop and start again on the same
 port, and be told not to answer (``answer=False``: frames are read and thrown
-away, nothing is acknowledged).
+away, nothing is acknowledged), or to acknowledge late (``ack_delay_s``: as a
+server that commits in batches, so an agent with steady traffic always has
+something in flight).
 
 >>> with Receiver() as rx:          # binds tcp://127.0.0.1:<free port>
 ...     endpoint = rx.endpoint      # give this to ServerSink / nand.watch(server=...)
@@ -36,9 +38,12 @@ class Receiver:
         answer: bool = True,
         token: str | None = None,
         curve_secret_key: bytes | None = None,
+        ack_delay_s: float = 0.0,
     ) -> None:
         self.endpoint = endpoint
         self.answer = answer
+        self.ack_delay_s = ack_delay_s
+        self._late_acks: collections.deque[tuple[float, list[bytes]]] = collections.deque()
         self.token = token
         self.curve_secret_key = curve_secret_key
         self.lock = threading.Lock()
@@ -132,10 +137,12 @@ class Receiver:
                         except ValueError:
                             continue  # not [route, frame]
                         self._accept(sock, route, frame, acks)
+                due = time.monotonic() + self.ack_delay_s
                 for (route, agent), seqs in acks.items():
-                    sock.send_multipart(
-                        [route, wire.encode({"kind": "ack", "agent": agent, "seqs": seqs})]
-                    )
+                    ack = wire.encode({"kind": "ack", "agent": agent, "seqs": seqs})
+                    self._late_acks.append((due, [route, ack]))
+                while self._late_acks and self._late_acks[0][0] <= time.monotonic():
+                    sock.send_multipart(self._late_acks.popleft()[1])
                 self._flush_outbox(sock)
         finally:
             sock.close(0)

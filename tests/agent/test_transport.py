@@ -307,7 +307,7 @@ def test_the_sender_never_holds_more_frames_than_queue_max_even_mid_batch(tmp_pa
     sender = Sender(
         "tcp://127.0.0.1:9", Envelope("a1", "run-t", 1), mailbox, settings, tmp_path / "spool"
     )
-    sender._queue = recording = _DequeThatRecordsItsPeak()
+    sender.outbox.queue = recording = _DequeThatRecordsItsPeak()
     sender._route([Outgoing("heartbeat", seq, 0.0, {"step": seq}) for seq in range(1, 13)])
     assert recording.peak <= 5
     assert sender.mode == "spool" and sender.stats["spooled"] == 12

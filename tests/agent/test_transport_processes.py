@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -15,6 +16,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
+from nand import exitcodes
 from nand.agent.identity import Identity
 from nand.agent.transport import spool as sp
 from nand.agent.transport.server_sink import ServerSink
@@ -176,7 +178,16 @@ def test_kill_9_spool_is_replayed_by_nand_spool_replay(tmp_path):
         again = subprocess.run(
             replay, env=_env(tmp_path), capture_output=True, text=True, timeout=60
         )
-        assert again.returncode == 1 and "no spool files" in again.stdout
+        assert again.returncode == exitcodes.NOT_FOUND and "no .spool files there" in again.stderr
+        gone = subprocess.run(
+            [*NAND, "spool", "show", str(tmp_path / "nonexistent")],
+            env=_env(tmp_path),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert gone.returncode == exitcodes.NOT_FOUND
+        assert gone.stderr.startswith("nand: ") and "no such file" in gone.stderr
 
 
 def test_nand_spool_replay_skips_a_live_agents_file_and_needs_a_server(tmp_path):
@@ -185,7 +196,7 @@ def test_nand_spool_replay_skips_a_live_agents_file_and_needs_a_server(tmp_path)
     env = _env(tmp_path)
     args = [*NAND, "spool", "replay", str(tmp_path)]
     out = subprocess.run(args, env=env, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2 and "no server" in out.stdout
+    assert out.returncode == exitcodes.USAGE and "needs a server" in out.stderr
     with Receiver() as rx:
         args += ["--server", rx.endpoint, "--timeout", "2"]
         out = subprocess.run(args, env=env, capture_output=True, text=True, timeout=60)
@@ -219,3 +230,38 @@ def test_at_exit_the_sink_flushes_and_says_bye_only_if_the_process_did_not_crash
         assert rx.all("bye")[0]["body"] == {"step": 7, "reason": "exit"}
     else:
         assert kinds == ["hello", "heartbeat"]  # flushed, but no bye: the server sees a crash
+
+
+NO_SERVER_TRAINING = """
+import time, torch, nand
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+with nand.watch(model, opt, run="nobody-listens"):
+    for step in range(60):
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        time.sleep(0.02)
+"""
+
+
+def test_a_run_whose_server_nobody_reaches_says_so_with_the_spool_and_at_exit(tmp_path):
+    """NAND_SERVER pointing at nothing: not silence, but one line after the
+    grace period and one at exit, each naming the spool and how to replay it."""
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(NO_SERVER_TRAINING))
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        endpoint = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    env = dict(_env(tmp_path), NAND_SERVER=endpoint, NAND_SILENCE_WARN_S="0.5")
+    out = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    spool = tmp_path / "spool" / "nobody-listens" / "rank-0.spool"
+    said = [line for line in out.stderr.splitlines() if "nothing has reached the server" in line]
+    assert len(said) == 1, out.stderr
+    assert str(spool) in said[0] and f"nand spool replay {spool} --server {endpoint}" in said[0]
+    at_exit = [line for line in out.stderr.splitlines() if "did not reach the server" in line]
+    assert len(at_exit) == 1 and str(spool) in at_exit[0], out.stderr
+    assert spool.exists() and sp.read_records(spool)

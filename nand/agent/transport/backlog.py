@@ -8,23 +8,39 @@ aside as ``.corrupt`` (the evidence stays) and a fresh one started. On start,
 spools that dead agents of the rank left behind are adopted: the primary file
 is simply kept, others are appended to it and deleted.
 
-When the spool is full, it is compacted to half its limit (the marked records
-stay: hello, the first incident, bye; heartbeats go first), and every record
-lost that way is counted as dropped ``spool_full``.
+When the spool is full, it is compacted to half its limit: records the server
+already acknowledged go first (they are not losses), then heartbeats, flights
+and events; the marked records stay (hello, the first incident, bye). Every
+record lost that way is counted as dropped ``spool_full``.
+
+When the disk refuses (full, over quota, failing, or the spool cannot be
+opened) the frame is *refused*: the sender keeps it in memory instead, within
+its own bound, and counts what that bound drops as ``disk_full`` (or
+``spool_error``). The disk is tried again after :data:`DISK_RETRY_S`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Literal
 
 from nand.agent.transport import spool as spool_mod
 from nand.agent.transport.mailbox import Mailbox
 from nand.errors import SpoolCorruptError
 
 log = logging.getLogger("nand.agent.transport")
+
+
+#: What :meth:`Backlog.append` did with a frame: on disk; on disk after a
+#: compaction moved the records (offsets changed); refused (keep it in memory).
+Stored = Literal["stored", "moved", "refused"]
+#: After the disk refused a write, it is left alone this long.
+DISK_RETRY_S = 5.0
 
 
 class Backlog:
@@ -42,24 +58,50 @@ class Backlog:
         self.mailbox = mailbox
         self.warn = warn
         self.spool: spool_mod.Spool | None = None
-        self._failed = False
+        #: Records ending at or before this offset are acknowledged (the sender keeps it).
+        self.acked_upto = spool_mod.HEADER_SIZE
+        #: Why the disk refused last (``disk_full`` or ``spool_error``), while it does.
+        self.refusal: str | None = None
+        self._retry_at = 0.0
 
     def __len__(self) -> int:
         return len(self.spool) if self.spool is not None else 0
 
-    def append(self, data: bytes, kind: str, keep: bool) -> bool:
-        """Append one frame; True when a compaction moved the records (offsets changed)."""
+    def append(self, data: bytes, kind: str, keep: bool) -> Stored:
+        """Put one frame on disk, or say it is refused (the caller keeps it)."""
+        if self.refusal is not None and time.monotonic() < self._retry_at:
+            return "refused"
         spool = self._open()
         if spool is None:
-            self.mailbox.drop("spool_error")
-            return False
+            return "refused"
+        try:
+            stored = self._append(spool, data, kind, keep)
+        except OSError as exc:
+            self._refused(exc)
+            return "refused"
+        self.refusal = None
+        return stored
+
+    def _append(self, spool: spool_mod.Spool, data: bytes, kind: str, keep: bool) -> Stored:
         if spool.append(data, kind=kind, keep=keep):
-            return False
-        lost = spool.compact(spool.max_bytes // 2)
+            return "stored"
+        lost = spool.compact(spool.max_bytes // 2, self.acked_upto)
+        self.acked_upto = spool_mod.HEADER_SIZE
         self.mailbox.drop("spool_full", sum(lost.values()))
         if not spool.append(data, kind=kind, keep=keep):
             self.mailbox.drop("spool_full")
-        return True
+        return "moved"
+
+    def _refused(self, exc: OSError) -> None:
+        full = exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+        self.refusal = "disk_full" if full else "spool_error"
+        self._retry_at = time.monotonic() + DISK_RETRY_S
+        self.warn(
+            self.refusal,
+            f"nand: cannot write the spool {self.path} ({exc.strerror or exc}); "
+            "messages are kept in memory meanwhile (the oldest heartbeats are dropped first, "
+            "and counted)",
+        )
 
     def adopt_orphans(self, rank: int) -> bool:
         """Take over what dead agents of this rank spooled; True if there is any."""
@@ -72,6 +114,9 @@ class Backlog:
                 continue  # our own file now: its records stay in place
             try:
                 self.spool.absorb(path)
+            except OSError as exc:  # the disk, not the file: it stays for a later agent
+                self._refused(exc)
+                break
             except Exception as exc:
                 self.warn("orphan", f"nand: cannot replay the spool {path}: {exc}")
                 with contextlib.suppress(OSError):
@@ -81,13 +126,21 @@ class Backlog:
         return len(self.spool) > 0
 
     def _open(self) -> spool_mod.Spool | None:
-        if self.spool is None and not self._failed:
+        if self.spool is None:
             try:
                 self.spool = self._claim()
-            except Exception as exc:
-                self._failed = True
-                self.warn("spool", f"nand: cannot write the spool in {self.path}: {exc}")
+                self.acked_upto = spool_mod.HEADER_SIZE
+            except OSError as exc:
+                self._refused(exc)
+            except Exception as exc:  # (e.g. a corrupt file that cannot be moved aside)
+                self._refused(OSError(errno.EIO, str(exc)))
         return self.spool
+
+    def clear(self) -> None:
+        """Everything on disk was acknowledged: empty the file."""
+        if self.spool is not None:
+            self.spool.clear()
+        self.acked_upto = spool_mod.HEADER_SIZE
 
     def _claim(self) -> spool_mod.Spool:
         try:

@@ -13,7 +13,9 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from nand import exitcodes
 from nand.config import AgentConfig
+from nand.errors import CommandError
 
 
 def register(subparsers: Any) -> None:
@@ -31,17 +33,16 @@ def register(subparsers: Any) -> None:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from nand.agent.transport.replay import replay_file, spool_files
+    from nand.agent.transport.replay import replay_file
 
     settings = AgentConfig.resolve()
     server = args.server or settings.server
     if not server:
-        print("nand spool replay: no server; pass --server tcp://HOST:PORT or set NAND_SERVER")
-        return 2
-    files = spool_files(args.path)
-    if not files:
-        print(f"nand spool replay: no spool files at {args.path}")
-        return 1
+        raise CommandError(
+            "spool replay needs a server; pass --server tcp://HOST:PORT or set NAND_SERVER",
+            exitcodes.USAGE,
+        )
+    files = _existing_spool_files(args.path)
     failed = 0
     for path in files:
         result = replay_file(
@@ -62,10 +63,9 @@ def _replay(args: argparse.Namespace) -> int:
 def _show(args: argparse.Namespace) -> int:
     import msgpack
 
-    from nand.agent.transport.replay import spool_files
     from nand.agent.transport.spool import KIND_NAMES, read_records
 
-    for path in spool_files(args.path):
+    for path in _existing_spool_files(args.path):
         records = read_records(path)
         print(f"{path}: {len(records)} records")
         for tag, payload in records:
@@ -76,3 +76,17 @@ def _show(args: argparse.Namespace) -> int:
                 f"run={message.get('run')} rank={message.get('rank')} bytes={len(payload)}"
             )
     return 0
+
+
+def _existing_spool_files(path: Path) -> list[Path]:
+    from nand.agent.transport.replay import spool_files
+
+    files = spool_files(path)
+    if not files:
+        where = "no such file or directory" if not path.exists() else "no .spool files there"
+        raise CommandError(
+            f"{path}: {where}; spools are under $NAND_SPOOL_DIR "
+            "(default ~/.cache/nand/spool/RUN/rank-N.spool)",
+            exitcodes.NOT_FOUND,
+        )
+    return files

@@ -18,6 +18,8 @@ class Frame:
     data: bytes
     from_spool: bool = False
     deadline: float = 0.0
+    start: int = 0  # a frame read from the spool: the offset of its record
+    sent: bool = False  # put on the socket at least once (the server may have it)
 
 
 @dataclass
@@ -29,12 +31,14 @@ class Envelope:
     rank: int
 
 
-def spooled_frame(payload: bytes, tag: int) -> Frame:
-    """A frame read back from the spool; its (agent, seq) come from the bytes."""
+def spooled_frame(payload: bytes, tag: int, start: int = 0) -> Frame:
+    """A frame read back from the spool (its record at offset ``start``); its
+    (agent, seq) come from the bytes."""
     try:
         message = msgpack.unpackb(payload, raw=False)
         agent, seq = str(message["agent"]), int(message["seq"])
     except Exception:
         agent, seq = "?", -1  # sent anyway: the server counts what it rejects
     kind = spool_mod.KIND_NAMES.get(tag & 0x0F, "event")
-    return Frame(agent, seq, kind, bool(tag & spool_mod.KEEP), payload, from_spool=True)
+    keep = bool(tag & spool_mod.KEEP)
+    return Frame(agent, seq, kind, keep, payload, from_spool=True, start=start)

@@ -1,24 +1,12 @@
-"""The sender thread: owns the ZeroMQ DEALER socket, the in-flight window and the spool.
+"""The sender thread: owns the ZeroMQ DEALER socket; the outbox decides what to send.
 
-Two modes, one order. Every message of this agent is either in flight, in the
-memory queue or in the spool, and they are sent oldest first:
-
-- **direct**: new frames queue in memory and go out through the socket, at
-  most ``window`` unacknowledged at a time.
-- **spool**: entered when the connection drops, a send would block, the
-  oldest frame waits longer than its ack deadline, or memory is over
-  ``queue_max``. Everything not yet acknowledged is appended to the spool, and
-  so is every new frame while the spool holds anything. When the socket is
-  connected, the spool is replayed from its first record (the server drops
-  what it already has); once all of it is acknowledged the file is emptied and
-  the mode is direct again. Going back to the first record after a reconnect
-  is what keeps each agent's messages in order at the server.
-
-The ack deadline of a frame is ``ack_timeout_s * 2**failures`` (at most 60 s)
-with ±20 % jitter, ``failures`` counting the consecutive timeouts; an ack
-resets it. Connection state comes from the socket's monitor (handshake
-succeeded / disconnected); ``ZMQ_IMMEDIATE`` keeps frames from being queued to
-a connection that is not up.
+Each turn of the loop: wait for the socket, a wake-up or the poll interval;
+read the connection state from the socket's monitor (handshake succeeded /
+disconnected; ``ZMQ_IMMEDIATE`` keeps frames from being queued to a
+connection that is not up); read acks and commands; encode what the training
+thread handed over; then let the :class:`~nand.agent.transport.outbox.Outbox`
+resend, spool and send (its docstring tells where each frame is, and in what
+order they go).
 """
 
 from __future__ import annotations
@@ -26,10 +14,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import random
 import threading
 import time
-from collections import OrderedDict, deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -39,15 +25,15 @@ from zmq.utils.monitor import recv_monitor_message
 
 from nand import wire
 from nand.agent.transport import connection
-from nand.agent.transport import spool as spool_mod
 from nand.agent.transport.backlog import Backlog
-from nand.agent.transport.frames import Envelope, Frame, spooled_frame
+from nand.agent.transport.frames import Envelope, Frame
 from nand.agent.transport.mailbox import Mailbox, Outgoing
+from nand.agent.transport.outbox import Outbox
+from nand.agent.transport.silence import Silence
 from nand.config import TransportConfig
 from nand.errors import WireError
 
 log = logging.getLogger("nand.agent.transport")
-_MAX_BACKOFF_S = 60.0
 _UP_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED
 _DOWN_EVENTS = zmq.EVENT_DISCONNECTED
 _FAIL_EVENTS = (
@@ -77,18 +63,14 @@ class Sender(threading.Thread):
         self.spool_path = spool_path
         self.stats = {"routed": 0, "sent": 0, "acked": 0, "spooled": 0, "replayed": 0, "resends": 0}
         self.connected = False
-        self.mode = "direct"
         self.rejected: str | None = None
         self._stop_at: float | None = None
-        self._queue: deque[Frame] = deque()
-        self._inflight: OrderedDict[tuple[str, int], Frame] = OrderedDict()
         self._warned: set[str] = set()
         self.backlog = Backlog(
             spool_path, envelope.agent, settings.spool_max_bytes, mailbox, self._warn
         )
-        self._cursor: int | None = None
-        self._failures = 0
-        self._retry_at = 0.0
+        self.outbox = Outbox(envelope.agent, settings, self.backlog, mailbox, self.stats)
+        self.silence = Silence(endpoint, spool_path, settings.silence_warn_s)
         self._grace_until = time.monotonic() + settings.connect_grace_s
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -114,7 +96,14 @@ class Sender(threading.Thread):
 
     @property
     def memory_frames(self) -> int:
-        return len(self._queue) + sum(1 for f in self._inflight.values() if not f.from_spool)
+        return self.outbox.memory_frames
+
+    @property
+    def mode(self) -> str:
+        return self.outbox.mode
+
+    def has_unacked(self) -> bool:
+        return self.outbox.has_unacked()
 
     # --- the thread ---------------------------------------------------------
 
@@ -150,7 +139,7 @@ class Sender(threading.Thread):
         self.poller.register(self.monitor, zmq.POLLIN)
         self.poller.register(self._wake_r, zmq.POLLIN)
         if self.backlog.adopt_orphans(self.envelope.rank):
-            self.mode = "spool"
+            self.outbox.mode = "spool"
 
     def _step(self) -> bool:
         """One turn of the loop; True when the thread should end."""
@@ -158,17 +147,19 @@ class Sender(threading.Thread):
         self._read_monitor()
         self._read_incoming()
         self._route(self.mailbox.take_all())
-        self._check_deadlines()
+        self.outbox.check_deadlines(self.connected, self._grace_until)
         self._pump()
+        self.outbox.settle()
+        self.silence.check(self.connected, self.rejected, self.outbox.has_unacked())
         if self.on_idle is not None and self._stop_at is None:
             self.on_idle()
         return self._stop_at is not None
 
     def _poll_timeout(self) -> float:
         timeout = self.settings.poll_interval_s
-        if self._inflight:
-            first = next(iter(self._inflight.values()))
-            timeout = min(timeout, max(0.0, first.deadline - time.monotonic()))
+        deadline = self.outbox.oldest_deadline()
+        if deadline is not None:
+            timeout = min(timeout, max(0.0, deadline - time.monotonic()))
         return timeout
 
     def _poll(self, timeout: float) -> None:
@@ -184,11 +175,10 @@ class Sender(threading.Thread):
             event = recv_monitor_message(self.monitor)["event"]
             if event & _UP_EVENTS:
                 self.connected = True
-                if self.mode == "spool":
-                    self._cursor = None  # replay from the first record
+                self.outbox.reconnected()
             elif event & _DOWN_EVENTS and self.connected:
                 self.connected = False
-                self._to_spool()
+                self.outbox.to_spool()
             elif event & _FAIL_EVENTS:
                 self._warn("handshake", f"nand: handshake with {self.endpoint} failed")
 
@@ -208,11 +198,9 @@ class Sender(threading.Thread):
     def _handle(self, message: dict[str, Any]) -> None:
         kind = message["kind"]
         if kind == "ack":
-            agent = message.get("agent") or self._inflight_agent() or self.envelope.agent
-            for seq in message["seqs"]:
-                if self._inflight.pop((agent, seq), None) is not None:
-                    self.stats["acked"] += 1
-                    self._failures = 0
+            agent = message.get("agent") or self.outbox.inflight_agent() or self.envelope.agent
+            self.outbox.acked(agent, message["seqs"])
+            self.silence.heard()
         elif kind == "command":
             self.mailbox.add_command({k: v for k, v in message.items() if k != "v"})
         elif kind == "reject":
@@ -233,16 +221,8 @@ class Sender(threading.Thread):
                 continue
             if self.rejected is not None:
                 self.mailbox.drop("rejected")
-            elif self.mode == "spool":
-                self._append_to_spool(frame)
-            elif self.memory_frames >= self.settings.queue_max:
-                # Checked before each frame, not after: a whole batch (up to
-                # the mailbox's size) must not sit in memory beyond the bound,
-                # not even for the moment before it is spooled.
-                self._to_spool()
-                self._append_to_spool(frame)
             else:
-                self._queue.append(frame)
+                self.outbox.add(frame)
         self.stats["routed"] += len(batch)
 
     def _encode(self, out: Outgoing) -> Frame | None:
@@ -259,94 +239,19 @@ class Sender(threading.Thread):
             return None
         return Frame(env.agent, out.seq, out.kind, out.keep, data)
 
-    def _to_spool(self) -> None:
-        """Move everything unacknowledged that is only in memory to the spool."""
-        pending = [f for f in self._inflight.values() if not f.from_spool]
-        pending.extend(self._queue)
-        self.mode = "spool"
-        self._cursor = None
-        # Write first, forget after: flush() (another thread) must never see a
-        # moment where a frame is neither in memory nor on disk.
-        for frame in pending:
-            self._append_to_spool(frame)
-        self._queue.clear()
-        self._inflight.clear()
-
-    def _append_to_spool(self, frame: Frame) -> None:
-        if self.backlog.append(frame.data, frame.kind, frame.keep):
-            self._cursor = None  # a compaction moved the records: replay from the start
-            self._inflight.clear()
-        self.stats["spooled"] += 1
-
     # --- sending --------------------------------------------------------------
 
-    def _check_deadlines(self) -> None:
-        now = time.monotonic()
-        if self.mode == "direct" and not self.connected and now > self._grace_until:
-            self._to_spool()  # never connected yet: keep messages on disk, not in memory
-        if self._inflight and next(iter(self._inflight.values())).deadline < now:
-            self._failures += 1
-            self.stats["resends"] += 1
-            self._to_spool()
-
-    def _deadline(self) -> float:
-        base = min(_MAX_BACKOFF_S, self.settings.ack_timeout_s * 2.0 ** min(self._failures, 10))
-        return time.monotonic() + base * random.uniform(0.8, 1.2)
-
     def _pump(self) -> None:
-        if not self.connected or self.rejected is not None:
-            return
-        if self.mode == "direct":
-            while self._queue and len(self._inflight) < self.settings.window:
-                if not self._send(self._queue[0]):
-                    return
-                self._queue.popleft()
-        elif time.monotonic() >= self._retry_at:
-            self._replay()
-
-    def _inflight_agent(self) -> str | None:
-        """The agent whose frames are in flight: there is only ever one.
-
-        A spool may hold frames of earlier agents of this rank. Sending one
-        agent's frames at a time lets an ack that does not name its agent
-        (allowed by the wire format) still be matched without doubt.
-        """
-        return next(iter(self._inflight))[0] if self._inflight else None
+        if self.connected and self.rejected is None:
+            self.outbox.pump(self._send)
 
     def _send(self, frame: Frame) -> bool:
+        """Put one frame on the socket; False when it would block."""
         try:
             self.sock.send(frame.data, zmq.NOBLOCK)
-        except zmq.Again:  # not connected after all, or the peer is not reading
-            self._to_spool()
-            self._retry_at = time.monotonic() + min(_MAX_BACKOFF_S, 0.5 * 2**self._failures)
+        except zmq.Again:
             return False
-        frame.deadline = self._deadline()
-        self._inflight[(frame.agent, frame.seq)] = frame
-        self.stats["sent"] += 1
         return True
-
-    def _replay(self) -> None:
-        spool = self.backlog.spool
-        if spool is None:
-            self.mode = "direct"
-            return
-        if self._cursor is None:
-            self._cursor = spool_mod.HEADER_SIZE
-            self._inflight.clear()
-        room = self.settings.window - len(self._inflight)
-        if room > 0 and self._cursor < spool.size:
-            for end, tag, payload in spool.read_from(self._cursor, max_records=room):
-                frame = spooled_frame(payload, tag)
-                if self._inflight and frame.agent != self._inflight_agent():
-                    break  # one agent in flight at a time: see _inflight_agent
-                if not self._send(frame):
-                    return
-                self._cursor = end
-                self.stats["replayed"] += 1
-        if self._cursor >= spool.size and not self._inflight:
-            spool.clear()
-            self.mode = "direct"
-            self._cursor = None
 
     # --- shutdown ---------------------------------------------------------------
 
@@ -354,7 +259,7 @@ class Sender(threading.Thread):
         """Flush with the time left before the deadline; spool what is left."""
         deadline = self._stop_at or time.monotonic()
         reserve = min(0.5, 0.25 * max(0.0, deadline - time.monotonic()))
-        while self.has_unacked() and time.monotonic() < deadline - reserve:
+        while self.outbox.has_unacked() and time.monotonic() < deadline - reserve:
             with contextlib.suppress(Exception):
                 self._poll(min(0.02, max(0.0, deadline - reserve - time.monotonic())))
                 self._read_monitor()
@@ -365,13 +270,13 @@ class Sender(threading.Thread):
                 break
         with contextlib.suppress(Exception):
             self._route(self.mailbox.take_all())
-            if self.mode == "direct" and self.has_unacked():
-                self._to_spool()
+            if self.outbox.mode == "direct" and self.outbox.has_unacked():
+                self.outbox.to_spool()
+            self.outbox.lose_memory()
+            with self.mailbox.lock:
+                lost = dict(self.mailbox.dropped)
+            self.silence.at_exit(len(self.backlog), lost)
         self._release()
-
-    def has_unacked(self) -> bool:
-        spooled = self.mode == "spool" and len(self.backlog) > 0
-        return bool(self._queue or self._inflight or spooled)
 
     def _release(self) -> None:
         self.backlog.close()

@@ -41,6 +41,7 @@ True
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import re
@@ -187,14 +188,29 @@ class Spool:
         return self.size - HEADER_SIZE
 
     def append(self, payload: bytes, *, kind: str, keep: bool = False) -> bool:
-        """Append one frame; False when it does not fit even after compaction."""
+        """Append one frame; False when it would take the file past ``max_bytes``.
+
+        Raises ``OSError`` when the disk refuses the write (full, over quota,
+        failing); the file is then cut back to its last whole record, so a
+        later append does not follow a torn one.
+        """
         tag = KIND_CODES[kind] | (KEEP if keep else 0)
         record = encode_record(payload, tag)
         if self.size + len(record) > self.max_bytes:
             return False
-        os.write(self._fd, record)
-        self.size += len(record)
+        self._write_whole(record)
         return True
+
+    def _write_whole(self, record: bytes) -> None:
+        try:
+            written = os.write(self._fd, record)
+            if written != len(record):  # the disk filled up in the middle of it
+                raise OSError(errno.ENOSPC, f"short write to {self.path} (disk full)")
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, self.size)
+            raise
+        self.size += len(record)
 
     def read_from(
         self, offset: int, max_records: int = 1000, max_bytes: int = 8 << 20
@@ -213,10 +229,14 @@ class Spool:
             out.append((offset, tag, payload))
         return out
 
-    def compact(self, target_bytes: int) -> dict[str, int]:
-        """Rewrite the file within ``target_bytes``; return the dropped kinds."""
+    def compact(self, target_bytes: int, acked_upto: int = HEADER_SIZE) -> dict[str, int]:
+        """Rewrite the file within ``target_bytes``; return the dropped kinds.
+
+        Records that end at or before ``acked_upto`` were acknowledged by the
+        server: they go first, and are not losses.
+        """
         data = os.pread(self._fd, self.size, 0)
-        records = [(tag, payload) for _, tag, payload in scan(data)]
+        records = [(tag, payload) for end, tag, payload in scan(data) if end > acked_upto]
         size = HEADER_SIZE + sum(RECORD_OVERHEAD + len(p) for _, p in records)
         victims = sorted(
             (i for i, (tag, _) in enumerate(records) if not tag & KEEP),
@@ -244,11 +264,14 @@ class Spool:
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            os.write(fd, content)
+            if os.write(fd, content) != len(content):
+                raise OSError(errno.ENOSPC, f"short write to {tmp} (disk full)")
             os.fsync(fd)
             os.rename(tmp, self.path)
         except BaseException:
             os.close(fd)
+            with contextlib.suppress(OSError):
+                tmp.unlink()  # (a full disk: the old file stays whole and in use)
             raise
         os.close(self._fd)
         self._fd = fd
@@ -262,11 +285,16 @@ class Spool:
     def absorb(self, other: Path) -> int:
         """Append the whole records of a dead agent's spool, then delete it."""
         count = 0
-        for tag, payload in read_records(other):
-            record = encode_record(payload, tag)
-            os.write(self._fd, record)
-            self.size += len(record)
-            count += 1
+        before = self.size
+        try:
+            for tag, payload in read_records(other):
+                self._write_whole(encode_record(payload, tag))
+                count += 1
+        except OSError:  # (a full disk: the dead agent's file stays for later)
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, before)
+            self.size = before
+            raise
         other.unlink()
         return count
 
