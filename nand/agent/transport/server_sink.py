@@ -3,9 +3,10 @@
 The training thread only appends to a bounded mailbox under a lock
 (:mod:`nand.agent.transport.mailbox`); a named daemon thread (:mod:`nand.agent.transport.sender`)
 owns the ZeroMQ DEALER socket, encodes, sends, resends, spools to disk
-(:mod:`nand.agent.transport.spool`) and reads acks and commands. Files: ``transport``
-(this API) → ``mailbox`` (hand-off) → ``sender`` (the thread) → ``connection``
-(socket options) and ``backlog`` → ``spool`` (disk).
+(:mod:`nand.agent.transport.spool`) and reads acks and commands. Files: ``server_sink``
+(this API) → ``mailbox`` (hand-off) → ``sender`` (the thread, ``connection`` its socket
+options, ``silence`` what it says when nothing gets through) → ``outbox`` (where each
+unacknowledged frame is) → ``backlog`` → ``spool`` (disk).
 
 Semantics the server relies on (see :mod:`nand.wire` for the messages):
 
