@@ -8,7 +8,7 @@ Every message is one msgpack map (one ZeroMQ frame)::
       hello      body = {identity..., "versions", "device", "modules", "optimizer", "token"?,
                          "launch"?}  launch: NAND_LAUNCH, tells a rerun under the same run apart
       event      body = {"event": Event.to_dict(), "flight": FlightWindow.to_dict() | None}
-      heartbeat  body = StepSummary.to_dict() [+ "dropped": {reason: count}, cumulative]
+      heartbeat  body = StepSummary.to_dict()
       flight     body = {"flight": FlightWindow.to_dict(), "reason": str}
       bye        body = {"step": int, "reason": str}
 
@@ -251,36 +251,6 @@ def _validate_heartbeat(message: Mapping[str, Any]) -> None:
     _non_negative(_require(body, "step", _INT, "heartbeat"), "heartbeat.step")
     for key in ("steps_per_s", "loss", "grad_norm", "max_activation", "amp_scale"):
         _require(body, key, _NUM, "heartbeat", optional=True)
-    dropped = _require(body, "dropped", (dict,), "heartbeat", optional=True)
-    if dropped is not None:
-        _validate_dropped(dropped)
-
-
-#: Why an agent loses messages (``dropped`` in its heartbeats; the metrics
-#: fold any other name into ``other``).
-DROP_REASONS = (
-    "queue_full",
-    "spool_full",
-    "disk_full",
-    "spool_error",
-    "too_large",
-    "encode_error",
-    "rejected",
-    "closed",
-    "commands_full",
-)
-#: At most this many loss reasons in a heartbeat's ``dropped``, each name this long.
-MAX_DROP_REASONS, MAX_REASON_CHARS = 32, 64
-
-
-def _validate_dropped(dropped: Mapping[str, Any]) -> None:
-    """``{"reason": count}``: the agent's cumulative losses (see nand.agent.transport.mailbox)."""
-    if len(dropped) > MAX_DROP_REASONS:
-        raise WireError("bad_field", f"heartbeat.dropped has {len(dropped)} reasons")
-    for reason in dropped:
-        if not isinstance(reason, str) or not 0 < len(reason) <= MAX_REASON_CHARS:
-            raise WireError("bad_field", f"heartbeat.dropped reason {reason!r}")
-        _non_negative(_require(dropped, reason, _INT, "heartbeat.dropped"), "heartbeat.dropped")
 
 
 def _validate_flight_message(message: Mapping[str, Any]) -> None:

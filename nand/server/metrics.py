@@ -32,7 +32,7 @@ from prometheus_client import (
 
 from nand.events import RUN_STATES
 from nand.server.admission import IDENTITY_REASONS
-from nand.wire import DROP_REASONS, REASONS
+from nand.wire import REASONS
 
 __all__ = ["CONTENT_TYPE", "Metrics"]
 
@@ -52,13 +52,6 @@ class Metrics:
         self._counters()
         self._histograms()
         self._runs = Gauge("nand_runs", "Runs by state.", ["state"], registry=self.registry)
-        self._dropped = Gauge(
-            "nand_agent_dropped_messages",
-            "Messages agents lost before they reached the server, by reason, summed over the "
-            "ranks of the listed runs (as each rank's latest heartbeat counted them).",
-            ["reason"],
-            registry=self.registry,
-        )
 
     def _counters(self) -> None:
         def counter(name: str, help_text: str, labels: tuple[str, ...] = ()) -> Counter:
@@ -129,14 +122,7 @@ class Metrics:
     def request(self, method: str, route: str, status: int, seconds: float) -> None:
         self._requests.labels(method, route, str(status)).observe(seconds)
 
-    def render(
-        self, runs_by_state: Mapping[str, int], dropped: Mapping[str, int] | None = None
-    ) -> str:
+    def render(self, runs_by_state: Mapping[str, int]) -> str:
         for state in RUN_STATES:
             self._runs.labels(state).set(runs_by_state.get(state, 0))
-        by_reason = {reason: 0 for reason in (*DROP_REASONS, "other")}
-        for reason, n in (dropped or {}).items():
-            by_reason[reason if reason in by_reason else "other"] += n
-        for reason, n in by_reason.items():
-            self._dropped.labels(reason).set(n)
         return generate_latest(self.registry).decode()

@@ -88,8 +88,6 @@ class Rank(Base):
     first_micro_step: Mapped[int | None] = mapped_column(Integer, nullable=True)
     first_phase_rank: Mapped[int | None] = mapped_column(Integer, nullable=True)
     first_order: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    #: Messages its agent lost, by reason, as its latest heartbeat counted them.
-    dropped: Mapped[dict[str, int] | None] = mapped_column(JSON, nullable=True)
 
 
 class EventRow(Base):

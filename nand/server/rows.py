@@ -74,7 +74,6 @@ def progress_params(rank_id: int, row: dict[str, Any], now: float) -> dict[str, 
         "hb_gn": row["grad_norm"],
         "hb_act": row["max_activation"],
         "hb_amp": skipped if isinstance(skipped, int) and not isinstance(skipped, bool) else 0,
-        "hb_dropped": row.get("dropped") or None,
     }
 
 

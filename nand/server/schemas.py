@@ -181,10 +181,6 @@ class RankStatus(BaseModel):
     grad_norm: float | None = None
     max_activation: float | None = None
     amp_skipped: int = 0
-    #: Messages its agent lost before they reached the server, by reason
-    #: (``queue_full``, ``spool_full``, ``disk_full``...): gaps in what is shown.
-    dropped: dict[str, int] = {}
-    dropped_total: int = 0
     first_event: EventOut | None = None
     relation: Relation | None = None
     #: Whether this rank sent a flight-recorder window (``/flight?rank=`` has one).

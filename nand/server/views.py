@@ -230,8 +230,6 @@ def rank_statuses(
             grad_norm=rank.grad_norm,
             max_activation=rank.max_activation,
             amp_skipped=rank.amp_skipped,
-            dropped=rank.dropped or {},
-            dropped_total=sum((rank.dropped or {}).values()),
             first_event=event_out(event, run.name) if event is not None else None,
             relation=relations.get(rank.rank),
             has_flight=rank.rank in with_flight,

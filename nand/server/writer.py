@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import (
-    JSON,
     Connection,
     Engine,
     Insert,
@@ -257,12 +256,7 @@ def _store_heartbeats(
     for message, row in zip(beats, rows, strict=True):
         rank_id = rank_ids[_rank_key(message, run_ids)]
         if rank_id not in latest or latest[rank_id]["step"] <= row["step"]:
-            body = message["body"]
-            latest[rank_id] = {
-                **row,
-                "amp_skipped": body.get("amp_skipped"),
-                "dropped": body.get("dropped"),
-            }
+            latest[rank_id] = {**row, "amp_skipped": message["body"].get("amp_skipped")}
     conn.execute(_RANK_PROGRESS, [build.progress_params(r, row, now) for r, row in latest.items()])
 
 
@@ -279,7 +273,6 @@ _RANK_PROGRESS = (
         grad_norm=bindparam("hb_gn"),
         max_activation=bindparam("hb_act"),
         amp_skipped=bindparam("hb_amp"),
-        dropped=bindparam("hb_dropped", type_=JSON),
     )
 )
 

@@ -12,30 +12,6 @@ import { stopButton } from "./stop.js";
 import { healthStrip } from "./strip.js";
 import { verdictCard } from "./verdict.js";
 
-/**
- * Ranks whose agent lost messages before they reached the server (queue or
- * spool full, disk full...): what the page shows for them has gaps.
- * @returns {Node} the notice, or an empty text node when nothing was lost
- */
-function gapsNotice(ranks) {
-  const lossy = ranks.filter((r) => r.dropped_total > 0);
-  if (!lossy.length) return document.createTextNode("");
-  const lines = lossy.map((r) => {
-    const reasons = Object.entries(r.dropped)
-      .sort((a, b) => b[1] - a[1])
-      .map(([reason, n]) => `${reason} ${count(n)}`)
-      .join(", ");
-    return el("li", {}, `rank ${r.rank} dropped ${count(r.dropped_total)} messages (${reasons})`);
-  });
-  return el(
-    "div",
-    { class: "gaps", role: "status" },
-    el("strong", {}, "This run has gaps. "),
-    "Some messages never reached the server, so charts and events may miss steps:",
-    el("ul", {}, ...lines),
-  );
-}
-
 const CURVES = [
   { key: "loss", title: "Loss", log: false },
   { key: "grad_norm", title: "Gradient norm", log: true },
@@ -107,7 +83,6 @@ export function runPage(main, runId, params) {
     const slots = {
       head: el("div", {}, header(detail)),
       verdict: el("div", {}, verdictCard(detail.verdict, detail)),
-      gaps: el("div", {}, gapsNotice(ranks)),
       strip: el("div", {}),
       curves: el("div", {}),
     };
@@ -115,7 +90,6 @@ export function runPage(main, runId, params) {
     main.append(
       el("div", { class: "page-head run-head" }, slots.head, stop.node),
       slots.verdict,
-      slots.gaps,
       panel(
         "ranks",
         "Ranks over time",
@@ -186,7 +160,6 @@ export function runPage(main, runId, params) {
       clear(parts.slots.head).append(header(next.detail));
       parts.stop.sync(next.detail);
       clear(parts.slots.verdict).append(verdictCard(next.detail.verdict, next.detail));
-      clear(parts.slots.gaps).append(gapsNotice(next.ranks));
       drawVisuals();
       if (next.detail.event_count !== before.event_count) parts.table.changed();
       if (!before.verdict.origin && next.detail.verdict.origin) {

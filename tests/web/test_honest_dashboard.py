@@ -176,19 +176,3 @@ def test_charts_and_heatmap_write_numbers_the_same_way(page, dashboard: Dashboar
     )
     assert texts["num"] == ["1e6", "1e7", "1,000", "3.4e38"]
     assert set(texts["ticks"]) <= {"100", "1,000", "10,000", "100,000", "1e6", "1e7", "1e8"}, texts
-
-
-def test_a_run_with_lost_messages_says_it_has_gaps_per_rank(page, dashboard: Dashboard) -> None:
-    from tests.server.test_rank_losses import lossy_agent
-
-    lost = lossy_agent(dashboard.server.zmq_endpoint, "gappy-web", rank=1, token=dashboard.token)
-    open_run(page, dashboard, "gappy-web")
-    gaps = page.locator(".gaps")
-    expect(gaps).to_contain_text("This run has gaps")
-    total = sum(lost.values())
-    expect(gaps).to_contain_text(f"rank 1 dropped {total:,} messages")
-    expect(gaps).to_contain_text(f"queue_full {lost['queue_full']:,}")
-    expect(gaps).to_contain_text("too_large 1")
-    screenshot(page, "run-with-gaps")
-    open_run(page, dashboard, dashboard.healthy.run)
-    expect(page.locator(".gaps")).to_have_count(0)

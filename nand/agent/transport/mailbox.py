@@ -5,8 +5,9 @@ on; the sender thread takes them all at once. The mailbox is bounded: when it
 is full a heartbeat makes room by dropping the oldest heartbeat, a message
 marked ``keep`` (hello, the first incident, bye) by dropping the oldest
 unmarked one, and anything else is dropped itself. Every loss is counted by
-reason (:data:`nand.wire.DROP_REASONS`) and reported in the next heartbeat as
-``dropped``; the server shows them per rank.
+reason (``queue_full``, ``spool_full``, ``disk_full``, ``spool_error``,
+``too_large``, ``encode_error``, ``rejected``, ``closed``, ``commands_full``)
+and reported in the next heartbeat as ``dropped``.
 """
 
 from __future__ import annotations

@@ -65,9 +65,4 @@ def metrics(state: StateDep, session: SessionDep) -> PlainTextResponse:
     by_state: Counter[str] = Counter(
         views.run_summary(r, ranks[r.id], state.settings, now).state for r in runs
     )
-    dropped: Counter[str] = Counter()
-    for rows in ranks.values():
-        for rank, _ in rows:
-            dropped.update(rank.dropped or {})
-    body = state.metrics.render(by_state, dropped)
-    return PlainTextResponse(body, media_type=CONTENT_TYPE)
+    return PlainTextResponse(state.metrics.render(by_state), media_type=CONTENT_TYPE)
