@@ -126,6 +126,9 @@ class Verdict(BaseModel):
     dropped: dict[str, int] = Field(default_factory=dict)
     #: The ranks that dropped any: the server's record of them has gaps.
     ranks_with_gaps: list[int] = Field(default_factory=list)
+    #: The gaps in one sentence ("Rank 3 dropped 1,204 messages before the
+    #: server had them (spool_full 1,000, rejected 204): …"); "" without any.
+    gaps_summary: str = ""
 
 
 class RunSummary(BaseModel):

@@ -135,14 +135,13 @@ def _losses(ranks: RankRows) -> dict[str, Any]:
 
 
 def _gaps(ranks: RankRows) -> dict[str, Any]:
-    """A verdict's loss fields: the run's totals and which ranks have gaps."""
+    """A verdict's loss fields: the run's totals, which ranks have gaps, in words."""
     by_rank = losses.per_rank(rank for rank, _ in ranks)
-    return {**_losses(ranks), "ranks_with_gaps": sorted(by_rank)}
-
-
-def _with_gaps(text: str, ranks: RankRows) -> str:
-    gaps = losses.sentence(losses.per_rank(rank for rank, _ in ranks))
-    return f"{text} {gaps}" if text and gaps else text or gaps
+    return {
+        **_losses(ranks),
+        "ranks_with_gaps": sorted(by_rank),
+        "gaps_summary": losses.sentence(by_rank),
+    }
 
 
 def verdict(session: Session, run: Run, ranks: RankRows, settings: Settings, now: float) -> Verdict:
@@ -160,7 +159,7 @@ def verdict(session: Session, run: Run, ranks: RankRows, settings: Settings, now
             run=run.name,
             **_attempt_fields(run),
             state=state,
-            summary=_with_gaps(text, ranks),
+            summary=text,
             stop=stop,
             stoppable=stoppable,
             **_gaps(ranks),
@@ -179,11 +178,8 @@ def verdict(session: Session, run: Run, ranks: RankRows, settings: Settings, now
         ranks_received=sorted(r for r, k in relations.items() if k == "received"),
         simultaneous=any(k == "simultaneous" for k in relations.values()),
         hint=hint,
-        summary=_with_gaps(
-            summary.diverged_summary(
-                firsts, world, hint, evidence, devices={r.rank: r.device for r, _ in ranks}
-            ),
-            ranks,
+        summary=summary.diverged_summary(
+            firsts, world, hint, evidence, devices={r.rank: r.device for r, _ in ranks}
         ),
         since=head.time,
         stop=stop,

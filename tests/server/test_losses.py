@@ -65,8 +65,11 @@ def test_a_rank_with_several_agents_sums_them_and_the_run_says_it_has_gaps(serve
     ]
     verdict = httpx.get(f"{server.http_url}/api/runs/two-agents/verdict").json()
     assert verdict["ranks_with_gaps"] == [1] and verdict["messages_dropped"] == 12
-    assert "Rank 1 dropped 12 messages before the server had them" in verdict["summary"]
-    assert "(queue_full 10, spool_full 2)" in verdict["summary"]
+    assert verdict["gaps_summary"] == (
+        "Rank 1 dropped 12 messages before the server had them (queue_full 10, spool_full 2): "
+        "its record here has gaps."
+    )
+    assert "dropped" not in verdict["summary"]  # the verdict's reasoning stays as it was
     listed = httpx.get(f"{server.http_url}/api/runs").json()
     assert next(r for r in listed if r["run"] == "two-agents")["messages_dropped"] == 12
 
@@ -79,7 +82,7 @@ def test_a_run_without_losses_says_nothing_about_gaps(server, agents) -> None:
     a.wait_acked()
     verdict = httpx.get(f"{server.http_url}/api/runs/whole/verdict").json()
     assert (verdict["messages_dropped"], verdict["ranks_with_gaps"]) == (0, [])
-    assert "dropped" not in verdict["summary"]
+    assert verdict["gaps_summary"] == ""
     assert httpx.get(f"{server.http_url}/api/runs/whole").json()["gaps"] == []
 
 
