@@ -60,6 +60,35 @@ RANK_STATES: tuple[RankState, ...] = get_args(RankState)
 Relation = Literal["origin", "simultaneous", "received", "produced"]
 RELATIONS: tuple[Relation, ...] = get_args(Relation)
 
+#: Why an agent dropped messages before the server had them (its transport
+#: counts them and sends the cumulative counts in every heartbeat as ``dropped``):
+#:
+#: - ``queue_full``: the in-memory hand-off queue was full (``NAND_QUEUE_MAX``)
+#: - ``spool_full``: the disk spool was full and compacted (``NAND_SPOOL_MAX_BYTES``)
+#: - ``disk_full``: the disk under the spool was full, and memory could hold no more
+#: - ``spool_error``: the spool could not be written
+#: - ``too_large``: one message was larger than a frame may be
+#: - ``encode_error``: a message could not be encoded
+#: - ``rejected``: the server rejected the agent (a bad token), which stopped sending
+#: - ``closed``: a message came after the agent was closed
+#: - ``commands_full``: the server's commands piled up unread on the agent
+#:
+#: A newer agent may send a reason not listed here; the wire accepts it if it
+#: is a short identifier, the REST API shows it as sent and ``/metrics`` counts
+#: it as ``other``.
+DropReason = Literal[
+    "queue_full",
+    "spool_full",
+    "disk_full",
+    "spool_error",
+    "too_large",
+    "encode_error",
+    "rejected",
+    "closed",
+    "commands_full",
+]
+DROP_REASONS: tuple[DropReason, ...] = get_args(DropReason)
+
 
 def phase_of(value: str) -> Phase:
     """``value`` as a :data:`Phase` (stored values were checked on the wire)."""

@@ -8,7 +8,10 @@ Every message is one msgpack map (one ZeroMQ frame)::
       hello      body = {identity..., "versions", "device", "modules", "optimizer", "token"?,
                          "launch"?}  launch: NAND_LAUNCH, tells a rerun under the same run apart
       event      body = {"event": Event.to_dict(), "flight": FlightWindow.to_dict() | None}
-      heartbeat  body = StepSummary.to_dict()
+      heartbeat  body = StepSummary.to_dict() + {"dropped"?: {reason: n}}  the agent's
+                 cumulative losses by reason (DROP_REASONS in nand.events; another short
+                 identifier is accepted from a newer agent): at most MAX_DROP_REASONS
+                 entries, counts 0 <= n <= 2**63 - 1
       flight     body = {"flight": FlightWindow.to_dict(), "reason": str}
       bye        body = {"step": int, "reason": str}
 
@@ -39,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -70,6 +74,13 @@ REASONS = (
     "bad_field",
     "unauthenticated",
 )
+
+
+#: A heartbeat's ``dropped`` map: at most this many reasons (the agent has 8),
+#: each a short identifier, each count a non-negative 64-bit integer.
+MAX_DROP_REASONS = 32
+DROP_REASON_PATTERN = re.compile(r"[a-z][a-z0-9_]{0,39}")
+MAX_DROP_COUNT = 2**63 - 1
 
 
 def encode(message: Mapping[str, Any]) -> bytes:
@@ -251,6 +262,31 @@ def _validate_heartbeat(message: Mapping[str, Any]) -> None:
     _non_negative(_require(body, "step", _INT, "heartbeat"), "heartbeat.step")
     for key in ("steps_per_s", "loss", "grad_norm", "max_activation", "amp_scale"):
         _require(body, key, _NUM, "heartbeat", optional=True)
+    validate_dropped(_require(body, "dropped", (dict,), "heartbeat", optional=True))
+
+
+def validate_dropped(dropped: Mapping[str, Any] | None, where: str = "heartbeat.dropped") -> None:
+    """Check a heartbeat's cumulative loss counts ``{reason: n}`` (absent: none).
+
+    >>> validate_dropped({"spool_full": 1000, "queue_full": 0})
+    >>> validate_dropped({"spool_full": -1})
+    Traceback (most recent call last):
+    nand.errors.WireError: bad_field: heartbeat.dropped['spool_full'] is negative
+    """
+    if dropped is None:
+        return
+    if len(dropped) > MAX_DROP_REASONS:
+        raise WireError("bad_field", f"{where} has {len(dropped)} reasons > {MAX_DROP_REASONS}")
+    for reason, count in dropped.items():
+        if not isinstance(reason, str) or not DROP_REASON_PATTERN.fullmatch(reason):
+            shown = reason[:64] if isinstance(reason, str | bytes) else reason
+            raise WireError("bad_field", f"{where} reason {shown!r} is not a short identifier")
+        if isinstance(count, bool) or not isinstance(count, int):
+            raise WireError("bad_field", f"{where}[{reason!r}] is {type(count).__name__}, not int")
+        if count < 0:
+            raise WireError("bad_field", f"{where}[{reason!r}] is negative")
+        if count > MAX_DROP_COUNT:
+            raise WireError("bad_field", f"{where}[{reason!r}] is beyond 2**63 - 1")
 
 
 def _validate_flight_message(message: Mapping[str, Any]) -> None:

@@ -7,11 +7,21 @@ and ``nand_runs`` by state, which comes from the database at scrape time, so
 it is the same on every server sharing it. Counters are per process, as
 Prometheus expects: scrape every server.
 
+Losses the agents reported (:mod:`nand.server.losses`) come from the database
+too, over the same live runs as ``nand_runs``: ``nand_agent_messages_dropped``
+by reason and ``nand_runs_with_gaps``. They are gauges (a pruned run takes its
+losses with it) labelled by reason only, the known reasons and ``other``:
+never by run or rank, whose numbers have no bound; which ranks dropped what
+is in the REST API (``/api/runs/{run}/ranks``, the verdict).
+
 >>> m = Metrics()
 >>> m.rejected("not_msgpack")
 >>> 'nand_messages_rejected_total{reason="not_msgpack"} 1.0' in m.render({"healthy": 2})
 True
 >>> 'nand_runs{state="healthy"} 2.0' in m.render({"healthy": 2})
+True
+>>> text = m.render({}, dropped={"spool_full": 1000}, runs_with_gaps=1)
+>>> 'nand_agent_messages_dropped{reason="spool_full"} 1000.0' in text
 True
 """
 
@@ -31,6 +41,7 @@ from prometheus_client import (
 )
 
 from nand.events import RUN_STATES
+from nand.server import losses
 from nand.server.admission import IDENTITY_REASONS
 from nand.wire import REASONS
 
@@ -52,6 +63,18 @@ class Metrics:
         self._counters()
         self._histograms()
         self._runs = Gauge("nand_runs", "Runs by state.", ["state"], registry=self.registry)
+        self._dropped = Gauge(
+            "nand_agent_messages_dropped",
+            "Messages the agents of the live runs dropped before a server had them, "
+            "by reason (their cumulative counts; unknown reasons as other).",
+            ["reason"],
+            registry=self.registry,
+        )
+        self._gappy = Gauge(
+            "nand_runs_with_gaps",
+            "Live runs with a rank that dropped messages.",
+            registry=self.registry,
+        )
 
     def _counters(self) -> None:
         def counter(name: str, help_text: str, labels: tuple[str, ...] = ()) -> Counter:
@@ -122,7 +145,16 @@ class Metrics:
     def request(self, method: str, route: str, status: int, seconds: float) -> None:
         self._requests.labels(method, route, str(status)).observe(seconds)
 
-    def render(self, runs_by_state: Mapping[str, int]) -> str:
+    def render(
+        self,
+        runs_by_state: Mapping[str, int],
+        dropped: Mapping[str, int] | None = None,
+        runs_with_gaps: int = 0,
+    ) -> str:
+        """The ``/metrics`` body; ``dropped``: the live runs' losses by reason."""
         for state in RUN_STATES:
             self._runs.labels(state).set(runs_by_state.get(state, 0))
+        for reason, count in losses.metric_labels(dropped or {}).items():
+            self._dropped.labels(reason).set(count)
+        self._gappy.set(runs_with_gaps)
         return generate_latest(self.registry).decode()

@@ -88,6 +88,10 @@ class Rank(Base):
     first_micro_step: Mapped[int | None] = mapped_column(Integer, nullable=True)
     first_phase_rank: Mapped[int | None] = mapped_column(Integer, nullable=True)
     first_order: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    #: Messages its agents dropped before the server had them, ``{reason: n}``:
+    #: the sum over its agents of each one's latest cumulative count (``drops``);
+    #: null: none reported.
+    dropped: Mapped[dict[str, int] | None] = mapped_column(JSON, nullable=True)
 
 
 class EventRow(Base):
@@ -183,3 +187,20 @@ class Agent(Base):
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
     rank: Mapped[int] = mapped_column(Integer)
     hello_at: Mapped[float] = mapped_column(Float)
+
+
+class Drop(Base):
+    """An agent's cumulative count of dropped messages for one reason, as its
+    heartbeats report it: the largest seen is kept (heartbeats repeat, arrive
+    late or out of order), so a count never goes back. A rank's agents (a
+    forked worker, a second ``nand.watch``, a restarted process) each count
+    from 0; ``ranks.dropped`` is their sum."""
+
+    __tablename__ = "drops"
+    __table_args__ = (Index("ix_drops_run_rank", "run_id", "rank"),)
+
+    agent: Mapped[str] = mapped_column(String(128), primary_key=True)
+    reason: Mapped[str] = mapped_column(String(40), primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    rank: Mapped[int] = mapped_column(Integer)
+    count: Mapped[int] = mapped_column(BigInteger, default=0)

@@ -115,6 +115,8 @@ def cmd_verdict(args: argparse.Namespace) -> int:
     else:
         print(f"{verdict['run']}: {verdict['state']}")
         print(verdict["summary"])
+        if verdict.get("gaps_summary"):
+            print(verdict["gaps_summary"])
     return exitcodes.OK
 
 

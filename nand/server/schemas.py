@@ -121,6 +121,14 @@ class Verdict(BaseModel):
     stop: StopInfo | None = None
     #: Whether a stop can still reach a rank (false once every rank has exited).
     stoppable: bool = True
+    #: Messages the agents dropped before the server had them (see RunSummary).
+    messages_dropped: int = 0
+    dropped: dict[str, int] = Field(default_factory=dict)
+    #: The ranks that dropped any: the server's record of them has gaps.
+    ranks_with_gaps: list[int] = Field(default_factory=list)
+    #: The gaps in one sentence ("Rank 3 dropped 1,204 messages before the
+    #: server had them (spool_full 1,000, rejected 204): …"); "" without any.
+    gaps_summary: str = ""
 
 
 class RunSummary(BaseModel):
@@ -140,6 +148,21 @@ class RunSummary(BaseModel):
     last_seen: float
     event_count: int
     origin: Origin | None = None
+    #: Messages the agents dropped before the server had them (a long outage
+    #: filled their memory queue and disk spool…), over every rank: not 0 means
+    #: the run has gaps. ``dropped`` says why, ``{reason: n}``, largest first;
+    #: the reasons are nand.events.DROP_REASONS (a newer agent may add others).
+    messages_dropped: int = 0
+    dropped: dict[str, int] = Field(default_factory=dict)
+
+
+class RankGap(BaseModel):
+    """What one rank dropped: the gaps in what the server has of it."""
+
+    rank: int
+    messages_dropped: int
+    #: ``{reason: n}``, largest first.
+    dropped: dict[str, int]
 
 
 class AttemptInfo(BaseModel):
@@ -160,6 +183,8 @@ class RunDetail(RunSummary):
     modules: list[ModuleInfo] = Field(default_factory=list)
     optimizer: str = ""
     versions: dict[str, str] = Field(default_factory=dict)
+    #: The ranks that dropped messages, in rank order (empty: no gaps).
+    gaps: list[RankGap] = Field(default_factory=list)
 
 
 class ModuleInfo(BaseModel):
@@ -189,6 +214,10 @@ class RankStatus(BaseModel):
     device: str = ""
     #: Why it left: "closed", "exit", "exception: RuntimeError"... ("" while running).
     bye_reason: str = ""
+    #: Messages its agents dropped before the server had them (their latest
+    #: cumulative counts), and why: ``{reason: n}``, largest first.
+    messages_dropped: int = 0
+    dropped: dict[str, int] = Field(default_factory=dict)
 
 
 class SeriesPoint(BaseModel):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from sqlalchemy import Select, delete, func, select, update
 from sqlalchemy.orm import Session
 
-from nand.server.models import Agent, EventRow, Flight, Heartbeat, Message, Rank, Run
+from nand.server.models import Agent, Drop, EventRow, Flight, Heartbeat, Message, Rank, Run
 
 
 @dataclass(frozen=True)
@@ -231,7 +231,7 @@ def prune(session: Session, older_than: float) -> list[str]:
     ids = [run_id for run_id, _ in doomed]
     for start in range(0, len(ids), 500):
         chunk = ids[start : start + 500]
-        for table in (EventRow, Heartbeat, Flight, Message, Agent, Rank):
+        for table in (EventRow, Heartbeat, Flight, Message, Agent, Drop, Rank):
             session.execute(delete(table).where(table.run_id.in_(chunk)))
         session.execute(delete(Run).where(Run.id.in_(chunk)))
     return sorted({name for _, name in doomed})

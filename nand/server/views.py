@@ -13,7 +13,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from nand.events import Event, RankState, cause_of, phase_of, value_kinds
-from nand.server import correlate, store, summary
+from nand.server import correlate, losses, store, summary
 from nand.server.evidence import FlightEvidence, heartbeat_evidence
 from nand.server.models import EventRow, Rank, Run
 from nand.server.schemas import (
@@ -21,6 +21,7 @@ from nand.server.schemas import (
     EventOut,
     ModuleInfo,
     Origin,
+    RankGap,
     RankStatus,
     RunDetail,
     RunSummary,
@@ -123,7 +124,24 @@ def run_summary(run: Run, ranks: RankRows, settings: Settings, now: float) -> Ru
         last_seen=run.last_seen,
         event_count=run.event_count,
         origin=origin_out(head, ranks) if head is not None else None,
+        **_losses(ranks),
     )
+
+
+def _losses(ranks: RankRows) -> dict[str, Any]:
+    """A run's ``messages_dropped`` and ``dropped`` over its ranks."""
+    dropped = losses.summed(losses.of_rank(rank) for rank, _ in ranks)
+    return {"messages_dropped": losses.total(dropped), "dropped": dropped}
+
+
+def _gaps(ranks: RankRows) -> dict[str, Any]:
+    """A verdict's loss fields: the run's totals, which ranks have gaps, in words."""
+    by_rank = losses.per_rank(rank for rank, _ in ranks)
+    return {
+        **_losses(ranks),
+        "ranks_with_gaps": sorted(by_rank),
+        "gaps_summary": losses.sentence(by_rank),
+    }
 
 
 def verdict(session: Session, run: Run, ranks: RankRows, settings: Settings, now: float) -> Verdict:
@@ -144,6 +162,7 @@ def verdict(session: Session, run: Run, ranks: RankRows, settings: Settings, now
             summary=text,
             stop=stop,
             stoppable=stoppable,
+            **_gaps(ranks),
         )
     head = to_event(head_row)
     evidence = _evidence(session, run.id, head)
@@ -165,6 +184,7 @@ def verdict(session: Session, run: Run, ranks: RankRows, settings: Settings, now
         since=head.time,
         stop=stop,
         stoppable=stoppable,
+        **_gaps(ranks),
     )
 
 
@@ -235,9 +255,15 @@ def rank_statuses(
             has_flight=rank.rank in with_flight,
             device=rank.device or "",
             bye_reason=rank.bye_reason or "",
+            **_rank_losses(rank),
         )
         for rank, event in ranks
     ]
+
+
+def _rank_losses(rank: Rank) -> dict[str, Any]:
+    dropped = losses.of_rank(rank)
+    return {"messages_dropped": losses.total(dropped), "dropped": dropped}
 
 
 def run_detail(
@@ -251,6 +277,10 @@ def run_detail(
         modules=_modules(run.modules),
         optimizer=run.optimizer,
         versions={str(k): str(v) for k, v in (run.versions or {}).items()},
+        gaps=[
+            RankGap(rank=rank, messages_dropped=losses.total(dropped), dropped=dropped)
+            for rank, dropped in losses.per_rank(r for r, _ in ranks).items()
+        ],
     )
 
 

@@ -3,8 +3,9 @@
 :func:`write_batch` is the whole store-side of ingest: it drops duplicates by
 ``(agent, seq)`` (a primary key, so two servers cannot both store a message),
 creates runs (one row per attempt: :mod:`nand.server.attempts`) and ranks on
-first sight, stores events, heartbeats and flight windows, and keeps each
-rank's cached first event with a conditional update.
+first sight, stores events, heartbeats and flight windows, keeps each
+rank's cached first event with a conditional update and its agents' loss
+counts (:mod:`nand.server.losses`).
 It returns the ``(agent, seq)`` pairs that are now committed, duplicates
 included, which is exactly what the ingest loop may acknowledge.
 """
@@ -31,7 +32,7 @@ from sqlalchemy import update as sql_update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 
-from nand.server import attempts
+from nand.server import attempts, losses
 from nand.server import firsts as firsts_mod
 from nand.server import rows as build
 from nand.server.attempts import RunIds
@@ -175,6 +176,7 @@ def _store(conn: Connection, fresh: list[dict[str, Any]], run_ids: RunIds, now: 
     rank_ids = _ensure_ranks(conn, fresh, run_ids, now)
     _store_hellos(conn, by_kind["hello"], run_ids, rank_ids)
     _store_heartbeats(conn, by_kind["heartbeat"], run_ids, rank_ids, now)
+    losses.store(conn, by_kind["heartbeat"], run_ids, rank_ids)
     _store_events(conn, by_kind["event"], run_ids, rank_ids)
     _store_flights(conn, by_kind["flight"], run_ids)
     _store_byes(conn, by_kind["bye"], run_ids, rank_ids, now)

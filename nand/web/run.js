@@ -8,6 +8,7 @@ import { clear, el, innerWidth, panel, stateMessage } from "./dom.js";
 import { eventTable } from "./events.js";
 import { age, count, datetime } from "./format.js";
 import { flightPanel } from "./flight.js";
+import { gapsPanel } from "./gaps.js";
 import { stopButton } from "./stop.js";
 import { healthStrip } from "./strip.js";
 import { verdictCard } from "./verdict.js";
@@ -83,6 +84,7 @@ export function runPage(main, runId, params) {
     const slots = {
       head: el("div", {}, header(detail)),
       verdict: el("div", {}, verdictCard(detail.verdict, detail)),
+      gaps: el("div", {}, gapsPanel(detail)),
       strip: el("div", {}),
       curves: el("div", {}),
     };
@@ -90,6 +92,7 @@ export function runPage(main, runId, params) {
     main.append(
       el("div", { class: "page-head run-head" }, slots.head, stop.node),
       slots.verdict,
+      slots.gaps,
       panel(
         "ranks",
         "Ranks over time",
@@ -160,6 +163,7 @@ export function runPage(main, runId, params) {
       clear(parts.slots.head).append(header(next.detail));
       parts.stop.sync(next.detail);
       clear(parts.slots.verdict).append(verdictCard(next.detail.verdict, next.detail));
+      clear(parts.slots.gaps).append(el("div", {}, gapsPanel(next.detail)));
       drawVisuals();
       if (next.detail.event_count !== before.event_count) parts.table.changed();
       if (!before.verdict.origin && next.detail.verdict.origin) {

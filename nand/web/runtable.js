@@ -73,7 +73,19 @@ function row(run, now, fresh) {
     el("td", { class: "num", title: `${run.ranks_seen} of ${run.world_size} ranks have reported` }, ranks),
     el("td", { class: "num" }, count(run.latest_step)),
     originCell(run),
-    el("td", { class: "num" }, count(run.event_count)),
+    el(
+      "td",
+      { class: "num" },
+      count(run.event_count),
+      // A run with gaps says so in the list too: its ranks dropped messages.
+      run.messages_dropped
+        ? el(
+            "span",
+            { class: "gaps-mark block", title: "messages its ranks dropped before the server had them" },
+            `${count(run.messages_dropped)} dropped`,
+          )
+        : null,
+    ),
     el("td", { title: datetime(run.last_seen) }, age(run.last_seen, now)),
     el("td", { title: datetime(run.started_at) }, age(run.started_at, now)),
   );

@@ -2,6 +2,7 @@
 // then the facts behind them.
 
 import { el } from "./dom.js";
+import { gapsNote } from "./gaps.js";
 import { age, count, datetime, num, rankList, stepLabel, tensorLabel, valueKinds, where } from "./format.js";
 
 /** What each phase means, for people who have not read the event model. */
@@ -135,6 +136,9 @@ export function verdictCard(verdict, run) {
     el("h2", { id: "verdict-title", class: "verdict-title" }, headline(verdict, run)),
   );
   if (verdict.summary) card.append(el("p", { class: "summary" }, verdict.summary));
+  // A run with gaps says so where the verdict is read: the evidence may be incomplete.
+  const gaps = gapsNote(verdict);
+  if (gaps) card.append(gaps);
   if (verdict.origin) card.append(el("dl", { class: "facts" }, originFacts(verdict, run.world_size)));
   const hint = HINTS[verdict.hint];
   if (hint) {

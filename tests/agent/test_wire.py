@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from nand import wire
 from nand.errors import WireError
-from nand.events import Event, FlightWindow, StepSummary
+from nand.events import DROP_REASONS, Event, FlightWindow, StepSummary
 
 FULL_EVENT = Event(
     run="run-1",
@@ -165,6 +165,36 @@ def test_agent_messages_with_bad_fields_say_which_field():
     negative = wire.agent_message("bye", agent="a", seq=-1, run="r", rank=0, body={"step": 1})
     with pytest.raises(WireError, match=r"message.seq is negative"):
         wire.decode(wire.encode(negative))
+
+
+def test_a_heartbeat_carries_every_drop_reason_and_newer_ones_if_they_are_identifiers():
+    dropped = {reason: 2**63 - 1 - i for i, reason in enumerate(DROP_REASONS)}
+    dropped["from_a_newer_agent"] = 0
+    body = {**StepSummary(step=1).to_dict(), "dropped": dropped}
+    assert wire.decode(_msg("heartbeat", body))["body"]["dropped"] == dropped
+    assert "dropped" not in wire.decode(_msg("heartbeat", StepSummary(step=1).to_dict()))["body"]
+
+
+@pytest.mark.parametrize(
+    ("dropped", "says"),
+    [
+        ({"spool_full": -1}, r"heartbeat.dropped\['spool_full'\] is negative"),
+        ({"spool_full": 2.0}, r"is float, not int"),
+        ({"spool_full": False}, r"is bool, not int"),
+        ({"spool_full": None}, r"is NoneType, not int"),
+        ({"spool_full": 2**64 - 1}, r"beyond 2\*\*63 - 1"),
+        ({"Spool": 1}, r"reason 'Spool' is not a short identifier"),
+        ({"": 1}, r"reason '' is not a short identifier"),
+        ({b"spool_full": 1}, r"reason b'spool_full' is not a short identifier"),
+        ({f"r{i}": 1 for i in range(33)}, r"has 33 reasons > 32"),
+        ([1, 2], r"heartbeat.dropped is list, expected dict"),
+    ],
+)
+def test_malformed_drop_counts_are_a_bad_field_that_names_the_entry(dropped, says):
+    body = {**StepSummary(step=1).to_dict(), "dropped": dropped}
+    with pytest.raises(WireError, match=says) as info:
+        wire.decode(_msg("heartbeat", body))
+    assert info.value.reason == "bad_field"
 
 
 def test_oversized_frames_are_rejected_unread():

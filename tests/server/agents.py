@@ -72,8 +72,12 @@ class FakeAgent:
             body["token"] = token
         return self.send("hello", body)
 
-    def heartbeat(self, step: int, **fields: Any) -> int:
-        return self.send("heartbeat", StepSummary(step=step, **fields).to_dict())
+    def heartbeat(self, step: int, dropped: Any = None, **fields: Any) -> int:
+        """``dropped``: the agent's cumulative losses by reason, as the transport sends them."""
+        body = StepSummary(step=step, **fields).to_dict()
+        if dropped is not None:
+            body["dropped"] = dropped
+        return self.send("heartbeat", body)
 
     def event(self, flight: FlightWindow | None = None, **fields: Any) -> int:
         event = Event(run=self.run, rank=self.rank, world_size=self.world_size, **fields)

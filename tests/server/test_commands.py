@@ -52,6 +52,19 @@ def test_runs_and_verdict(srv, capsys) -> None:
     a.close()
 
 
+def test_verdict_says_which_ranks_dropped_messages(srv, capsys) -> None:
+    a = _agent(srv, "cli-gaps", rank=1)
+    a.heartbeat(11, dropped={"spool_full": 1000, "rejected": 204})
+    a.wait_acked()
+    assert main(["verdict", "cli-gaps", "--url", srv.http_url]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == (
+        "Rank 1 dropped 1,204 messages before the server had them "
+        "(spool_full 1,000, rejected 204): its record here has gaps."
+    )
+    a.close()
+
+
 def test_stop_with_and_without_token(srv, capsys) -> None:
     a = _agent(srv, "cli-stop")
     assert main(["stop", "cli-stop", "--url", srv.http_url]) == exitcodes.ERROR

@@ -12,7 +12,7 @@ from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 
 from nand import __version__
-from nand.server import store, views
+from nand.server import losses, store, views
 from nand.server.api.deps import SessionDep, StateDep
 from nand.server.metrics import CONTENT_TYPE
 
@@ -55,14 +55,17 @@ def healthz(state: StateDep, session: SessionDep) -> Health | JSONResponse:
     response_class=PlainTextResponse,
     summary=(
         "Prometheus text format: process metrics, messages in, rejected by reason, events, "
-        "runs by state, ingest lag and request latency histograms"
+        "runs by state, messages the agents dropped by reason, ingest lag and request "
+        "latency histograms"
     ),
 )
 def metrics(state: StateDep, session: SessionDep) -> PlainTextResponse:
     runs = store.recent_runs(session, limit=10_000)
     ranks = store.ranks_of(session, [r.id for r in runs])
     now = time.time()
-    by_state: Counter[str] = Counter(
-        views.run_summary(r, ranks[r.id], state.settings, now).state for r in runs
-    )
-    return PlainTextResponse(state.metrics.render(by_state), media_type=CONTENT_TYPE)
+    summaries = [views.run_summary(r, ranks[r.id], state.settings, now) for r in runs]
+    by_state: Counter[str] = Counter(s.state for s in summaries)
+    dropped = losses.summed(s.dropped for s in summaries)
+    gappy = sum(1 for s in summaries if s.messages_dropped)
+    body = state.metrics.render(by_state, dropped=dropped, runs_with_gaps=gappy)
+    return PlainTextResponse(body, media_type=CONTENT_TYPE)
