@@ -11,6 +11,7 @@ limits are in the README ("What nand reports"); costs in ``benchmarks/README.md`
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any
@@ -30,11 +31,12 @@ from nand.agent.detect.probes import ProbeBuffer
 from nand.agent.detect.state import HookState
 from nand.agent.output.session import Session
 from nand.agent.safety import Guard
-from nand.agent.step.boundary import Boundary, Outcome
-from nand.agent.step.deferred import DeferredRead, flush_at_exit, read_mode
+from nand.agent.step.boundary import Boundary
+from nand.agent.step.deferred import flush_at_exit, read_mode
 from nand.agent.step.incidents import Incidents
 from nand.agent.step.policy import StepPolicy
 from nand.agent.step.recorder import FlightRecorder
+from nand.agent.step.window import Outcome
 from nand.config import AgentConfig
 from nand.errors import NandError, NonFiniteError, StopRequested
 from nand.events import Event, FlightWindow, StepSummary
@@ -106,12 +108,11 @@ class Watch:
         """Hook the model, the optimizer, the scaler and the DDP wrapper."""
         deferred, on_device = read_mode(self.settings, self._root, optimizer)
         if deferred:  # (see step/deferred.py)
-            self._boundary.deferred = DeferredRead()
-            self._boundary.skip_on_device, self._policy.lagged = on_device, True
-            flush_at_exit(self._flush)
-        grads_reduced = ddp.grads_are_reduced(model)
-        self._hooks.install(self._root, self._infos, proxies=not grads_reduced)
-        self._boundary.grads_reduced = grads_reduced
+            self._boundary.defer(on_device)
+            self._policy.lagged = True
+            flush_at_exit(self._exit)
+        self._boundary.wrapped_in(model, self.settings.ddp_local_check)  # (DDP: its check)
+        self._hooks.install(self._root, self._infos, proxies=not self._boundary.grads_reduced)
         if optimizer is None:
             self._hooks.state.before_root = self._root_step
         else:
@@ -121,7 +122,6 @@ class Watch:
                 self._adopt_scaler(scaler)
             # Frameworks make their own scaler: learn it when it steps this optimizer.
             self._unlisten = amp.listen(optimizer, self._adopt_scaler)
-        self._boundary.ddp = ddp.install(model, self.settings.ddp_local_check)
         # A plain model trained through a wrapper nand was not given (HF Trainer's
         # callbacks get the model, accelerate wraps it in DDP): found at its first call.
         if not wrapped and _dist_up() and self.session.who.world_size > 1:
@@ -212,8 +212,6 @@ class Watch:
             if self._looking is not None:
                 self._looking.remove()
             self._buf.clear()
-            if self._boundary.deferred is not None:
-                self._boundary.deferred.clear()
             self.session.close(self.step, reason)
 
     def __enter__(self) -> Watch:
@@ -254,6 +252,14 @@ class Watch:
         if outcome is not None and outcome.event is not None and self._policy.raises:
             raise NonFiniteError(outcome.event)
 
+    def _exit(self) -> None:
+        """Deferred, at interpreter exit with the watch open: close, so the
+        windows still pending are read and written; after an unhandled
+        exception only read them (no bye: the server tells a crash by that)."""
+        if getattr(sys, "last_value", None) is None:
+            self.close("exit")
+        self._flush()
+
     def _flush(self) -> None:
         """Deferred: read and report every window still pending (``close``,
         interpreter exit), so the last steps' events are never lost."""
@@ -272,9 +278,7 @@ class Watch:
         """The watched model runs inside ``wrapper`` (DDP, FSDP): its gradients
         are averaged across ranks, and DDP's own can be checked first."""
         try:
-            self._boundary.grads_reduced = ddp.grads_are_reduced(wrapper)
-            if self._boundary.ddp is None:
-                self._boundary.ddp = ddp.install(wrapper, self.settings.ddp_local_check)
+            self._boundary.wrapped_in(wrapper, self.settings.ddp_local_check)
         except Exception as exc:
             self._guard.failed(exc, "wrapper discovery")
 
@@ -388,8 +392,7 @@ class Watch:
         device = str(p.device) if p is not None else "cpu"
         self.session.hello(device, described(self._infos), optimizer_type, self.policy)
 
-    def _summary(self, steps_per_s: float) -> StepSummary:
-        """The heartbeat's figures, from what the last steps already read."""
+    def _summary(self, steps_per_s: float) -> StepSummary:  # (a heartbeat's)
         return self.recorder.summary(self.step, steps_per_s, self._amp)
 
 

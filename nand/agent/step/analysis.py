@@ -151,10 +151,10 @@ class Probed(Protocol):
     def norm_sites(self) -> list[Site]: ...
 
 
-#: Said of a norm finding read one step late, which could not be verified.
+#: Said of a float64 tensor's norm finding read one step late: not verified.
 LAGGED_NOTE = (
     "read one step late: its 2-norm was non-finite, not re-checked element by element "
-    "(the tensor has changed since; a 2-norm of finite values above ~1e19 also overflows)"
+    "(the tensor has changed since; the 2-norm of a float64 tensor above ~1e154 overflows)"
 )
 
 
@@ -174,9 +174,11 @@ def first_finding(
     all-reduce; the boundary measures it, see ``Boundary._grad_cause``).
     ``micro_base`` is the micro-step the window's first root call is.
     ``lagged``: the window was read one step late, when its gradients and
-    parameters have been updated or zeroed since: a non-finite norm is then
-    taken as found, unverified, with :data:`LAGGED_NOTE` (its event carries
-    the norm, no counts).
+    parameters have been updated or zeroed since; its norms were accumulated
+    in float64 (``ProbeBuffer.exact_norms``), non-finite exactly when their
+    float32/16 tensor is. A non-finite norm is then a finding as read (its
+    event carries the norm, no counts); of a float64 tensor, one marked
+    unverified (:data:`LAGGED_NOTE`).
     """
     norms = _norm_findings(buf, values, grad_cause, prev_micro, lagged)
     candidates = _activation_findings(buf, values, micro_base) + norms
@@ -276,7 +278,8 @@ def _norm_findings(
             )
         )
         if lagged:
-            found[-1].note = LAGGED_NOTE
+            if site.param is None or site.param.dtype is torch.float64:
+                found[-1].note = LAGGED_NOTE
         elif tensor is not None:
             found[-1].tensor = local(tensor)
     return found

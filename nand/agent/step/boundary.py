@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from nand.agent.detect.amp import AmpWatch
 from nand.agent.detect.compiled import CompiledSlots
-from nand.agent.detect.ddp import LocalGradCheck
+from nand.agent.detect.ddp import LocalGradCheck, grads_are_reduced
+from nand.agent.detect.ddp import install as install_local_check
 from nand.agent.detect.probes import MICRO, ProbeBuffer, Site
 from nand.agent.identity import Identity
 from nand.agent.step.analysis import (
@@ -34,49 +35,10 @@ from nand.agent.step.analysis import (
 from nand.agent.step.deferred import DeferredRead
 from nand.agent.step.recorder import FlightRecorder
 from nand.agent.step.report import build_event
+from nand.agent.step.window import HEALTHY, SCALED_PHASES, Outcome, Window
 from nand.events import Cause, Event
 
 log = logging.getLogger("nand")
-
-
-class Outcome(NamedTuple):
-    """What one boundary found that the caller acts on (what it read stays
-    on the boundary: ``row``, ``micro_steps``)."""
-
-    event: Event | None = None  # this window's first verified non-finite entry
-    any_rank_bad: bool = False  # agreed across ranks (skip/stop with a process group)
-    overflow: bool = False  # an AMP overflow step, skipped by the scaler (not an incident)
-
-
-class Window(NamedTuple):
-    """What the analysis of one window needs besides its values, taken from
-    the probe buffer when the window closed (deferred, the buffer holds the
-    next window by the time this one is read)."""
-
-    step: int
-    prev_step: int
-    prev_micro: int
-    skipped: bool  # the scaler skipped this step (overflow)
-    record: bool
-    micro_base: int
-    sites: list[Site | None]
-    norm_sites: list[Site]
-    n_pairs: int  # values that are (min, max) pairs: the slab's and compiled slots'
-    n_norms: int
-    spans: dict[str, tuple[int, int]]  # "grad"/"param" spans among the norms
-    compiled: bool  # probed under torch.compile (see compiled.py)
-    grads_scaled: bool  # the .grad norms still carry the loss scale
-    micro_steps: int
-    lagged: bool  # read one boundary late: its tensors have moved on
-
-
-#: A window with nothing to act on: the common case, one shared value.
-HEALTHY = Outcome()
-
-#: The phases a loss scaler's overflow makes non-finite: the gradients of the
-#: scaled loss. A non-finite input, output, weight or optimizer state in a
-#: window the scaler skipped is an incident all the same.
-SCALED_PHASES = frozenset({"loss", "backward", "grad"})
 
 
 class Boundary:
@@ -127,6 +89,21 @@ class Boundary:
         self.flag: Tensor | None = None
         #: The step of the window read last (deferred: the one before ``check``'s).
         self.read_step = 0
+
+    def wrapped_in(self, wrapper: Any, local_check: bool) -> None:
+        """The watched model runs inside ``wrapper`` (DDP, FSDP): its gradients
+        are averaged across ranks, and DDP's own can be checked first."""
+        self.grads_reduced = grads_are_reduced(wrapper)
+        if self.ddp is None:
+            self.ddp = install_local_check(wrapper, local_check)
+
+    def defer(self, skip_on_device: bool) -> None:
+        """Read each window at the next boundary (``read="deferred"``); with
+        ``skip_on_device`` hand the optimizer each window's flag (see ``_put``)."""
+        self.deferred = DeferredRead()
+        self.skip_on_device = skip_on_device
+        # Read late, a norm has no tensor left to be verified with: exact ones.
+        self.buf.exact_norms = True
 
     def check(
         self,
@@ -185,7 +162,7 @@ class Boundary:
         return Window(
             step, prev_step, prev_micro, skipped, record, micro_base, buf.sites[:],
             buf.norm_sites[:], n_pairs, len(buf.norms), spans, buf.slotted is not None,
-            scaled, self.micro_steps, self.deferred is not None,
+            scaled, self.deferred is not None,
         )  # fmt: skip
 
     def _analyse(self, values: list[float], any_bad: bool, extras: list[str], w: Window) -> Outcome:

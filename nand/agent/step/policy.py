@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from nand.agent.step.boundary import Outcome
+from nand.agent.step.window import Outcome
 from nand.config import Policy
 from nand.errors import NandError, NonFiniteError, StopRequested
 
