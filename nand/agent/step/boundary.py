@@ -317,7 +317,7 @@ class Boundary:
         n_extras = len(extras)
         if self.agree:  # the flag all-reduced on the device, last in the copy
             gathered = self._agreed(gathered, n_extras)
-            self.flag = gathered[-1].reshape(()) if self.skip_on_device else None
+            self.flag = gathered[-1].reshape(()).float() if self.skip_on_device else None
         elif self.skip_on_device and gathered is not None:
             main = gathered[: gathered.numel() - n_extras]
             self.flag = (~torch.isfinite(main)).any().float()
