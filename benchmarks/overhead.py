@@ -18,6 +18,8 @@ the wall-clock ratio is printed alongside. Detectors:
   CUDA that reads each step one boundary late, without a sync);
 - ``nand-sync``: the same with ``read="sync"`` (the one read per step at the
   boundary: a host-device sync on CUDA; on CPU the same as ``nand``);
+- ``nand-deferred``: ``read="deferred"``, what ``nand`` is on CUDA, forced on
+  CPU (the copy is synchronous there; parameters read every step);
 - ``naive``: a forward hook on every module and a tensor hook on every output
   gradient, each doing ``if torch.isnan(t).any(): raise`` (a host sync each);
 - ``anomaly``: ``torch.autograd.set_detect_anomaly(True)``.
@@ -57,7 +59,8 @@ import nand
 
 Step = Callable[[], None]
 KINDS = ["none", "nand", "naive", "anomaly"]
-ALL_KINDS = [*KINDS, "nand-sync"]
+ALL_KINDS = [*KINDS, "nand-sync", "nand-deferred"]
+READS = {"nand": None, "nand-sync": "sync", "nand-deferred": "deferred"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,8 +114,8 @@ def make_step(kind: str, case: shapes.Case, optimizer: str) -> Step:
     model = copy.deepcopy(case[0])
     opt = make_optimizer(optimizer, model)
     _, inputs, loss_fn = case
-    if kind in ("nand", "nand-sync"):
-        nand.watch(model, opt, read="sync" if kind == "nand-sync" else None)
+    if kind in READS:
+        nand.watch(model, opt, read=READS[kind])
     elif kind == "naive":
         naive_hooks(model)
 
@@ -159,11 +162,11 @@ def bench(b: Bench, reps: int, steps: int, kinds: list[str], device: str = "cpu"
     base, base_wall = statistics.median(cpu["none"]), statistics.median(wall["none"])
     where = f" on {torch.cuda.get_device_name()}" if device == "cuda" else ""
     print(f"\n{b.title}{where}: median ms/step over {reps} interleaved repeats of {steps} steps")
-    print(f"  {'':9s} {'CPU ms':>9s}   ratio   {'wall ms':>9s}   ratio")
+    print(f"  {'':13s} {'CPU ms':>9s}   ratio   {'wall ms':>9s}   ratio")
     for k in kinds:
         med, med_wall = statistics.median(cpu[k]), statistics.median(wall[k])
         ratio, ratio_wall = med / base, med_wall / base_wall
-        print(f"  {k:9s} {med:9.3f}   {ratio:5.2f}x  {med_wall:9.3f}   {ratio_wall:5.2f}x")
+        print(f"  {k:13s} {med:9.3f}   {ratio:5.2f}x  {med_wall:9.3f}   {ratio_wall:5.2f}x")
 
 
 def host_reads(steps: int = 20) -> None:

@@ -6,6 +6,12 @@ there is no optimizer, and from ``close``. Everything here runs at most once
 per step; only :meth:`Boundary.check` touches device values, in one
 ``tolist()`` of one gathered tensor (a slice of the probe buffer's slab, or
 a stack when the window spilled, see ``probes.ProbeBuffer``).
+
+Deferred (``read="deferred"``, the default on CUDA under ``warn``; see
+``deferred.py``) the gathered tensor is copied without blocking and the
+previous boundary's copy is read and analysed instead: the same
+:meth:`Boundary._analyse`, from the :class:`~nand.agent.step.window.Window`
+kept of that window, one step late.
 """
 
 from __future__ import annotations
@@ -129,8 +135,7 @@ class Boundary:
             extras = self._extras()
             if self.slots is not None and self.slots.active:
                 self._take_slots()
-            buf = self.buf
-            self.micro_steps = buf.sites.count(MICRO)
+            self.micro_steps = self.buf.sites.count(MICRO)
             if self.deferred is not None:
                 window = self._window(step, prev_step, prev_micro, skipped, record, micro_base)
                 self._put(window, extras)
@@ -335,6 +340,7 @@ class Boundary:
         self.reads += 1
         read, (w, extras) = taken
         values, any_bad = read, False
+        self.read_step = w.step
         if self.agree and read is not None:
             values, any_bad = read[:-1] or None, read[-1] > 0
         if values is None:
