@@ -66,6 +66,12 @@ def test_auto_reads_in_sync_on_cpu_and_deferred_can_be_forced(monkeypatch):
         assert w.deferred
 
 
+def test_an_unknown_read_is_refused_naming_the_choices(monkeypatch):
+    monkeypatch.setenv("NAND_READ", "later")
+    with pytest.raises(ConfigError, match="auto, sync, deferred"):
+        nand.watch(mlp(), None)
+
+
 @pytest.mark.parametrize("policy", ["raise", "stop"])
 def test_raise_and_stop_refuse_the_deferred_read(policy):
     with pytest.raises(ConfigError, match="reads in sync"):

@@ -121,13 +121,6 @@ class DeferredRead(Generic[T]):
         self._free.append(host)
         return values, meta
 
-    def clear(self) -> None:
-        """Forget what is pending (the watch is closing without reading it)."""
-        while self._pending:
-            host = self._pending.popleft()[0]
-            if host is not None:
-                self._free.append(host)
-
     def _buffer(self, n: int, like: Tensor) -> Tensor:
         """A free host buffer of ``like``'s dtype for ``n`` values, pinned for a
         CUDA copy; made (or made larger) when none fits."""
