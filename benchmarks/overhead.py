@@ -4,6 +4,7 @@
     python benchmarks/overhead.py --quick    # a smoke run
     python benchmarks/overhead.py --only transformer --detectors none nand --repeats 9
     python benchmarks/overhead.py --only gpt resnet18 custom-mlp --detectors none nand
+    python benchmarks/overhead.py --device cuda --detectors none nand nand-sync
 
 One process, one CPU thread, interleaved repeats (the machine is shared):
 each repeat times a few steps of every detector in turn, and the figure is the
@@ -13,7 +14,12 @@ done, and other jobs on a shared machine inflate it far less than wall time;
 the wall-clock ratio is printed alongside. Detectors:
 
 - ``none``: the bare training step;
-- ``nand``: ``nand.watch(model, opt)`` with every phase on (the default);
+- ``nand``: ``nand.watch(model, opt)`` with every phase on (the default; on
+  CUDA that reads each step one boundary late, without a sync);
+- ``nand-sync``: the same with ``read="sync"`` (the one read per step at the
+  boundary: a host-device sync on CUDA; on CPU the same as ``nand``);
+- ``nand-deferred``: ``read="deferred"``, what ``nand`` is on CUDA, forced on
+  CPU (the copy is synchronous there; parameters read every step);
 - ``naive``: a forward hook on every module and a tensor hook on every output
   gradient, each doing ``if torch.isnan(t).any(): raise`` (a host sync each);
 - ``anomaly``: ``torch.autograd.set_detect_anomaly(True)``.
@@ -23,7 +29,13 @@ Models (``benchmarks/shapes.py``): an MLP 64-256-256-10 (batch 64, SGD) as an
 (d256, 4 layers, seq 128, batch 16, AdamW); a GPT-2-style decoder written as
 ordinary modules (4 layers, d256, seq 128, batch 8, AdamW); a ResNet-18 for
 32x32 inputs (batch 8, SGD with momentum). The last line counts nand's host
-reads per optimizer step.
+reads per optimizer step (and, with ``--device cuda``, the synchronising CUDA
+calls per step, counted with CUDA's sync debug mode).
+
+``--device cuda`` builds every model and input on the GPU (``torch.device``
+as the default device), times wall clock between two ``torch.cuda.synchronize``
+calls per repeat (the benchmark's, outside the timed steps' own work), and
+prints wall-clock ratios only; it exits with a message when CUDA is not there.
 """
 
 from __future__ import annotations
@@ -33,7 +45,9 @@ import copy
 import dataclasses
 import logging
 import statistics
+import sys
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -45,6 +59,8 @@ import nand
 
 Step = Callable[[], None]
 KINDS = ["none", "nand", "naive", "anomaly"]
+ALL_KINDS = [*KINDS, "nand-sync", "nand-deferred"]
+READS = {"nand": None, "nand-sync": "sync", "nand-deferred": "deferred"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,8 +114,8 @@ def make_step(kind: str, case: shapes.Case, optimizer: str) -> Step:
     model = copy.deepcopy(case[0])
     opt = make_optimizer(optimizer, model)
     _, inputs, loss_fn = case
-    if kind == "nand":
-        nand.watch(model, opt)
+    if kind in READS:
+        nand.watch(model, opt, read=READS[kind])
     elif kind == "naive":
         naive_hooks(model)
 
@@ -116,9 +132,11 @@ def make_step(kind: str, case: shapes.Case, optimizer: str) -> Step:
 WARM_STEPS = 2
 
 
-def bench(b: Bench, reps: int, steps: int, kinds: list[str]) -> None:
+def bench(b: Bench, reps: int, steps: int, kinds: list[str], device: str = "cpu") -> None:
     torch.manual_seed(0)
-    case = b.make()
+    with torch.device(device):  # the model and its inputs made there
+        case = b.make()
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     kinds = ["none"] + [k for k in kinds if k != "none"]
     fns = {k: make_step(k, case, b.optimizer) for k in kinds}
     for fn in fns.values():  # warm up
@@ -134,18 +152,21 @@ def bench(b: Bench, reps: int, steps: int, kinds: list[str]) -> None:
             # every step) never pays.
             for _ in range(WARM_STEPS):
                 fns[k]()
+            sync()
             c0, t0 = time.process_time(), time.perf_counter()
             for _ in range(steps):
                 fns[k]()
+            sync()
             cpu[k].append((time.process_time() - c0) / steps * 1e3)
             wall[k].append((time.perf_counter() - t0) / steps * 1e3)
     base, base_wall = statistics.median(cpu["none"]), statistics.median(wall["none"])
-    print(f"\n{b.title}: median ms/step over {reps} interleaved repeats of {steps} steps")
-    print(f"  {'':8s} {'CPU ms':>9s}   ratio   {'wall ms':>9s}   ratio")
+    where = f" on {torch.cuda.get_device_name()}" if device == "cuda" else ""
+    print(f"\n{b.title}{where}: median ms/step over {reps} interleaved repeats of {steps} steps")
+    print(f"  {'':13s} {'CPU ms':>9s}   ratio   {'wall ms':>9s}   ratio")
     for k in kinds:
         med, med_wall = statistics.median(cpu[k]), statistics.median(wall[k])
         ratio, ratio_wall = med / base, med_wall / base_wall
-        print(f"  {k:8s} {med:9.3f}   {ratio:5.2f}x  {med_wall:9.3f}   {ratio_wall:5.2f}x")
+        print(f"  {k:13s} {med:9.3f}   {ratio:5.2f}x  {med_wall:9.3f}   {ratio_wall:5.2f}x")
 
 
 def host_reads(steps: int = 20) -> None:
@@ -180,23 +201,50 @@ def host_reads(steps: int = 20) -> None:
     )
 
 
+def cuda_syncs(steps: int = 20) -> None:
+    """Synchronising CUDA calls per step of the MLP, bare and under nand."""
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        case = shapes.sequential_mlp()
+    for kind in ("none", "nand", "nand-sync"):
+        step = make_step(kind, case, "sgd")
+        for _ in range(WARM_STEPS):
+            step()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                for _ in range(steps):
+                    step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        n = sum("synchronizing" in str(w.message) for w in caught)
+        print(f"CUDA syncs, {kind}: {n} in {steps} steps ({n / steps:.2f} per step)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="few repeats, for a smoke run")
     parser.add_argument("--only", nargs="+", choices=list(BENCHES), help="these models only")
     parser.add_argument(
-        "--detectors", nargs="+", default=KINDS, choices=KINDS, help="compared with none"
+        "--detectors", nargs="+", default=KINDS, choices=ALL_KINDS, help="compared with none"
     )
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--repeats", type=int, help="interleaved repeats (default per model)")
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("overhead.py: --device cuda: no CUDA device here (torch.cuda.is_available())")
     torch.set_num_threads(1)
     logging.getLogger("nand").setLevel(logging.ERROR)
     print(f"torch {torch.__version__}, 1 thread")
     for name in args.only or list(BENCHES):
         b = BENCHES[name]
         reps = args.repeats or (min(b.repeats, 3) if args.quick else b.repeats)
-        bench(b, reps, steps=max(1, b.steps // 5) if args.quick else b.steps, kinds=args.detectors)
+        steps = max(1, b.steps // 5) if args.quick else b.steps
+        bench(b, reps, steps=steps, kinds=args.detectors, device=args.device)
     host_reads()
+    if args.device == "cuda":
+        cuda_syncs()
 
 
 if __name__ == "__main__":

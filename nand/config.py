@@ -41,6 +41,15 @@ NAND_ON_NONFINITE = "NAND_ON_NONFINITE"
 """What to do when a rank goes non-finite: ``warn`` (default), ``raise``,
 ``skip`` or ``stop``."""
 
+NAND_READ = "NAND_READ"
+"""How the step's results reach the host: ``sync`` (read at the step boundary,
+before the update: a host-device sync on CUDA), ``deferred`` (copied without
+blocking at the boundary, read at the next one: no sync, events reported one
+step later with their true step) or ``auto`` (default): ``deferred`` on CUDA
+for ``warn``, and for ``skip`` with an optimizer that can skip on the device
+(``fused=True`` Adam/AdamW, fused SGD without momentum); ``sync`` otherwise.
+``raise`` and ``stop`` always read in sync (the decision precedes the update)."""
+
 NAND_DISABLE = "NAND_DISABLE"
 """``1`` turns ``nand.watch`` into a no-op (nothing hooked), for A/B runs."""
 
@@ -245,6 +254,8 @@ class TransportConfig:
 
 Policy = Literal["warn", "raise", "skip", "stop"]
 POLICIES: tuple[Policy, ...] = get_args(Policy)
+Read = Literal["auto", "sync", "deferred"]
+READS: tuple[Read, ...] = get_args(Read)
 
 
 @dataclass(frozen=True)
@@ -253,6 +264,7 @@ class AgentConfig:
     the defaults written here (and nowhere else)."""
 
     on_nonfinite: Policy = "warn"
+    read: Read = "auto"
     disabled: bool = False
     server: str | None = None
     run: str | None = None
@@ -279,6 +291,7 @@ class AgentConfig:
         """
         from_env: dict[str, Any] = {
             "on_nonfinite": get_str(NAND_ON_NONFINITE, cls.on_nonfinite),
+            "read": get_str(NAND_READ, cls.read),
             "disabled": get_bool(NAND_DISABLE, cls.disabled),
             "server": get_str(NAND_SERVER),
             "run": get_str(NAND_RUN),
@@ -310,6 +323,13 @@ class AgentConfig:
         if self.on_nonfinite not in POLICIES:
             raise ConfigError(
                 f"on_nonfinite={self.on_nonfinite!r}: use one of {', '.join(POLICIES)}"
+            )
+        if self.read not in READS:
+            raise ConfigError(f"read={self.read!r}: use one of {', '.join(READS)}")
+        if self.read == "deferred" and self.on_nonfinite in ("raise", "stop"):
+            raise ConfigError(
+                f"read='deferred' with on_nonfinite={self.on_nonfinite!r}: the decision to "
+                "raise is taken before the update, so it reads in sync; use 'auto' or 'sync'"
             )
         if self.flight_steps < 1 or self.max_events < 1:
             raise ConfigError("flight_steps and max_events must be at least 1")

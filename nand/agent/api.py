@@ -45,6 +45,7 @@ def watch(
     scaler: Any = None,
     log_events: bool = True,
     read_params_every_step: bool | None = None,
+    read: str | None = None,
     on_stop: Callable[[], None] | None = None,
 ) -> Watch:
     """Hook nand into ``model`` (and ``optimizer``); see the README for each option.
@@ -61,6 +62,7 @@ def watch(
         max_events=max_events,
         log_events=log_events,
         read_params_every_step=read_params_every_step,
+        read=read,
     )
     if optimizer is not None:  # accelerate's, Lightning's, DeepSpeed's wrappers
         optimizer = unwrap_optimizer(optimizer)

@@ -11,7 +11,7 @@ limits are in the README ("What nand reports"); costs in ``benchmarks/README.md`
 
 from __future__ import annotations
 
-import logging
+import sys
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any
@@ -31,17 +31,17 @@ from nand.agent.detect.probes import ProbeBuffer
 from nand.agent.detect.state import HookState
 from nand.agent.output.session import Session
 from nand.agent.safety import Guard
-from nand.agent.step.boundary import Boundary, Outcome
+from nand.agent.step.boundary import Boundary
+from nand.agent.step.deferred import flush_at_exit, read_mode
 from nand.agent.step.incidents import Incidents
 from nand.agent.step.policy import StepPolicy
 from nand.agent.step.recorder import FlightRecorder
+from nand.agent.step.window import Outcome
 from nand.config import AgentConfig
 from nand.errors import NandError, NonFiniteError, StopRequested
 from nand.events import Event, FlightWindow, StepSummary
 
 __all__ = ["Watch"]
-
-log = logging.getLogger("nand")
 
 
 class Watch:
@@ -99,16 +99,20 @@ class Watch:
             self._guard.off = True  # new_batch, loss(): nothing recorded
             return
         self._install(model, optimizer, scaler, wrapped)
-        self._set_dtype()
+        self.recorder.set_dtype_of(self._root)
         self._hello(optimizer)
 
     def _install(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None, scaler: Any, wrapped: bool
     ) -> None:
         """Hook the model, the optimizer, the scaler and the DDP wrapper."""
-        grads_reduced = ddp.grads_are_reduced(model)
-        self._hooks.install(self._root, self._infos, proxies=not grads_reduced)
-        self._boundary.grads_reduced = grads_reduced
+        deferred, on_device = read_mode(self.settings, self._root, optimizer)
+        if deferred:  # (see step/deferred.py)
+            self._boundary.defer(on_device)
+            self._policy.lagged = True
+            flush_at_exit(self._exit)
+        self._boundary.wrapped_in(model, self.settings.ddp_local_check)  # (DDP: its check)
+        self._hooks.install(self._root, self._infos, proxies=not self._boundary.grads_reduced)
         if optimizer is None:
             self._hooks.state.before_root = self._root_step
         else:
@@ -118,7 +122,6 @@ class Watch:
                 self._adopt_scaler(scaler)
             # Frameworks make their own scaler: learn it when it steps this optimizer.
             self._unlisten = amp.listen(optimizer, self._adopt_scaler)
-        self._boundary.ddp = self._install_ddp_check(model)
         # A plain model trained through a wrapper nand was not given (HF Trainer's
         # callbacks get the model, accelerate wraps it in DDP): found at its first call.
         if not wrapped and _dist_up() and self.session.who.world_size > 1:
@@ -150,6 +153,16 @@ class Watch:
     def host_reads(self) -> int:
         """Host reads nand did so far (one per optimizer step at most)."""
         return self._boundary.reads
+
+    @property
+    def deferred(self) -> bool:
+        """Whether each step is read one boundary late (``read=``, see the README)."""
+        return self._boundary.deferred is not None
+
+    @property
+    def read_waits(self) -> int:
+        """Deferred reads that had to wait for their copy (the device a step behind)."""
+        return self._boundary.deferred.waits if self._boundary.deferred is not None else 0
 
     def loss(self, loss: Tensor) -> Tensor:
         """Record the loss of this step for telemetry, without a sync; returns it."""
@@ -183,6 +196,7 @@ class Watch:
                 self._report(outcome, beat=False)
                 if self._opt is None and self._boundary.micro_steps:
                     self.step += 1  # without an optimizer, the last root call is a step
+            self._flush()
         except Exception as exc:
             self._guard.failed(exc, "close")
         finally:
@@ -222,9 +236,10 @@ class Watch:
         self._serve_session()
         if outcome is not None:
             if outcome.overflow:
-                self._drop_grads()  # a fused optimizer got found_inf; nothing to apply
+                if not self._policy.lagged:
+                    self._drop_grads()  # a fused optimizer got found_inf; nothing to apply
             elif outcome.event is not None or outcome.any_rank_bad:
-                self._policy.apply(outcome, self.step)
+                self._policy.apply(outcome, self._boundary.read_step)
         if not self._guard.off:  # switched off by its own error: nothing counted from here on
             self.step += 1
 
@@ -237,6 +252,24 @@ class Watch:
         if outcome is not None and outcome.event is not None and self._policy.raises:
             raise NonFiniteError(outcome.event)
 
+    def _exit(self) -> None:
+        """Deferred, at interpreter exit with the watch open: close, so the
+        windows still pending are read and written; after an unhandled
+        exception only read them (no bye: the server tells a crash by that)."""
+        if getattr(sys, "last_value", None) is None:
+            self.close("exit")
+        self._flush()
+
+    def _flush(self) -> None:
+        """Deferred: read and report every window still pending (``close``,
+        interpreter exit), so the last steps' events are never lost."""
+        deferred = self._boundary.deferred
+        try:
+            while deferred and not self._guard.off:
+                self._report(self._boundary.take(), beat=False)
+        except Exception as exc:
+            self._guard.failed(exc, "deferred read")
+
     def _drop_grads(self) -> None:
         if self._opt is not None:
             self._opt.drop_grads()
@@ -245,9 +278,7 @@ class Watch:
         """The watched model runs inside ``wrapper`` (DDP, FSDP): its gradients
         are averaged across ranks, and DDP's own can be checked first."""
         try:
-            self._boundary.grads_reduced = ddp.grads_are_reduced(wrapper)
-            if self._boundary.ddp is None:
-                self._boundary.ddp = self._install_ddp_check(wrapper)
+            self._boundary.wrapped_in(wrapper, self.settings.ddp_local_check)
         except Exception as exc:
             self._guard.failed(exc, "wrapper discovery")
 
@@ -351,17 +382,9 @@ class Watch:
             self._on_step,
             window=self._boundary,
             evaluated=self._on_evaluation,
-            read_params_every_step=self.settings.read_params_every_step,
+            # Deferred, no plan can wait for the window read one step late.
+            read_params_every_step=self.settings.read_params_every_step or self.deferred,
         )
-
-    def _install_ddp_check(self, model: nn.Module) -> ddp.LocalGradCheck | None:
-        if not self.settings.ddp_local_check:
-            return None
-        try:
-            return ddp.install(model)
-        except Exception as exc:  # DDP refused the hook: go on without the local check
-            log.warning("nand: DDP local gradient check not installed (%s)", exc)
-            return None
 
     def _hello(self, optimizer: Any) -> None:
         p = next(iter(self._root.parameters()), None)
@@ -369,24 +392,8 @@ class Watch:
         device = str(p.device) if p is not None else "cpu"
         self.session.hello(device, described(self._infos), optimizer_type, self.policy)
 
-    def _summary(self, steps_per_s: float) -> StepSummary:
-        """The heartbeat's figures, from what the last steps already read."""
-        tele = self.recorder.last()
-        rows = self.recorder.rows
-        return StepSummary(
-            step=self.step,
-            steps_per_s=steps_per_s,
-            loss=rows[-1].loss if rows else None,
-            grad_norm=tele.grad_norm if tele else None,
-            max_activation=tele.max_act if tele else None,
-            amp_skipped=self.amp_skipped,
-            amp_scale=self._amp.scale if self._amp is not None else None,
-        )
-
-    def _set_dtype(self) -> None:
-        p = next((p for p in self._root.parameters() if p.is_floating_point()), None)
-        if p is not None:
-            self.recorder.set_dtype(p.dtype)
+    def _summary(self, steps_per_s: float) -> StepSummary:  # (a heartbeat's)
+        return self.recorder.summary(self.step, steps_per_s, self._amp)
 
 
 def _dist_up() -> bool:

@@ -1,4 +1,7 @@
-"""On a GPU: the hooks never synchronise (CUDA sync debug mode turns a sync into an error)."""
+"""On a GPU: nand never synchronises the host with the device in ``warn``
+(and deferred ``skip`` through a fused optimizer): CUDA's sync debug mode
+turns any synchronising call (``.item()``, ``tolist()`` of a CUDA tensor, a
+blocking copy) into an error, the optimizer step and nand's boundary included."""
 
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ def test_forward_and_backward_hooks_never_sync_on_cuda():
                 model(x).pow(2).mean().backward()
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-            opt.step()  # the step boundary: the one read per step (a sync, for now)
+            opt.step()  # the step boundary: deferred on CUDA, see the tests below
             opt.zero_grad()
     assert w.first is None and w.step == 3 and w.host_reads == 4
 
@@ -40,3 +43,42 @@ def test_a_nan_on_cuda_is_found_like_on_cpu():
             opt.step()
             opt.zero_grad()
     assert (w.first.step, w.first.phase, w.first.module) == (1, "forward", "1")
+
+
+def _steps_without_sync(model, opt, steps, plant_at=None):
+    """Train ``steps`` steps with CUDA's sync debug mode set to "error" around
+    everything, the optimizer step (nand's boundary) included."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for step in range(steps):
+        model[1].value = float("nan") if step == plant_at else None
+        x = torch.randn(4, 8, device="cuda", generator=gen)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
+def test_warn_on_cuda_reads_deferred_with_zero_syncs_per_step():
+    model = mlp(plant_after=0).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with nand.watch(model, opt) as w:  # read="auto": deferred on CUDA under warn
+        assert w.deferred
+        _steps_without_sync(model, opt, 2)  # first steps: pinned buffers made
+        _steps_without_sync(model, opt, 20, plant_at=10)
+        assert w.first is not None and w.first.step == 12  # (2 warm-up steps before)
+    assert (w.first.phase, w.first.module) == ("forward", "1") and w.host_reads == 23
+    print(f"deferred reads that waited for their copy: {w.read_waits} of {w.host_reads}")
+
+
+def test_skip_through_a_fused_optimizer_on_cuda_has_zero_syncs_and_keeps_weights_finite():
+    model = mlp(plant_after=0).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    with nand.watch(model, opt, on_nonfinite="skip") as w:
+        assert w.deferred
+        _steps_without_sync(model, opt, 2)
+        _steps_without_sync(model, opt, 10, plant_at=4)
+    assert w.first is not None and (w.first.step, w.first.phase) == (6, "forward")
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())

@@ -62,8 +62,17 @@ class LocalGradCheck:
         return total
 
 
-def install(model: Any) -> LocalGradCheck | None:
-    """Register the check on a DistributedDataParallel model, when possible."""
+def install(model: Any, enabled: bool = True) -> LocalGradCheck | None:
+    """Register the check on a DistributedDataParallel model, when possible
+    (``enabled``: ``NAND_DDP_LOCAL_CHECK``); a refusal is logged, never raised."""
+    try:
+        return _install(model) if enabled else None
+    except Exception as exc:  # DDP refused the hook: go on without the local check
+        log.warning("nand: DDP local gradient check not installed (%s)", exc)
+        return None
+
+
+def _install(model: Any) -> LocalGradCheck | None:
     from torch.nn.parallel import DistributedDataParallel
 
     if not isinstance(model, DistributedDataParallel):

@@ -22,11 +22,15 @@ state checks that ride on it.
   skipping off, to rule it out.
 - **skip** drops the step by setting every ``.grad`` to ``None``: optimizers
   skip parameters without a gradient (no update, no weight decay, no step
-  count).
+  count). With the deferred read the host does not know yet: a fused
+  optimizer (:func:`skips_on_device`) is handed the window's flag as its
+  ``found_inf`` (what ``GradScaler.step`` hands it; the larger of the two when
+  a scaler set one), and its kernel skips the update on the device.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
 from itertools import repeat
@@ -49,9 +53,29 @@ def _closure_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[], A
     return closure if callable(closure) else None
 
 
+def skips_on_device(optimizer: Any) -> bool:
+    """Whether ``optimizer`` skips an update on the device when its ``found_inf``
+    is 1, as ``GradScaler.step`` uses it: ``fused=True`` Adam, AdamW and SGD
+    (``_step_supports_amp_scaling``, without the older ``grad_scaler`` argument).
+    Not SGD with momentum: its fused kernel, skipped at the first step, leaves
+    the momentum buffer it allocated uninitialised (torch 2.13)."""
+    from torch.optim import SGD, Adam, AdamW
+
+    if not isinstance(optimizer, Adam | AdamW | SGD) or not all(
+        group.get("fused") for group in optimizer.param_groups
+    ):
+        return False
+    if isinstance(optimizer, SGD) and any(g.get("momentum") for g in optimizer.param_groups):
+        return False
+    supports = getattr(optimizer, "_step_supports_amp_scaling", False)
+    return bool(supports) and "grad_scaler" not in inspect.signature(optimizer.step).parameters
+
+
 class ReadWindow(Protocol):
     """What the last step boundary read (``boundary.Boundary``)."""
 
+    #: Deferred ``skip``: this window's "non-finite" flag, on the device.
+    flag: Tensor | None
     clean: bool  # nothing non-finite, suspects included
     read_norms: list[float]  # the multi-tensor norms, in launch order
     read_spans: dict[str, tuple[int, int]]  # (start, count) of "grad" and "param" among them
@@ -96,6 +120,8 @@ class OptimizerHooks:
             optimizer.register_load_state_dict_post_hook(self._loaded),
         ]
         self._post_hooked = False  # the post-hook is there only for large models
+        self._found_inf: Tensor | None = None  # the found_inf nand set, until the step ends
+        self._device_hooked = False
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -169,6 +195,8 @@ class OptimizerHooks:
             return  # switched off by its own error
         self.stepped_once = True  # the update goes ahead
         try:
+            if self.window.flag is not None:
+                self._skip_on_device(self.window.flag)
             self._plan(state_read)
         except Exception as exc:
             self.guard.failed(exc, "optimizer pre-step hook")
@@ -213,6 +241,25 @@ class OptimizerHooks:
         if after is None or after * self.cache.rounding >= self.cache.limit:
             return None
         return after * self.cache.rounding
+
+    def _skip_on_device(self, flag: Tensor) -> None:
+        """The fused kernel skips this update where ``flag`` is 1 (see the module
+        docstring); a GradScaler's ``found_inf`` is kept: the larger of the two."""
+        opt = self.optimizer
+        found = vars(opt).get("found_inf")
+        if found is None or found is self._found_inf:  # (ours, left by a step that raised)
+            opt.found_inf = self._found_inf = flag  # type: ignore[attr-defined]
+            if not self._device_hooked:  # removed when the step ends, by a post-hook
+                self._device_hooked = True
+                self.handles.append(opt.register_step_post_hook(self._stepped_on_device))
+        else:  # the scaler's, which it deletes after the step itself
+            opt.found_inf = torch.maximum(found, flag.to(found.device))  # type: ignore[attr-defined]
+            self._found_inf = None
+
+    def _stepped_on_device(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._found_inf is not None and vars(optimizer).get("found_inf") is self._found_inf:
+            del optimizer.found_inf
+        self._found_inf = None
 
     # --- parameters and state ---------------------------------------------------
 

@@ -77,8 +77,8 @@ class ProbeBuffer:
     """
 
     __slots__ = (
-        "device", "extras", "norm_sites", "norms", "pairs", "room", "sites", "slab",
-        "slots", "slotted", "spans", "spilled",
+        "device", "exact_norms", "extras", "norm_sites", "norms", "pairs", "room", "sites",
+        "slab", "slots", "slotted", "spans", "spilled",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -95,6 +95,10 @@ class ProbeBuffer:
         self._make_slab(SLAB_START, torch.device("cpu"))
         #: Some result of this window is not in the slab: it is stacked.
         self.spilled = False
+        #: Norms accumulated in float64 (the deferred read): the squares of any
+        #: float32/16 values fit, so a norm is non-finite exactly when its tensor
+        #: is, and needs no check against a tensor that has moved on since.
+        self.exact_norms = False
 
     def probe(self, t: Tensor, site: Site) -> None:
         """Launch one aminmax of ``t`` (detached, float, non-empty) for ``site``. No sync."""
@@ -155,7 +159,10 @@ class ProbeBuffer:
     def add_norms(self, tensors: list[Tensor], sites: list[Site]) -> None:
         """One ``_foreach_norm`` launch over ``tensors`` (floating, dense, not requiring grad)."""
         if tensors:
-            norms = torch._foreach_norm(tensors)
+            if self.exact_norms:
+                norms = torch._foreach_norm(tensors, 2, dtype=torch.float64)
+            else:
+                norms = torch._foreach_norm(tensors)
             if norms[0].dtype is torch.float64:
                 self.spilled = True  # (the float32 slab would round them)
             self.norms.extend(norms)

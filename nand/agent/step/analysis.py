@@ -32,7 +32,7 @@ from typing import NamedTuple, Protocol
 import torch
 from torch import Tensor
 
-from nand.agent.detect.probes import ProbeBuffer, Site, local
+from nand.agent.detect.probes import Site, local
 from nand.events import PHASE_RANK, Cause, Phase
 
 _ACT_KINDS = frozenset({"output", "inline"})
@@ -140,12 +140,31 @@ class Finding:
     note: str = ""
 
 
+class Probed(Protocol):
+    """Where a window's values came from: a :class:`ProbeBuffer`, or what a
+    deferred read kept of one (``boundary.Window``)."""
+
+    @property
+    def sites(self) -> list[Site | None]: ...
+
+    @property
+    def norm_sites(self) -> list[Site]: ...
+
+
+#: Said of a float64 tensor's norm finding read one step late: not verified.
+LAGGED_NOTE = (
+    "read one step late: its 2-norm was non-finite, not re-checked element by element "
+    "(the tensor has changed since; the 2-norm of a float64 tensor above ~1e154 overflows)"
+)
+
+
 def first_finding(
-    buf: ProbeBuffer,
+    buf: Probed,
     values: list[float],
     grad_cause: Cause = "produced",
     prev_micro: int = 0,
     micro_base: int = 0,
+    lagged: bool = False,
 ) -> Finding | None:
     """The logically first verified non-finite entry, or None (a false alarm).
 
@@ -154,8 +173,14 @@ def first_finding(
     cause of a non-finite ``.grad`` (``received`` when it came through an
     all-reduce; the boundary measures it, see ``Boundary._grad_cause``).
     ``micro_base`` is the micro-step the window's first root call is.
+    ``lagged``: the window was read one step late, when its gradients and
+    parameters have been updated or zeroed since; its norms were accumulated
+    in float64 (``ProbeBuffer.exact_norms``), non-finite exactly when their
+    float32/16 tensor is. A non-finite norm is then a finding as read (its
+    event carries the norm, no counts); of a float64 tensor, one marked
+    unverified (:data:`LAGGED_NOTE`).
     """
-    norms = _norm_findings(buf, values, grad_cause, prev_micro)
+    norms = _norm_findings(buf, values, grad_cause, prev_micro, lagged)
     candidates = _activation_findings(buf, values, micro_base) + norms
     for finding in sorted(candidates, key=_logical_key):
         if finding.tensor is None or not bool(torch.isfinite(finding.tensor).all()):
@@ -170,7 +195,7 @@ def _logical_key(f: Finding) -> tuple[int, int, int, int]:
 
 
 def _entries(
-    buf: ProbeBuffer, values: list[float], micro_base: int
+    buf: Probed, values: list[float], micro_base: int
 ) -> list[tuple[int, Site, float, float, int]]:
     """(micro, site, lo, hi, call) for every activation/gradient entry."""
     out = []
@@ -187,7 +212,7 @@ def _entries(
     return out
 
 
-def _activation_findings(buf: ProbeBuffer, values: list[float], micro_base: int) -> list[Finding]:
+def _activation_findings(buf: Probed, values: list[float], micro_base: int) -> list[Finding]:
     found: list[Finding] = []
     orders: dict[tuple[int, str], int] = {}
     prev_backward: dict[int, Site] = {}  # micro -> last finite backward site
@@ -231,7 +256,7 @@ def _backward_finding(
 
 
 def _norm_findings(
-    buf: ProbeBuffer, values: list[float], grad_cause: Cause, prev_micro: int
+    buf: Probed, values: list[float], grad_cause: Cause, prev_micro: int, lagged: bool
 ) -> list[Finding]:
     start = 2 * (len(buf.sites) - buf.sites.count(None))
     last_micro = max(buf.sites.count(None) - 1, 0)
@@ -243,9 +268,8 @@ def _norm_findings(
         if math.isfinite(norm):
             continue
         tensor = site.param.grad if site.phase == "grad" and site.param is not None else site.param
-        if tensor is None:
+        if tensor is None and not lagged:
             continue
-        tensor = local(tensor)
         micro = last_micro if site.phase == "grad" else prev_micro
         cause = grad_cause if site.phase == "grad" else "produced"
         found.append(
@@ -253,7 +277,11 @@ def _norm_findings(
                 site, site.phase, site.module, site.module_type, micro, order, 0, norm, norm, cause
             )
         )
-        found[-1].tensor = tensor
+        if lagged:
+            if site.param is None or site.param.dtype is torch.float64:
+                found[-1].note = LAGGED_NOTE
+        elif tensor is not None:
+            found[-1].tensor = local(tensor)
     return found
 
 
@@ -264,7 +292,9 @@ COMPILED_NOTE = (
 )
 
 
-def gradient_frontier(buf: ProbeBuffer, values: list[float], first: Finding) -> Finding:
+def gradient_frontier(
+    buf: Probed, values: list[float], first: Finding, verify: bool = True
+) -> Finding:
     """Where backward went non-finite, judged from parameter gradients alone.
 
     Under torch.compile no gradient inside a graph is probed (see
@@ -277,8 +307,10 @@ def gradient_frontier(buf: ProbeBuffer, values: list[float], first: Finding) -> 
     gradient fired just before the first non-finite one; the note names both.
     With none finite after it, the gradient came in non-finite from the loss.
     ``first`` is the logically first finding, a ``grad`` one made on this rank.
+    ``verify``: check a non-finite norm against the gradient (not when the
+    window was read one step late and the gradient is gone).
     """
-    bad, good = _owners_by_gradient(buf, values)
+    bad, good = _owners_by_gradient(buf, values, verify)
     order = _forward_sites(buf)
     last_bad = max((i for i, site in enumerate(order) if site.module in bad), default=None)
     if last_bad is None:
@@ -302,7 +334,9 @@ def gradient_frontier(buf: ProbeBuffer, values: list[float], first: Finding) -> 
     )  # fmt: skip
 
 
-def _owners_by_gradient(buf: ProbeBuffer, values: list[float]) -> tuple[set[str], set[str]]:
+def _owners_by_gradient(
+    buf: Probed, values: list[float], verify: bool
+) -> tuple[set[str], set[str]]:
     """Modules owning a parameter whose gradient is non-finite, and the rest."""
     start = 2 * (len(buf.sites) - buf.sites.count(None))
     bad: set[str] = set()
@@ -313,14 +347,15 @@ def _owners_by_gradient(buf: ProbeBuffer, values: list[float]) -> tuple[set[str]
         owner = site.module.rpartition(".")[0]
         owners.add(owner)
         grad = site.param.grad if site.param is not None else None
-        if math.isfinite(norm) or grad is None:
+        if math.isfinite(norm) or (verify and grad is None):
             continue
-        if not bool(torch.isfinite(local(grad)).all()):  # (a 2-norm of finite values overflows)
+        # (a 2-norm of finite values overflows: verified where the gradient is still there)
+        if not verify or grad is None or not bool(torch.isfinite(local(grad)).all()):
             bad.add(owner)
     return bad, owners - bad
 
 
-def _forward_sites(buf: ProbeBuffer) -> list[Site]:
+def _forward_sites(buf: Probed) -> list[Site]:
     """The first forward site of each module probed this window, in first-run order."""
     seen: dict[str, Site] = {}
     for site in buf.sites:

@@ -6,20 +6,27 @@ there is no optimizer, and from ``close``. Everything here runs at most once
 per step; only :meth:`Boundary.check` touches device values, in one
 ``tolist()`` of one gathered tensor (a slice of the probe buffer's slab, or
 a stack when the window spilled, see ``probes.ProbeBuffer``).
+
+Deferred (``read="deferred"``, the default on CUDA under ``warn``; see
+``deferred.py``) the gathered tensor is copied without blocking and the
+previous boundary's copy is read and analysed instead: the same
+:meth:`Boundary._analyse`, from the :class:`~nand.agent.step.window.Window`
+kept of that window, one step late.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from typing import NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from nand.agent.detect.amp import AmpWatch
 from nand.agent.detect.compiled import CompiledSlots
-from nand.agent.detect.ddp import LocalGradCheck
+from nand.agent.detect.ddp import LocalGradCheck, grads_are_reduced
+from nand.agent.detect.ddp import install as install_local_check
 from nand.agent.detect.probes import MICRO, ProbeBuffer, Site
 from nand.agent.identity import Identity
 from nand.agent.step.analysis import (
@@ -31,29 +38,13 @@ from nand.agent.step.analysis import (
     near_limit,
     param_behind,
 )
+from nand.agent.step.deferred import DeferredRead
 from nand.agent.step.recorder import FlightRecorder
 from nand.agent.step.report import build_event
+from nand.agent.step.window import HEALTHY, SCALED_PHASES, Outcome, Window
 from nand.events import Cause, Event
 
 log = logging.getLogger("nand")
-
-
-class Outcome(NamedTuple):
-    """What one boundary found that the caller acts on (what it read stays
-    on the boundary: ``row``, ``micro_steps``)."""
-
-    event: Event | None = None  # this window's first verified non-finite entry
-    any_rank_bad: bool = False  # agreed across ranks (skip/stop with a process group)
-    overflow: bool = False  # an AMP overflow step, skipped by the scaler (not an incident)
-
-
-#: A window with nothing to act on: the common case, one shared value.
-HEALTHY = Outcome()
-
-#: The phases a loss scaler's overflow makes non-finite: the gradients of the
-#: scaled loss. A non-finite input, output, weight or optimizer state in a
-#: window the scaler skipped is an incident all the same.
-SCALED_PHASES = frozenset({"loss", "backward", "grad"})
 
 
 class Boundary:
@@ -97,6 +88,28 @@ class Boundary:
         self.read_spans: dict[str, tuple[int, int]] = {}
         #: Slow path: a forward finding explained by a non-finite parameter.
         self.params: ParamSource | None = None
+        #: Deferred read (``read="deferred"``): each window is read one boundary late.
+        self.deferred: DeferredRead[tuple[Window, list[str]]] | None = None
+        #: Deferred ``skip``: the window's non-finite flag, on the device (see ``_put``).
+        self.skip_on_device = False
+        self.flag: Tensor | None = None
+        #: The step of the window read last (deferred: the one before ``check``'s).
+        self.read_step = 0
+
+    def wrapped_in(self, wrapper: Any, local_check: bool) -> None:
+        """The watched model runs inside ``wrapper`` (DDP, FSDP): its gradients
+        are averaged across ranks, and DDP's own can be checked first."""
+        self.grads_reduced = grads_are_reduced(wrapper)
+        if self.ddp is None:
+            self.ddp = install_local_check(wrapper, local_check)
+
+    def defer(self, skip_on_device: bool) -> None:
+        """Read each window at the next boundary (``read="deferred"``); with
+        ``skip_on_device`` hand the optimizer each window's flag (see ``_put``)."""
+        self.deferred = DeferredRead()
+        self.skip_on_device = skip_on_device
+        # Read late, a norm has no tensor left to be verified with: exact ones.
+        self.buf.exact_norms = True
 
     def check(
         self,
@@ -112,7 +125,8 @@ class Boundary:
         ``record``: keep the step's figures in the flight recorder (not for the
         last look at ``close``, which holds parameters only). ``micro_base``:
         the first micro-step of this window within ``step`` (a closure
-        evaluated again in the same step).
+        evaluated again in the same step). Deferred (``self.deferred``): this
+        window is copied to the host and the one before it is read instead.
         """
         self.clean = False
         self.read_norms = []
@@ -121,36 +135,63 @@ class Boundary:
             extras = self._extras()
             if self.slots is not None and self.slots.active:
                 self._take_slots()
-            values, any_bad = self._read_agreed(extras) if self.agree else self._read()
             self.micro_steps = self.buf.sites.count(MICRO)
+            if self.deferred is not None:
+                window = self._window(step, prev_step, prev_micro, skipped, record, micro_base)
+                self._put(window, extras)
+                return self.take(keep=1)
+            values, any_bad = self._read_agreed(extras) if self.agree else self._read()
             if values is None:
                 return Outcome(None, any_bad) if any_bad else HEALTHY
-            scale, norm_scale, overflow = self._amp_figures(values, extras, skipped)
-            loss = values[-1] if "loss" in extras else None
-            row = StepRow(
-                step, values, self.buf.sites[:], self.buf.norm_sites[:], scale, norm_scale, loss
-            )
-            self._keep(row, record)
-            n_main = len(values) - len(extras)
-            # A float64 sum overflows only for float64 figures near their
-            # limit: then the slow path finds nothing, a false alarm.
-            self.clean = math.isfinite(sum(values[:n_main]))
-            event = None
-            if not self.clean:
-                event = self._finding_event(
-                    values, extras, step, prev_step, prev_micro, scale, micro_base
-                )
-                if overflow and event is not None and event.phase not in SCALED_PHASES:
-                    # The scaler skipped the update, but what went non-finite
-                    # was not a scaled gradient (a bad input, forward or
-                    # weight): an incident, not an overflow.
-                    overflow = False
-            if event is None and not any_bad and not overflow:
-                return HEALTHY
-            return Outcome(event, any_bad, overflow)
+            window = self._window(step, prev_step, prev_micro, skipped, record, micro_base)
+            return self._analyse(values, any_bad, extras, window)
         finally:
             self.buf.clear()
             self.loss_tensor = None
+
+    def _window(
+        self,
+        step: int,
+        prev_step: int,
+        prev_micro: int,
+        skipped: bool,
+        record: bool,
+        micro_base: int,
+    ) -> Window:
+        """What the analysis needs of the buffer, kept apart from it (the
+        buffer is cleared and refilled before a deferred window is read)."""
+        buf = self.buf
+        n_pairs = len(buf.pairs) + (len(buf.slotted) if buf.slotted is not None else 0)
+        spans, buf.spans = buf.spans, {}  # handed over, not copied: the hooks fill a fresh one
+        scaled = self.amp is not None and self.amp.grads_scaled()
+        return Window(
+            step, prev_step, prev_micro, skipped, record, micro_base, buf.sites[:],
+            buf.norm_sites[:], n_pairs, len(buf.norms), spans, buf.slotted is not None,
+            scaled, self.deferred is not None,
+        )  # fmt: skip
+
+    def _analyse(self, values: list[float], any_bad: bool, extras: list[str], w: Window) -> Outcome:
+        """Telemetry, then the slow path when something was non-finite."""
+        self.read_step = w.step
+        scale, norm_scale, overflow = self._amp_figures(values, extras, w)
+        loss = values[-1] if "loss" in extras else None
+        row = StepRow(w.step, values, w.sites, w.norm_sites, scale, norm_scale, loss)
+        self._keep(row, w)
+        n_main = len(values) - len(extras)
+        # A float64 sum overflows only for float64 figures near their
+        # limit: then the slow path finds nothing, a false alarm.
+        self.clean = math.isfinite(sum(values[:n_main]))
+        event = None
+        if not self.clean:
+            event = self._finding_event(values, extras, scale, w)
+            if overflow and event is not None and event.phase not in SCALED_PHASES:
+                # The scaler skipped the update, but what went non-finite
+                # was not a scaled gradient (a bad input, forward or
+                # weight): an incident, not an overflow.
+                overflow = False
+        if event is None and not any_bad and not overflow:
+            return HEALTHY
+        return Outcome(event, any_bad, overflow)
 
     def _read(self) -> tuple[list[float] | None, bool]:
         """THE host read of the step: one gathered tensor, one ``tolist()``."""
@@ -160,44 +201,44 @@ class Boundary:
         self.reads += 1
         return gathered.tolist(), False
 
-    def _keep(self, row: StepRow, record: bool) -> None:
+    def _keep(self, row: StepRow, w: Window) -> None:
         """Keep the row (flight recorder, the optimizer hooks' norms), and warn
         once when an activation nears its dtype's limit."""
-        buf = self.buf
-        if record:
+        if w.record:
             self.recorder.rows.append(row)
         self.row = row
-        n_pairs = len(buf.pairs) + (len(buf.slotted) if buf.slotted is not None else 0)
+        n_pairs = w.n_pairs
         if n_pairs and not self.warned_headroom:
             near = near_limit(row, n_pairs)
             if near is not None:
                 self._warn_headroom(row, *near)
-        self.read_norms = row.values[n_pairs : n_pairs + len(buf.norms)]
-        # Handed over, not copied: the optimizer hooks fill a fresh one.
-        self.read_spans, buf.spans = buf.spans, {}
+        self.read_norms = row.values[n_pairs : n_pairs + w.n_norms]
+        self.read_spans = w.spans
 
     def _finding_event(
-        self,
-        values: list[float],
-        extras: list[str],
-        step: int,
-        prev_step: int,
-        prev_micro: int,
-        scale: float,
-        micro_base: int,
+        self, values: list[float], extras: list[str], scale: float, w: Window
     ) -> Event | None:
-        """The slow path: the window's first verified non-finite entry, as an event."""
+        """The slow path: the window's first verified non-finite entry, as an event.
+
+        A window read one step late (``w.lagged``) is not verified against
+        its tensors, which have moved on since: see ``analysis.first_finding``.
+        """
         grad_cause = self._grad_cause(values, extras)
-        finding = first_finding(self.buf, values, grad_cause, prev_micro, micro_base)
-        if finding is not None and finding.phase == "forward" and self.params is not None:
-            finding = param_behind(finding, prev_micro, self.params) or finding
+        finding = first_finding(w, values, grad_cause, w.prev_micro, w.micro_base, w.lagged)
+        if (
+            finding is not None
+            and finding.phase == "forward"
+            and self.params is not None
+            and not w.lagged  # (deferred: every window reads the parameters)
+        ):
+            finding = param_behind(finding, w.prev_micro, self.params) or finding
         if finding is None:
             return None
-        if self.buf.slotted is not None:  # probed under torch.compile (see compiled.py)
+        if w.compiled:  # probed under torch.compile (see compiled.py)
             if finding.phase == "grad" and finding.cause == "produced":
-                finding = gradient_frontier(self.buf, values, finding)
+                finding = gradient_frontier(w, values, finding, verify=not w.lagged)
             finding.note = finding.note or COMPILED_NOTE
-        at = prev_step if finding.phase in ("param", "optimizer_state") else step
+        at = w.prev_step if finding.phase in ("param", "optimizer_state") else w.step
         self.seq += 1
         return build_event(finding, self.who, at, self.seq, scale, self.root_type)
 
@@ -250,8 +291,8 @@ class Boundary:
         import torch.distributed as dist
 
         if gathered is None:
-            flag = torch.zeros(1)
-            gathered = torch.zeros(0)
+            flag = torch.zeros(1, device=self.buf.device)
+            gathered = torch.zeros(0, device=self.buf.device)
         else:
             main = gathered[: gathered.numel() - n_extras]
             flag = (~torch.isfinite(main)).any().float().reshape(1)
@@ -259,16 +300,52 @@ class Boundary:
         return torch.cat([gathered, flag.to(gathered.device)])
 
     def _amp_figures(
-        self, values: list[float], extras: list[str], skipped: bool
+        self, values: list[float], extras: list[str], w: Window
     ) -> tuple[float, float, bool]:
         if self.amp is None or "scale" not in extras:  # a scaler that is disabled
             return 1.0, 1.0, False
         at = len(values) - len(extras)
         scale, found_inf = values[at], values[at + 1]
-        overflow = skipped or found_inf > 0
+        overflow = w.skipped or found_inf > 0
         self.amp.record(scale, overflow)
-        norm_scale = scale if self.amp.grads_scaled() else 1.0
+        norm_scale = scale if w.grads_scaled else 1.0
         return (scale if scale > 0 else 1.0), (norm_scale if norm_scale > 0 else 1.0), overflow
+
+    # --- deferred: this window copied now, read at the next boundary ----------
+
+    def _put(self, w: Window, extras: list[str]) -> None:
+        """Copy this window's results towards the host; no read, no sync. With
+        ``skip_on_device`` the window's "anything non-finite" flag stays on the
+        device, in ``self.flag``, for the optimizer to skip its update by."""
+        assert self.deferred is not None
+        gathered = self.buf.gather()
+        n_extras = len(extras)
+        if self.agree:  # the flag all-reduced on the device, last in the copy
+            gathered = self._agreed(gathered, n_extras)
+            self.flag = gathered[-1].reshape(()).float() if self.skip_on_device else None
+        elif self.skip_on_device and gathered is not None:
+            main = gathered[: gathered.numel() - n_extras]
+            self.flag = (~torch.isfinite(main)).any().float()
+        else:
+            self.flag = None
+        self.deferred.put(gathered, (w, extras))
+
+    def take(self, keep: int = 0) -> Outcome:
+        """Read and analyse the oldest window copied (deferred), unless no more
+        than ``keep`` are pending (the one just copied stays, for next time)."""
+        assert self.deferred is not None
+        taken = self.deferred.take() if len(self.deferred) > keep else None
+        if taken is None:
+            return HEALTHY
+        self.reads += 1
+        read, (w, extras) = taken
+        values, any_bad = read, False
+        self.read_step = w.step
+        if self.agree and read is not None:
+            values, any_bad = read[:-1] or None, read[-1] > 0
+        if values is None:
+            return Outcome(None, any_bad) if any_bad else HEALTHY
+        return self._analyse(values, any_bad, extras, w)
 
     def _warn_headroom(self, row: StepRow, site: Site, value: float) -> None:
         """Warn once: an activation came within 2x of its dtype's limit."""

@@ -2,6 +2,8 @@
 
 - ``warn``: nothing more (the incident was logged and sent).
 - ``skip``: drop the update (every ``.grad`` set to ``None``) and go on.
+  Deferred (``read``), the update was skipped on the device already, through
+  the fused optimizer's ``found_inf``; the outcome read one step late is logged.
 - ``raise``: :class:`~nand.errors.NonFiniteError` out of ``optimizer.step()``.
 - ``stop``: ``raise`` agreed by every rank; a rank that only received the
   value, or saw nothing, raises :class:`~nand.errors.StopRequested`.
@@ -16,7 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from nand.agent.step.boundary import Outcome
+from nand.agent.step.window import Outcome
 from nand.config import Policy
 from nand.errors import NandError, NonFiniteError, StopRequested
 
@@ -34,6 +36,9 @@ class StepPolicy:
         self.drop_grads = drop_grads
         self.on_stop = on_stop
         self._stopping = False
+        #: Deferred read: the outcome is the previous step's, whose update was
+        #: already skipped on the device (``skip``) or applied (``warn``).
+        self.lagged = False
 
     @property
     def raises(self) -> bool:
@@ -46,8 +51,10 @@ class StepPolicy:
         if self.name == "warn":
             return
         if self.name == "skip":
-            self.drop_grads()
-            log.warning("nand: skipped optimizer step %d (non-finite)", step)
+            if not self.lagged:
+                self.drop_grads()
+            where = " on the device" if self.lagged else ""
+            log.warning("nand: skipped optimizer step %d%s (non-finite)", step, where)
         elif self.name == "raise" and event is not None:
             raise NonFiniteError(event)
         elif event is not None and event.cause != "received":

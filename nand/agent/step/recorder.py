@@ -13,9 +13,11 @@ from __future__ import annotations
 from collections import deque
 
 import torch
+from torch import nn
 
+from nand.agent.detect.amp import AmpWatch
 from nand.agent.step.analysis import StepRow, Telemetry, telemetry
-from nand.events import FlightWindow
+from nand.events import FlightWindow, StepSummary
 
 
 def _finite(value: float | None) -> float | None:
@@ -36,6 +38,26 @@ class FlightRecorder:
         """The model's dtype, with its limit: the scale telemetry is read against."""
         self.dtype = str(dtype).removeprefix("torch.")
         self.dtype_max = float(torch.finfo(dtype).max)
+
+    def set_dtype_of(self, model: nn.Module) -> None:
+        """The dtype of ``model``'s first floating parameter, if it has one."""
+        p = next((p for p in model.parameters() if p.is_floating_point()), None)
+        if p is not None:
+            self.set_dtype(p.dtype)
+
+    def summary(self, step: int, steps_per_s: float, amp: AmpWatch | None) -> StepSummary:
+        """A heartbeat's figures, from what the last steps already read."""
+        tele = self.last()
+        rows = self.rows
+        return StepSummary(
+            step=step,
+            steps_per_s=steps_per_s,
+            loss=rows[-1].loss if rows else None,
+            grad_norm=tele.grad_norm if tele else None,
+            max_activation=tele.max_act if tele else None,
+            amp_skipped=amp.skipped if amp is not None else 0,
+            amp_scale=amp.scale if amp is not None else None,
+        )
 
     def last(self) -> Telemetry | None:
         return telemetry(self.rows[-1], len(self.modules)) if self.rows else None
