@@ -11,10 +11,11 @@ poll reads only those.
 
 A subscriber's mailbox keeps at most the latest summary per run: a client
 that reads slowly skips intermediate states, and memory stays bounded by the
-number of runs. A new subscriber gets its first summaries from one snapshot
-query of its own (the first message per run comes at once), and poll results
-that arrive while it is taken win over it. A poll that took long pushes the
-next one back, so the poller spends at most half its time in the database.
+number of runs. A new subscriber gets its first summaries from a snapshot
+query (the first message per run comes at once; subscribers arriving together
+share one), and poll results that arrive while it is taken win over it. A
+poll that took long pushes the next one back, so the poller spends at most
+half its time in the database.
 
 >>> import asyncio
 >>> sub = Subscriber("r1")
@@ -47,6 +48,8 @@ log = logging.getLogger("nand.server")
 
 #: Runs with more ranks than this are summarised without loading every rank.
 BIG_RUN = 256
+#: A snapshot younger than this is shared with a new subscriber of the same filter.
+SHARE_S = 0.5
 #: Runs a new unfiltered subscriber is sent at once (most recently seen first).
 INITIAL_RUNS = 200
 
@@ -104,6 +107,7 @@ class StreamHub:
         self.settings = settings
         self.subscribers: set[Subscriber] = set()
         self._task: asyncio.Task[None] | None = None
+        self._snapshots: dict[str | None, tuple[float, asyncio.Future[list[Update]]]] = {}
         self._on_poll = on_poll
 
     async def subscribe(self, run: str | None) -> Subscriber:
@@ -113,12 +117,28 @@ class StreamHub:
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._poll_loop(), name="nand-stream-poller")
         try:
-            snapshot = await run_in_threadpool(self._snapshot, run, time.time())
+            snapshot = await self._shared_snapshot(run)
         except BaseException:
             self.unsubscribe(subscriber)
             raise
         subscriber.offer(snapshot, only_new=True)
         return subscriber
+
+    async def _shared_snapshot(self, run: str | None) -> list[Update]:
+        """Subscribers arriving together (every dashboard reconnecting after a
+        restart) share one snapshot, if it began under ``SHARE_S`` ago: a poll's
+        1 s overlap still covers what was committed since it began."""
+        now = time.time()
+        shared = self._snapshots.get(run)
+        if shared is None or shared[1].done() or now - shared[0] > SHARE_S:
+            task = asyncio.ensure_future(run_in_threadpool(self._snapshot, run, now))
+            self._snapshots[run] = shared = (now, task)
+            task.add_done_callback(lambda _t: self._forget(run, task))
+        return await asyncio.shield(shared[1])
+
+    def _forget(self, run: str | None, task: asyncio.Future[list[Update]]) -> None:
+        if run in self._snapshots and self._snapshots[run][1] is task:
+            del self._snapshots[run]
 
     def unsubscribe(self, subscriber: Subscriber) -> None:
         self.subscribers.discard(subscriber)
