@@ -136,7 +136,7 @@ def _follow(
     while True:
         finished = job.poll() is not None
         try:
-            ranks = request_json(run_url(base, run, "/ranks"))
+            ranks = request_json(run_url(base, run, "/ranks"))["items"]
             verdict = request_json(run_url(base, run, "/verdict"))
         except (ApiError, OSError):
             ranks = []  # the run has not said hello yet

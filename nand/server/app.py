@@ -34,6 +34,7 @@ from nand.server.api.deps import ServerState
 from nand.server.bodylimit import BodyLimit
 from nand.server.db import make_engine
 from nand.server.guard import BrowserGuard
+from nand.server.hub import StreamHub
 from nand.server.ingest import Ingest
 from nand.server.metrics import Metrics
 from nand.server.migrate import upgrade
@@ -57,10 +58,13 @@ def create_app(settings: Settings | None = None, *, ingest: bool = True) -> Fast
         loop = Ingest(engine, settings, metrics) if ingest else None
         if loop is not None:
             loop.start()
-        app.state.nand = ServerState(settings, engine, metrics, loop)
+        hub = StreamHub(engine, settings, on_poll=metrics.stream_poll)
+        app.state.nand = ServerState(settings, engine, metrics, hub, loop)
         try:
             yield
         finally:
+            app.state.nand.closing.set()
+            await hub.close()
             if loop is not None:
                 loop.stop()
             engine.dispose()

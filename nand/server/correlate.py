@@ -67,8 +67,15 @@ def relations(firsts: Sequence[Event]) -> dict[int, Relation]:
     head = origin(firsts)
     if head is None:
         return {}
+    together = any(e.rank != head.rank and same_point(e, head) for e in firsts)
+    return relations_to(firsts, head, together)
+
+
+def relations_to(firsts: Sequence[Event], head: Event, together: bool) -> dict[int, Relation]:
+    """Relation of each of ``firsts`` (some of a run's ranks) to the run's origin
+    ``head``; ``together``: another rank went non-finite at the origin's point."""
     found = {e.rank: relation(e, head) for e in firsts}
-    if "simultaneous" in found.values():
+    if together and head.rank in found:
         found[head.rank] = "simultaneous"  # the lowest rank was not first, only first listed
     return found
 

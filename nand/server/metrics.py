@@ -94,6 +94,12 @@ class Metrics:
         self._events = counter("nand_events", "Non-finite events stored.")
         self._write_errors = counter("nand_store_errors", "Batches that failed to commit.")
         self._commands = counter("nand_commands_sent", "Commands sent to agents.")
+        self._stream_polls = counter(
+            "nand_stream_polls", "Database polls for the event streams (one per interval)."
+        )
+        self._stream_clients = Gauge(
+            "nand_stream_clients", "Open event-stream connections.", registry=self.registry
+        )
 
     def _histograms(self) -> None:
         self._lag = Histogram(
@@ -141,6 +147,12 @@ class Metrics:
 
     def command_sent(self) -> None:
         self._commands.inc()
+
+    def stream_poll(self) -> None:
+        self._stream_polls.inc()
+
+    def stream_clients(self, n: int) -> None:
+        self._stream_clients.set(n)
 
     def request(self, method: str, route: str, status: int, seconds: float) -> None:
         self._requests.labels(method, route, str(status)).observe(seconds)

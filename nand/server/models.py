@@ -98,7 +98,8 @@ class EventRow(Base):
     __tablename__ = "events"
     __table_args__ = (
         Index("ix_events_logical", "run_id", "step", "micro_step", "phase_rank", "ord"),
-        Index("ix_events_rank", "run_id", "rank", "step"),
+        # The whole key: ingest finds a just-stored first event by it (firsts.event_id).
+        Index("ix_events_rank_key", "run_id", "rank", "step", "micro_step", "phase_rank", "ord"),
     )
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True)

@@ -220,6 +220,22 @@ class RankStatus(BaseModel):
     dropped: dict[str, int] = Field(default_factory=dict)
 
 
+class RankPage(BaseModel):
+    """One page of a run's ranks in rank order, with counts over all of them.
+
+    The next page is ``?after=<next_after>``; ``next_after`` is null on the last.
+    """
+
+    items: list[RankStatus]
+    #: Ranks that have reported, in all.
+    total: int
+    limit: int
+    #: The ``after`` that asks for the next page; null when this is the last one.
+    next_after: int | None = None
+    #: Every rank's state, counted (only states some rank is in).
+    states: dict[RankState, int] = Field(default_factory=dict)
+
+
 class SeriesPoint(BaseModel):
     time: float
     step: int

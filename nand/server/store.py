@@ -49,10 +49,15 @@ def recent_runs(session: Session, limit: int, offset: int = 0) -> Sequence[Run]:
     return session.scalars(statement.offset(offset).limit(limit)).all()
 
 
-def runs_updated_since(session: Session, since: float, active_since: float) -> Sequence[Run]:
-    """Runs changed after ``since`` or seen after ``active_since`` (their state may age)."""
+def runs_updated_since(
+    session: Session, since: float, active_since: float, names: set[str] | None = None
+) -> Sequence[Run]:
+    """Live runs changed after ``since`` or seen after ``active_since`` (their state
+    may age); ``names``: only these runs."""
     changed = (Run.updated_at >= since) | (Run.last_seen >= active_since)
     statement = select(Run).where(changed, Run.superseded_at.is_(None))
+    if names is not None:
+        statement = statement.where(Run.name.in_(sorted(names)))
     return session.scalars(statement.order_by(Run.id).limit(1000)).all()
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from nand.events import Event, RankState, cause_of, phase_of, value_kinds
+from nand.events import Event, RankState, Relation, cause_of, phase_of, value_kinds
 from nand.server import correlate, losses, store, summary
 from nand.server.evidence import FlightEvidence, heartbeat_evidence
 from nand.server.models import EventRow, Rank, Run
@@ -84,12 +84,14 @@ def _origin_row(ranks: RankRows) -> EventRow | None:
     return next((e for e in firsts if head is not None and e.rank == head.rank), None)
 
 
-def origin_out(row: EventRow, ranks: RankRows) -> Origin:
-    """The origin; with several ranks at the same point, ``rank`` is null (none was first)."""
+def origin_out(row: EventRow, ranks: RankRows, together: list[int] | None = None) -> Origin:
+    """The origin; with several ranks at the same point, ``rank`` is null (none was first).
+    ``together``: those ranks, when known (else found among ``ranks``)."""
     event = to_event(row)
     fields = json_safe(event.to_dict())
     shared = {name: fields[name] for name in Origin.model_fields if name in fields}
-    together = correlate.first_ranks([to_event(e) for _, e in ranks if e is not None])
+    if together is None:
+        together = correlate.first_ranks([to_event(e) for _, e in ranks if e is not None])
     shared["rank"] = event.rank if len(together) <= 1 else None
     return Origin(event_id=row.id, values=value_kinds(event), ranks=together, **shared)
 
@@ -232,11 +234,18 @@ def _stop(run: Run, ranks: RankRows) -> StopInfo | None:
 
 
 def rank_statuses(
-    run: Run, ranks: RankRows, settings: Settings, now: float, with_flight: set[int]
+    run: Run,
+    ranks: RankRows,
+    settings: Settings,
+    now: float,
+    with_flight: set[int],
+    relations: dict[int, Relation] | None = None,
 ) -> list[RankStatus]:
+    """``ranks`` may be a page of the run's ranks: then pass their ``relations``
+    (:mod:`nand.server.rankpage`), which depend on every rank."""
     states = rank_states(ranks, settings, now)
-    firsts = [to_event(e) for _, e in ranks if e is not None]
-    relations = correlate.relations(firsts)
+    if relations is None:
+        relations = correlate.relations([to_event(e) for _, e in ranks if e is not None])
     return [
         RankStatus(
             rank=rank.rank,

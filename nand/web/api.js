@@ -49,7 +49,8 @@ const runPath = (run, rest = "") => `runs/${encodeURIComponent(run)}${rest}`;
 export const api = {
   runs: () => request("runs"),
   run: (run) => request(runPath(run)),
-  ranks: (run) => request(runPath(run, "/ranks")),
+  /** A page of ranks: {items, total, limit, next_after, states}; `after`: ranks above it. */
+  ranks: (run, params) => request(runPath(run, "/ranks"), {}, params),
   verdict: (run) => request(runPath(run, "/verdict")),
   series: (run) => request(runPath(run, "/series")),
   flight: (run, rank) => request(runPath(run, "/flight"), {}, { rank }),

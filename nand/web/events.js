@@ -12,8 +12,10 @@ const PHASES = Object.keys(PHASE_WORDS);
 const PAGE_SIZES = [50, 200, 1000, 10000];
 const FILTERS = ["rank", "phase", "module", "step_min", "step_max"];
 
-/** The filter controls, by the name of the query parameter each one sets. */
-function filterInputs(ranks) {
+/** The filter controls, by the name of the query parameter each one sets. A run
+ * with more ranks than one page (`allRanks` false) gets a number field for the
+ * rank, not a list of thousands. */
+function filterInputs(ranks, allRanks) {
   const number = (label) =>
     el("input", {
       type: "number",
@@ -27,15 +29,17 @@ function filterInputs(ranks) {
     values.map((v) => el("option", { value: v }, name(v))),
   ];
   return {
-    rank: el(
-      "select",
-      { "aria-label": "Rank" },
-      options(
-        "All ranks",
-        ranks.map((r) => r.rank),
-        (r) => `rank ${r}`,
-      ),
-    ),
+    rank: allRanks
+      ? el(
+          "select",
+          { "aria-label": "Rank" },
+          options(
+            "All ranks",
+            ranks.map((r) => r.rank),
+            (r) => `rank ${r}`,
+          ),
+        )
+      : number("Rank"),
     phase: el(
       "select",
       { "aria-label": "Phase" },
@@ -53,12 +57,12 @@ function filterInputs(ranks) {
 }
 
 /** Mount the table in `root`; returns {changed, setRank} for the run page. */
-export function eventTable(root, { run, ranks, modules, originId, params }) {
+export function eventTable(root, { run, ranks, allRanks = true, modules, originId, params }) {
   const state = {
     offset: Number(params.get("offset")) || 0,
     limit: Number(params.get("limit")) || PAGE_SIZES[0],
   };
-  const inputs = filterInputs(ranks);
+  const inputs = filterInputs(ranks, allRanks);
   for (const key of FILTERS) inputs[key].value = params.get(key) || "";
   const sizeSelect = el(
     "select",

@@ -7,10 +7,13 @@ import { heatmap } from "./heatmap.js";
 /** flightPanel(run, ranks, origin) -> {node, redraw}; shows the origin rank's window first. */
 export function flightPanel(run, ranks, origin) {
   const body = el("div", { class: "flight-body" });
+  // `ranks` may be one page of a big run: the origin is always offered.
+  const head = origin ? (origin.rank ?? origin.ranks[0]) : null;
+  const listed = head === null || ranks.some((r) => r.rank === head) ? ranks : [{ rank: head }, ...ranks];
   const rankSelect = el(
     "select",
     { "aria-label": "Flight recorder of rank" },
-    ranks.map((r) =>
+    listed.map((r) =>
       el("option", { value: r.rank }, `rank ${r.rank}${origin && r.rank === origin.rank ? " (origin)" : ""}`),
     ),
   );
@@ -35,8 +38,8 @@ export function flightPanel(run, ranks, origin) {
       ),
     );
   async function load() {
-    const status = ranks.find((r) => String(r.rank) === rankSelect.value);
-    if (status && !status.has_flight) {
+    const status = listed.find((r) => String(r.rank) === rankSelect.value);
+    if (status && status.has_flight === false) {
       // The rank list says there is none: asking would only log a 404.
       flight = null;
       clear(body).append(noWindow());

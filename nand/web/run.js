@@ -13,6 +13,8 @@ import { stopButton } from "./stop.js";
 import { healthStrip } from "./strip.js";
 import { verdictCard } from "./verdict.js";
 
+const RANK_PAGE = 1000; // ranks in the strip at a time
+
 const CURVES = [
   { key: "loss", title: "Loss", log: false },
   { key: "grad_norm", title: "Gradient norm", log: true },
@@ -65,18 +67,59 @@ function curves(series, origin) {
   return grid;
 }
 
+/** "ranks 0–999 of 20,000 (19,990 diverged, 10 running)" with Previous / Next,
+ * for a run with more ranks than one page; nothing for a run that fits. */
+function rankPager(page, after, { onPrevious, onNext }) {
+  if (after === null && page.next_after === null) return null;
+  const items = page.items;
+  const span = items.length ? `${count(items[0].rank)}–${count(items[items.length - 1].rank)}` : "none";
+  const states = Object.entries(page.states)
+    .sort((a, b) => b[1] - a[1])
+    .map(([state, n]) => `${count(n)} ${state}`)
+    .join(", ");
+  return el(
+    "div",
+    { class: "pager rank-pager" },
+    el("button", { type: "button", disabled: after === null, onclick: onPrevious }, "← Previous ranks"),
+    el("span", { class: "page-status" }, `ranks ${span} of ${count(page.total)}`, states ? ` (${states})` : ""),
+    el("button", { type: "button", disabled: page.next_after === null, onclick: onNext }, "Next ranks →"),
+  );
+}
+
 export function runPage(main, runId, params) {
   document.title = `${runId} · nand`;
   main.append(stateMessage("loading", `Loading run ${runId}…`));
   let alive = true;
   let parts = null;
+  // The strip shows one page of ranks (a 20,000-rank run is a page at a time):
+  // the page's `after`, and the `after`s of the pages before it for Previous.
+  let rankAfter = null;
+  const earlier = [];
+
+  const rankPage = () => api.ranks(runId, { limit: RANK_PAGE, after: rankAfter });
 
   async function fetchAll() {
-    const [detail, ranks, series] = await Promise.all([api.run(runId), api.ranks(runId), api.series(runId)]);
-    return { detail, ranks, series };
+    const [detail, page, series] = await Promise.all([api.run(runId), rankPage(), api.series(runId)]);
+    return { detail, ranks: page.items, page, series };
   }
 
-  function mount({ detail, ranks, series }) {
+  async function turnRanks(after, back) {
+    const before = rankAfter;
+    rankAfter = after;
+    try {
+      const page = await rankPage();
+      if (!alive || !parts) return;
+      if (back) earlier.pop();
+      else earlier.push(before);
+      parts.ranks = page.items;
+      parts.page = page;
+      drawVisuals();
+    } catch {
+      rankAfter = before; // keep the page shown
+    }
+  }
+
+  function mount({ detail, ranks, page, series }) {
     const started = performance.now();
     clear(main);
     const origin = detail.verdict.origin;
@@ -85,6 +128,7 @@ export function runPage(main, runId, params) {
       head: el("div", {}, header(detail)),
       verdict: el("div", {}, verdictCard(detail.verdict, detail)),
       gaps: el("div", {}, gapsPanel(detail)),
+      pager: el("div", {}),
       strip: el("div", {}),
       curves: el("div", {}),
     };
@@ -97,6 +141,7 @@ export function runPage(main, runId, params) {
         "ranks",
         "Ranks over time",
         "Each row is a rank; the bar marks its first non-finite step. Click a row to list its events.",
+        slots.pager,
         slots.strip,
       ),
     );
@@ -114,18 +159,25 @@ export function runPage(main, runId, params) {
     const table = eventTable(events, {
       run: runId,
       ranks,
+      allRanks: page.next_after === null,
       modules: detail.modules,
       originId: origin ? origin.event_id : null,
       params,
     });
-    parts = { slots, stop, flight, table, detail, ranks, series };
+    parts = { slots, stop, flight, table, detail, ranks, page, series };
     drawVisuals();
     main.dataset.renderMs = (performance.now() - started).toFixed(1);
   }
 
   function drawVisuals() {
-    const { slots, ranks, series, detail } = parts;
+    const { slots, ranks, page, series, detail } = parts;
     const origin = detail.verdict.origin;
+    clear(slots.pager).append(
+      rankPager(page, rankAfter, {
+        onPrevious: () => turnRanks(earlier[earlier.length - 1] ?? null, true),
+        onNext: () => turnRanks(page.next_after, false),
+      }) || "",
+    );
     const strip = healthStrip({
       ranks,
       series,
@@ -159,6 +211,7 @@ export function runPage(main, runId, params) {
       const before = parts.detail;
       parts.detail = next.detail;
       parts.ranks = next.ranks;
+      parts.page = next.page;
       parts.series = next.series;
       clear(parts.slots.head).append(header(next.detail));
       parts.stop.sync(next.detail);

@@ -116,7 +116,7 @@ def settled_verdict(base: str, run: str, ranks: int, timeout: float = 30.0) -> d
     """The verdict once every rank has said its last word (bye) or been lost."""
 
     def done() -> dict[str, Any] | None:
-        statuses = api(base, run, "/ranks")
+        statuses = api(base, run, "/ranks")["items"]
         if len(statuses) == ranks and all(s["state"] != "running" for s in statuses):
             return api(base, run, "/verdict")
         return None

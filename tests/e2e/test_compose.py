@@ -68,7 +68,7 @@ def test_compose_server_and_demo_trainer_find_the_planted_fault(postgres, tmp_pa
                 40,
                 "forward",
             ), verdict["summary"]
-            assert api(base, "compose-demo", "/ranks")[0]["relation"] == "received"
+            assert api(base, "compose-demo", "/ranks")["items"][0]["relation"] == "received"
         finally:
             proc.terminate()
             proc.wait(10)

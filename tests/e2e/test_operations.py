@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def ranks_at_step(base: str, run: str, count: int, step: int):
     def check():
-        statuses = api(base, run, "/ranks")
+        statuses = api(base, run, "/ranks")["items"]
         return len(statuses) == count and all(s["step"] >= step for s in statuses) and statuses
 
     return check
@@ -41,7 +41,7 @@ def test_rest_stop_stops_every_rank_at_the_same_step(nand_server, tmp_path):
     job.wait(120)
 
     def both_finished():
-        statuses = api(nand_server.http_url, run, "/ranks")
+        statuses = api(nand_server.http_url, run, "/ranks")["items"]
         return all(s["state"] == "finished" for s in statuses) and statuses
 
     statuses = wait_for(both_finished, 30, "both ranks to say bye")
@@ -65,14 +65,14 @@ def test_a_rank_killed_with_sigkill_is_lost_while_the_others_go_on(nand_server, 
         os.kill(victim["pid"], signal.SIGKILL)
 
         def one_lost():
-            by_rank = {s["rank"]: s for s in api(nand_server.http_url, run, "/ranks")}
+            by_rank = {s["rank"]: s for s in api(nand_server.http_url, run, "/ranks")["items"]}
             return by_rank[1]["state"] == "lost" and by_rank[0]["state"] == "running" and by_rank
 
         by_rank = wait_for(one_lost, 30, "rank 1 to be lost")
         step_then = by_rank[0]["step"]
 
         def rank0_moved_on():
-            by_rank = {s["rank"]: s for s in api(nand_server.http_url, run, "/ranks")}
+            by_rank = {s["rank"]: s for s in api(nand_server.http_url, run, "/ranks")["items"]}
             return by_rank[0]["step"] > step_then + 5
 
         wait_for(rank0_moved_on, 30, "rank 0 to go on being reported")

@@ -81,7 +81,7 @@ def test_run_list_detail_and_ranks(server, agents) -> None:
     assert detail["optimizer"] == "AdamW" and detail["versions"] == {"torch": "2.13"}
     assert [m["name"] for m in detail["modules"]] == ["fc1", "fc2"]
     assert detail["verdict"]["origin"]["rank"] == 2
-    ranks = httpx.get(f"{server.http_url}/api/runs/ddp/ranks").json()
+    ranks = httpx.get(f"{server.http_url}/api/runs/ddp/ranks").json()["items"]
     assert [r["relation"] for r in ranks] == ["received", "received", "origin", "received"]
     assert ranks[2]["first_event"]["max"] is None  # +inf is not JSON
     assert ranks[2]["first_event"]["shape"] == [8, 16]
@@ -109,7 +109,7 @@ def test_simultaneous_on_all_ranks(server, agents) -> None:
     assert verdict["simultaneous"] is True and verdict["origin"]["rank"] is None
     assert verdict["origin"]["ranks"] == list(range(8))
     assert verdict["summary"].startswith("all 8 ranks went non-finite at the same point")
-    ranks = httpx.get(f"{server.http_url}/api/runs/sim/ranks").json()
+    ranks = httpx.get(f"{server.http_url}/api/runs/sim/ranks").json()["items"]
     assert {r["relation"] for r in ranks} == {"simultaneous"}
     runs = httpx.get(f"{server.http_url}/api/runs").json()
     assert next(r for r in runs if r["run"] == "sim")["origin"]["rank"] is None
@@ -254,7 +254,7 @@ def test_health_states_finished_and_lost(start_server, agents) -> None:
         return httpx.get(f"{server.http_url}/api/runs/quiet/verdict").json()["state"] == "lost"
 
     eventually(lost, timeout=5)
-    ranks = httpx.get(f"{server.http_url}/api/runs/quiet/ranks").json()
+    ranks = httpx.get(f"{server.http_url}/api/runs/quiet/ranks").json()["items"]
     assert ranks[0]["state"] == "lost"
     done.close()
     quiet.close()

@@ -159,8 +159,11 @@ def test_earlier_attempts_stay_readable(server, connect) -> None:
     assert old["origin"]["rank"] == 1
     assert [e["rank"] for e in get(server, "/api/runs/history/events?attempt=1")["items"]] == [1]
     assert get(server, "/api/runs/history/events")["items"] == []
-    assert sorted(r["pid"] for r in get(server, "/api/runs/history/ranks")) == [200, 201]
-    assert sorted(r["pid"] for r in get(server, "/api/runs/history/ranks?attempt=1")) == [100, 101]
+    assert sorted(r["pid"] for r in get(server, "/api/runs/history/ranks")["items"]) == [200, 201]
+    assert sorted(r["pid"] for r in get(server, "/api/runs/history/ranks?attempt=1")["items"]) == [
+        100,
+        101,
+    ]
     listed = [(r["run"], r["attempt"]) for r in get(server, "/api/runs")]
     assert listed == [("history", 2)]
     missing = httpx.get(f"{server.http_url}/api/runs/history/verdict?attempt=3")

@@ -119,7 +119,7 @@ def test_token_required_from_agents_when_configured(start_server) -> None:
     again = FakeAgent(server.zmq_endpoint, run="auth", rank=2, agent=good.agent)
     again.seq = good.seq
     again.send_until_acked("heartbeat", {"step": 4})
-    ranks = httpx.get(f"{server.http_url}/api/runs/auth/ranks").json()
+    ranks = httpx.get(f"{server.http_url}/api/runs/auth/ranks").json()["items"]
     assert [r["rank"] for r in ranks] == [2]
     text = httpx.get(f"{server.http_url}/metrics").text
     assert 'nand_messages_rejected_total{reason="unauthenticated"} 2.0' in text

@@ -109,6 +109,6 @@ def test_an_agent_that_reconnects_keeps_its_identity(secured) -> None:
     second = FakeAgent(secured.zmq_endpoint, run="again", rank=3, agent=first.agent)
     second.seq = first.seq
     second.send_until_acked("heartbeat", {"step": 2})
-    ranks = httpx.get(f"{secured.http_url}/api/runs/again/ranks").json()
+    ranks = httpx.get(f"{secured.http_url}/api/runs/again/ranks").json()["items"]
     assert [(r["rank"], r["step"]) for r in ranks] == [(3, 2)]
     second.close()

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _ranks(server, run: str) -> dict[int, dict]:
-    rows = httpx.get(f"{server.http_url}/api/runs/{run}/ranks").json()
+    rows = httpx.get(f"{server.http_url}/api/runs/{run}/ranks").json()["items"]
     return {row["rank"]: row for row in rows}
 
 
@@ -143,7 +143,7 @@ def test_an_earlier_attempt_keeps_its_own_losses(server, agents) -> None:
     second.wait_acked()
     eventually(lambda: _ranks(server, "again")[0]["step"] == 2)
     assert _ranks(server, "again")[0]["dropped"] == {}
-    old = httpx.get(f"{server.http_url}/api/runs/again/ranks?attempt=1").json()
+    old = httpx.get(f"{server.http_url}/api/runs/again/ranks?attempt=1").json()["items"]
     assert old[0]["dropped"] == {"spool_full": 50}
 
 

@@ -95,7 +95,7 @@ def test_a_rank_that_left_with_an_exception_is_crashed_not_finished(server) -> N
     found = verdict(server, "reset-by-peer")
     assert found["state"] == "crashed" and "rank 0 crashed" in found["summary"]
     states = {r["rank"]: r["state"] for r in httpx.get(
-        f"{server.http_url}/api/runs/reset-by-peer/ranks").json()}  # fmt: skip
+        f"{server.http_url}/api/runs/reset-by-peer/ranks").json()["items"]}  # fmt: skip
     assert states == {0: "crashed", 1: "finished"}
     waited = nand("wait", "reset-by-peer", "--url", server.http_url, "--timeout", "20")
     assert waited.returncode == exitcodes.CRASHED, waited.stderr

@@ -148,7 +148,7 @@ def _line(trainer: subprocess.Popen[str], prefix: str) -> str:
 def _rank0(url: str) -> dict:
     answer = httpx.get(f"{url}/api/runs/{RUN}/ranks")
     assert answer.status_code == 200, answer.text  # 404 until the agent's hello is in
-    rows = answer.json()
+    rows = answer.json()["items"]
     assert rows and rows[0]["rank"] == 0
     return dict(rows[0])
 

@@ -12,6 +12,7 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
 from nand.server import store
+from nand.server.hub import StreamHub
 from nand.server.ingest import Ingest
 from nand.server.metrics import Metrics
 from nand.server.models import Run
@@ -24,6 +25,8 @@ class ServerState:
     settings: Settings
     engine: Engine
     metrics: Metrics
+    #: The event streams' one poller.
+    hub: StreamHub
     ingest: Ingest | None = None
     #: Set when the server is shutting down: long-lived responses (the stream) end.
     closing: threading.Event = field(default_factory=threading.Event)

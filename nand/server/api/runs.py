@@ -7,14 +7,14 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Query
 
-from nand.server import store, views
+from nand.server import rankpage, store, views
 from nand.server.api.deps import UNKNOWN_RUN, RunDep, SessionDep, SettingsDep
 from nand.server.sanitize import INT32, finite
 from nand.server.schemas import (
     FlightOut,
     Problem,
+    RankPage,
     RankSeries,
-    RankStatus,
     RunDetail,
     RunSummary,
     SeriesPoint,
@@ -47,13 +47,20 @@ def get_run(run: RunDep, session: SessionDep, settings: SettingsDep) -> RunDetai
 @router.get(
     "/{run}/ranks",
     responses=UNKNOWN_RUN,
-    response_model=list[RankStatus],
-    summary="Every rank's health",
+    response_model=RankPage,
+    summary="The run's ranks in rank order, a page at a time, with counts by state",
 )
-def get_ranks(run: RunDep, session: SessionDep, settings: SettingsDep) -> list[RankStatus]:
-    ranks = store.ranks_of(session, [run.id])[run.id]
-    with_flight = store.ranks_with_flight(session, run.id)
-    return views.rank_statuses(run, ranks, settings, time.time(), with_flight)
+def get_ranks(
+    run: RunDep,
+    session: SessionDep,
+    settings: SettingsDep,
+    after: Annotated[
+        int | None,
+        Query(ge=0, le=INT32, description="Ranks above this one (the last page's `next_after`)"),
+    ] = None,
+    limit: Annotated[int, Query(ge=1, le=5000)] = 500,
+) -> RankPage:
+    return rankpage.rank_page(session, run, settings, time.time(), after, limit)
 
 
 @router.get(

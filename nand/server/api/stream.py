@@ -1,32 +1,32 @@
 """Server-Sent Events: ``event: run`` with a RunSummary whenever a run changes.
 
-Stateless: each connection polls the database every ``poll_s`` (0.5 s) for
-runs updated since its last look, plus runs seen recently enough that their
-state may age into ``lost`` or ``stalled``, and sends the summaries that
-differ from what it last sent. The first message per run comes at once.
-``?run=NAME`` follows one run only (what ``nand wait`` reads).
+Each connection subscribes to the server's one poller
+(:class:`nand.server.hub.StreamHub`): the database is read once per
+``poll_s`` (0.5 s) however many streams are open, and each stream is sent
+the summaries that differ from what it last sent. The first message per run
+comes at once; a client that reads slowly gets the latest state of each run,
+not every state in between. ``?run=NAME`` follows one run only (what
+``nand wait`` reads).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
-from sqlalchemy.orm import Session
-from starlette.concurrency import run_in_threadpool
 
-from nand.server import store, views
 from nand.server.api.deps import ServerState, StateDep
-from nand.server.schemas import RunSummary
 
 router = APIRouter(prefix="/api", tags=["stream"])
 
 KEEPALIVE_S = 15.0
-INITIAL_RUNS = 200
+#: How often an idle stream looks whether its client is still there.
+DISCONNECT_CHECK_S = 1.0
 
 
 @router.get(
@@ -47,39 +47,20 @@ async def stream(
 
 
 async def _events(request: Request, state: ServerState, run: str | None) -> AsyncIterator[str]:
-    sent: dict[str, str] = {}
-    since: float | None = None
-    last_write = time.monotonic()
     yield "retry: 2000\n\n"
-    while not state.closing.is_set() and not await request.is_disconnected():
-        started = time.time()
-        summaries = await run_in_threadpool(_changed, state, since, started, run)
-        since = started - 1.0  # overlap: a commit may land during the query
-        for summary in summaries:
-            body = summary.model_dump_json()
-            key = summary.model_dump_json(exclude={"last_seen"})
-            if sent.get(summary.run) != key:
-                sent[summary.run] = key
+    subscriber = await state.hub.subscribe(run)
+    state.metrics.stream_clients(len(state.hub.subscribers))
+    last_write = time.monotonic()
+    try:
+        while not state.closing.is_set() and not await request.is_disconnected():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(subscriber.wake.wait(), DISCONNECT_CHECK_S)
+            for update in subscriber.take():
                 last_write = time.monotonic()
-                yield f"event: run\ndata: {body}\n\n"
-        if time.monotonic() - last_write > KEEPALIVE_S:
-            last_write = time.monotonic()
-            yield ": keepalive\n\n"
-        await asyncio.sleep(state.settings.poll_s)
-
-
-def _changed(
-    state: ServerState, since: float | None, now: float, only: str | None
-) -> list[RunSummary]:
-    settings = state.settings
-    with Session(state.engine) as session:
-        if only is not None:
-            found = store.run_by_name(session, only)
-            runs = [found] if found is not None else []
-        elif since is None:
-            runs = list(store.recent_runs(session, INITIAL_RUNS))
-        else:
-            horizon = max(settings.lost_after_s, settings.stalled_after_s) + 5.0
-            runs = list(store.runs_updated_since(session, since, now - horizon))
-        ranks = store.ranks_of(session, [r.id for r in runs])
-        return [views.run_summary(r, ranks[r.id], settings, now) for r in runs]
+                yield f"event: run\ndata: {update.body}\n\n"
+            if time.monotonic() - last_write > KEEPALIVE_S:
+                last_write = time.monotonic()
+                yield ": keepalive\n\n"
+    finally:
+        state.hub.unsubscribe(subscriber)
+        state.metrics.stream_clients(len(state.hub.subscribers))
