@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import socket
 import statistics
 import sys
 import tempfile
@@ -34,13 +33,7 @@ import torch
 from torch import nn
 
 import nand
-from nand.testing import Receiver
-
-
-def _free_endpoint() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+from nand.testing import Receiver, free_endpoint
 
 
 def _model() -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -83,7 +76,7 @@ def _servers() -> dict[str, Callable[[], AbstractContextManager[Any]]]:
     return {
         "no nand": nullcontext,
         "watch": nullcontext,
-        "dead": lambda: nullcontext(_free_endpoint()),
+        "dead": lambda: nullcontext(free_endpoint()),
         "silent": lambda: Receiver(answer=False),
         "live": lambda: Receiver(),
     }

@@ -23,7 +23,6 @@ being counted (submitted - stored - counted; over-counted when negative):
 from __future__ import annotations
 
 import argparse
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,19 +33,14 @@ from typing import Any
 from nand.agent.identity import Identity
 from nand.agent.transport.server_sink import ServerSink
 from nand.events import Event, StepSummary
-from nand.testing import Receiver
+from nand.testing import Receiver, free_endpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.server.processes import ServerProcess, free_port
+from nand.testing import free_port
+from tests.server.processes import ServerProcess
 
 ME = Identity(run="bench", rank=0, local_rank=0, world_size=1, host="h", pid=1)
 FAST: dict[str, Any] = {"ack_timeout_s": 0.3, "connect_grace_s": 0.1, "poll_interval_s": 0.02}
-
-
-def free_endpoint() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
 def beat(step: int) -> StepSummary:

@@ -38,7 +38,8 @@ sys.path.insert(0, str(ROOT))
 
 from nand import wire  # noqa: E402
 from nand.server.models import Message  # noqa: E402
-from tests.server.processes import ServerProcess, free_port  # noqa: E402
+from nand.testing import free_port  # noqa: E402
+from tests.server.processes import ServerProcess  # noqa: E402
 
 EVENT_BODY = {
     "event": {

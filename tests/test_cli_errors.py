@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from nand import exitcodes
-from tests.server.processes import ServerProcess, free_port
+from nand.testing import free_port
+from tests.server.processes import ServerProcess
 
 
 def nand(*args: str, timeout: float = 60, env: dict[str, str] | None = None):

@@ -32,10 +32,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Connection, Insert, func, select
+from sqlalchemy import Connection, func, select
 from sqlalchemy import update as sql_update
-from sqlalchemy.dialects import postgresql, sqlite
 
+from nand.server.db import insert_ignoring_conflicts
 from nand.server.models import Agent, Rank, Run
 from nand.server.sanitize import clean_str
 
@@ -95,12 +95,6 @@ def _attempt_for(
     return ids.live[name]
 
 
-def _insert(conn: Connection, table: Any) -> Insert:
-    if conn.dialect.name == "postgresql":
-        return postgresql.insert(table).on_conflict_do_nothing()
-    return sqlite.insert(table).on_conflict_do_nothing()
-
-
 def _create_first_attempts(conn: Connection, started: dict[str, float], now: float) -> None:
     """Attempt 1 of each name never seen before."""
     known = set(conn.scalars(select(Run.name).where(Run.name.in_(set(started)))))
@@ -110,7 +104,7 @@ def _create_first_attempts(conn: Connection, started: dict[str, float], now: flo
         if n not in known
     ]
     if rows:  # on conflict: another server sharing the database made it first
-        conn.execute(_insert(conn, Run), rows)
+        conn.execute(insert_ignoring_conflicts(conn, Run), rows)
 
 
 def _live_attempts(conn: Connection, names: set[str]) -> dict[str, int]:
@@ -165,6 +159,6 @@ def _new_attempt(
         "updated_at": now,
     }
     # On conflict another server sharing the database started it first: join it.
-    conn.execute(_insert(conn, Run), [row])
+    conn.execute(insert_ignoring_conflicts(conn, Run), [row])
     statement = select(Run.id).where(Run.name == old.name, Run.attempt == number)
     return int(conn.execute(statement).scalar_one())

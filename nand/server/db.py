@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Connection, Engine, create_engine, event
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import make_url
 
 
@@ -39,3 +40,14 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     cursor.execute("PRAGMA foreign_keys=ON")
     cursor.execute("PRAGMA busy_timeout=30000")
     cursor.close()
+
+
+def dialect_insert(conn: Connection, table: Any) -> postgresql.Insert | sqlite.Insert:
+    """``INSERT`` in the connection's dialect, which has ``ON CONFLICT`` (both
+    SQLite and PostgreSQL spell it the same way in SQLAlchemy)."""
+    return (postgresql if conn.dialect.name == "postgresql" else sqlite).insert(table)
+
+
+def insert_ignoring_conflicts(conn: Connection, table: Any) -> Any:
+    """``INSERT … ON CONFLICT DO NOTHING`` in the connection's dialect."""
+    return dialect_insert(conn, table).on_conflict_do_nothing()

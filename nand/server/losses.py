@@ -28,10 +28,10 @@ from typing import Any
 
 from sqlalchemy import Connection, bindparam, func, select, tuple_
 from sqlalchemy import update as sql_update
-from sqlalchemy.dialects import postgresql, sqlite
 
 from nand.events import DROP_REASONS
 from nand.server.attempts import RunIds
+from nand.server.db import dialect_insert
 from nand.server.models import Drop, Rank
 
 #: The ``/metrics`` label of a reason the vocabulary does not have (a newer agent's).
@@ -69,8 +69,7 @@ def store(
 
 def _upsert(conn: Connection) -> Any:
     """INSERT, or on a known (agent, reason) keep the larger count."""
-    dialect = postgresql if conn.dialect.name == "postgresql" else sqlite
-    statement = dialect.insert(Drop)
+    statement = dialect_insert(conn, Drop)
     return statement.on_conflict_do_update(
         index_elements=[Drop.agent, Drop.reason],
         set_={"count": statement.excluded.count},

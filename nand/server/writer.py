@@ -20,7 +20,6 @@ from typing import Any
 from sqlalchemy import (
     Connection,
     Engine,
-    Insert,
     bindparam,
     case,
     func,
@@ -29,13 +28,13 @@ from sqlalchemy import (
     tuple_,
 )
 from sqlalchemy import update as sql_update
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 
 from nand.server import attempts, losses
 from nand.server import firsts as firsts_mod
 from nand.server import rows as build
 from nand.server.attempts import RunIds
+from nand.server.db import insert_ignoring_conflicts
 from nand.server.models import Agent, EventRow, Flight, Heartbeat, Message, Rank, Run
 from nand.server.sanitize import clean_str
 from nand.server.settings import Settings
@@ -94,13 +93,6 @@ def _write_batch(
             result.runs = {m["run"] for m in fresh}
             result.kinds = Counter(m["kind"] for m in fresh)
     return result
-
-
-def _insert(conn: Connection, table: Any) -> Insert:
-    """INSERT ... ON CONFLICT DO NOTHING for the connection's dialect."""
-    if conn.dialect.name == "postgresql":
-        return postgresql.insert(table).on_conflict_do_nothing()
-    return sqlite.insert(table).on_conflict_do_nothing()
 
 
 def _first_sent(messages: Iterable[dict[str, Any]], now: float) -> dict[str, float]:
@@ -196,7 +188,7 @@ def _ensure_ranks(
         {"run_id": r, "rank": k, "first_seen": now, "last_seen": now, "step_changed_at": now}
         for r, k in keys
     ]
-    conn.execute(_insert(conn, Rank), rows)
+    conn.execute(insert_ignoring_conflicts(conn, Rank), rows)
     found = conn.execute(
         select(Rank.run_id, Rank.rank, Rank.id).where(
             tuple_(Rank.run_id, Rank.rank).in_(list(keys))
@@ -237,7 +229,7 @@ def _store_hellos(
                 device=clean_str(body.get("device"), 64),
             )
         )
-        conn.execute(_insert(conn, Agent), [build.agent_row(message, run_id)])
+        conn.execute(insert_ignoring_conflicts(conn, Agent), [build.agent_row(message, run_id)])
         info = build.run_info(body)
         if info:
             conn.execute(sql_update(Run).where(Run.id == run_id).values(**info))

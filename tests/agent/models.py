@@ -115,8 +115,10 @@ def train(
     accum: int = 1,
     loss_fn: Callable[[object, int], Tensor] | None = None,
     inputs: Callable[[int], tuple[tuple, dict]] | None = None,
+    after_backward: Callable[[int], None] | None = None,
 ) -> None:
-    """A plain training loop; ``before(step, micro)`` plants faults."""
+    """A plain training loop; ``before(step, micro)`` plants faults in the
+    forward, ``after_backward(step)`` in the gradients (before the update)."""
     gen = torch.Generator().manual_seed(0)
     for step in range(steps):
         for micro in range(accum):
@@ -126,8 +128,22 @@ def train(
             out = model(*args, **kwargs)
             loss = loss_fn(out, step) if loss_fn else out.pow(2).mean()
             (loss / accum).backward()
+        if after_backward is not None:
+            after_backward(step)
         opt.step()
         opt.zero_grad()
+
+
+def write_grad(param: Tensor, step: int, value: float) -> Callable[[int], None]:
+    """An ``after_backward`` for :func:`train`: one gradient element set to
+    ``value`` at ``step``, as a bad kernel or a user's clipping code would."""
+
+    def after_backward(s: int) -> None:
+        if s == step:
+            assert param.grad is not None
+            param.grad[0, 0] = value
+
+    return after_backward
 
 
 def where(event: Event) -> tuple:

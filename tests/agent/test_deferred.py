@@ -17,7 +17,7 @@ from torch import nn
 import nand
 from nand.agent.step.deferred import DeferredRead
 from nand.errors import ConfigError
-from tests.agent.models import VALUES, BackwardPlant, arm_at, mlp, train, where
+from tests.agent.models import VALUES, BackwardPlant, arm_at, mlp, train, where, write_grad
 from tests.agent.test_costs import CountReads, CountSyncs
 from tests.agent.test_detection import corrupt_after_step
 
@@ -230,12 +230,7 @@ def test_a_gradient_read_late_is_reported_exactly_without_counts(kind):
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with nand.watch(model, opt, read="deferred") as w:
-        for step in range(4):
-            model(torch.randn(4, 8)).pow(2).mean().backward()
-            if step == 2:
-                model[2].weight.grad[0, 0] = VALUES[kind]
-            opt.step()
-            opt.zero_grad()
+        train(model, opt, 4, after_backward=write_grad(model[2].weight, 2, VALUES[kind]))
     assert where(w.first) == (2, 0, "grad", "2.weight", "produced")
     assert w.first.nan is None and "not re-checked" not in w.first.message
 

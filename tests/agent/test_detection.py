@@ -10,7 +10,17 @@ from torch import nn
 
 import nand
 from nand.agent.detect import param_cache
-from tests.agent.models import VALUES, BackwardPlant, Net, Plant, arm_at, mlp, train, where
+from tests.agent.models import (
+    VALUES,
+    BackwardPlant,
+    Net,
+    Plant,
+    arm_at,
+    mlp,
+    train,
+    where,
+    write_grad,
+)
 
 pytestmark = pytest.mark.parametrize("kind", list(VALUES))
 
@@ -204,12 +214,7 @@ def test_a_non_finite_gradient_written_into_grad_is_reported_as_grad(kind):
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with nand.watch(model, opt) as w:
-        for step in range(4):
-            model(torch.randn(4, 8)).pow(2).mean().backward()
-            if step == 2:
-                model[2].weight.grad[0, 0] = VALUES[kind]
-            opt.step()
-            opt.zero_grad()
+        train(model, opt, 4, after_backward=write_grad(model[2].weight, 2, VALUES[kind]))
     assert where(w.first) == (2, 0, "grad", "2.weight", "produced")
     assert w.first.module_type == "Linear"
     counts = {"nan": w.first.nan, "+inf": w.first.posinf, "-inf": w.first.neginf}

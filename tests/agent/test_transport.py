@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import time
 from collections import deque
 
@@ -18,16 +17,10 @@ from nand.agent.transport.sender import Sender
 from nand.agent.transport.server_sink import ServerSink
 from nand.config import TransportConfig
 from nand.events import Event, FlightWindow, StepSummary
-from nand.testing import Receiver
+from nand.testing import Receiver, free_endpoint
 
 ME = Identity(run="run-t", rank=1, local_rank=1, world_size=2, host="host-a", pid=123)
 FAST = {"ack_timeout_s": 0.3, "connect_grace_s": 0.1, "poll_interval_s": 0.02}
-
-
-def _free_endpoint() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
 def _flight() -> FlightWindow:
@@ -73,7 +66,7 @@ def ME_spool_files(sink: ServerSink) -> list:
 
 
 def test_server_starting_late_stopping_and_coming_back_gets_everything_once_in_order():
-    endpoint = _free_endpoint()
+    endpoint = free_endpoint()
     sinks = [ServerSink(endpoint, ME, **FAST), ServerSink(endpoint, ME, **FAST)]
     for s in sinks:
         s.hello({})
@@ -112,7 +105,7 @@ def test_server_starting_late_stopping_and_coming_back_gets_everything_once_in_o
 
 def test_nothing_listening_keeps_memory_and_disk_within_limits_and_keeps_first_incident():
     limit = 48 * 1024
-    sink = ServerSink(_free_endpoint(), ME, queue_max=50, spool_max_bytes=limit, **FAST)
+    sink = ServerSink(free_endpoint(), ME, queue_max=50, spool_max_bytes=limit, **FAST)
     sink.hello({"modules": [{"name": f"layer{i}"} for i in range(20)]})
     sink.event(Event(run="run-t", module="first"), _flight())
     sink.event(Event(run="run-t", module="second"), None)
@@ -225,7 +218,7 @@ def test_dropped_counts_ride_in_the_next_heartbeat(rx):
 
 
 def test_close_is_bounded_idempotent_and_later_calls_are_counted_not_raised():
-    sink = ServerSink(_free_endpoint(), ME, **FAST)
+    sink = ServerSink(free_endpoint(), ME, **FAST)
     sink.hello({})
     t0 = time.monotonic()
     sink.close(0.3)
@@ -265,7 +258,7 @@ def test_a_corrupt_spool_of_this_rank_is_moved_aside_and_a_fresh_one_used(tmp_pa
     path = sp.spool_path(tmp_path, "run-t", 1)
     path.parent.mkdir(parents=True)
     path.write_bytes(b"this is not a spool at all")
-    sink = ServerSink(_free_endpoint(), ME, spool_dir=tmp_path, **FAST)
+    sink = ServerSink(free_endpoint(), ME, spool_dir=tmp_path, **FAST)
     sink.hello({})
     time.sleep(0.4)
     sink.close(0.2)

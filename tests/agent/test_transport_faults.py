@@ -9,7 +9,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import socket
 import subprocess
 import threading
 import time
@@ -23,16 +22,10 @@ from nand.agent.transport.backlog import Backlog
 from nand.agent.transport.mailbox import Mailbox
 from nand.agent.transport.server_sink import ServerSink
 from nand.events import Event, StepSummary
-from nand.testing import Receiver
+from nand.testing import Receiver, free_endpoint
 
 ME = Identity(run="run-f", rank=0, local_rank=0, world_size=1, host="host-a", pid=1)
 FAST = {"ack_timeout_s": 0.3, "connect_grace_s": 0.1, "poll_interval_s": 0.02}
-
-
-def _free_endpoint() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
 def _beat(step: int) -> StepSummary:
@@ -61,7 +54,7 @@ def small_disk(tmp_path: Path):
 
 
 def test_a_full_disk_counts_every_loss_keeps_the_first_incident_and_recovers(small_disk):
-    endpoint = _free_endpoint()
+    endpoint = free_endpoint()
     sink = ServerSink(endpoint, ME, spool_dir=small_disk, queue_max=200, **FAST)
     sink.hello({})
     sink.event(Event(run="run-f", module="first", nan=1), None)
@@ -146,7 +139,7 @@ def test_after_an_outage_steady_traffic_goes_back_to_sending_directly():
     """A server that acknowledges after its commit (here 50 ms late), so with
     steady traffic something is always in flight: before, every message went
     through the disk until the end of the run."""
-    endpoint = _free_endpoint()
+    endpoint = free_endpoint()
     sink = ServerSink(endpoint, ME, **FAST)
     sink.hello({})
     producer = _Producer(sink)
@@ -170,7 +163,7 @@ def test_after_an_outage_steady_traffic_goes_back_to_sending_directly():
 
 
 def test_a_reconnect_replays_from_the_last_acknowledged_record_not_the_first():
-    endpoint = _free_endpoint()
+    endpoint = free_endpoint()
     sink = ServerSink(endpoint, ME, **FAST)
     sink.hello({})
     producer = _Producer(sink)
@@ -221,7 +214,7 @@ def test_stats_can_be_read_while_the_sender_is_busy():
 
 def test_nothing_reaching_the_server_is_said_once_with_the_spool_and_again_at_exit(caplog):
     caplog.set_level(logging.WARNING, logger="nand.agent.transport")
-    sink = ServerSink(_free_endpoint(), ME, silence_warn_s=0.3, **FAST)
+    sink = ServerSink(free_endpoint(), ME, silence_warn_s=0.3, **FAST)
     sink.hello({})
     for step in range(50):
         sink.heartbeat(StepSummary(step=step))

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,12 +16,6 @@ from typing import Any
 from nand.client import ApiError, request_json, run_url
 
 TRAINER = ["-m", "nand.demo.trainer"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def torchrun(nproc: int) -> list[str]:

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from nand.testing import free_port
 from tests.e2e.conftest import TOKEN
-from tests.e2e.jobs import api, free_port, settled_verdict
+from tests.e2e.jobs import api, settled_verdict
 from tests.server.conftest import postgres  # noqa: F401  (the session's PostgreSQL fixture)
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]

@@ -23,6 +23,7 @@ class FakeAgent:
         agent: str | None = None,
         curve: tuple[str, str, str] | None = None,
     ) -> None:
+        self.endpoint = endpoint
         self.run, self.rank, self.world_size = run, rank, world_size
         self.agent = agent or uuid.uuid4().hex
         self.seq = 0
@@ -41,6 +42,14 @@ class FakeAgent:
 
     def close(self) -> None:
         self.sock.close(linger=0)
+
+    def reconnected(self) -> FakeAgent:
+        """This agent on a new connection (a new routing id), as after a
+        reconnect: same agent id, its seqs going on, no second hello."""
+        self.close()
+        again = FakeAgent(self.endpoint, run=self.run, rank=self.rank, agent=self.agent)
+        again.seq = self.seq
+        return again
 
     def message(self, kind: str, body: dict[str, Any], seq: int | None = None) -> dict[str, Any]:
         if seq is None:

@@ -13,9 +13,10 @@ import httpx
 import pytest
 
 from nand import exitcodes
+from nand.testing import free_port
 from tests.server.agents import FakeAgent
 from tests.server.helpers import eventually
-from tests.server.processes import ServerProcess, free_port
+from tests.server.processes import ServerProcess
 
 TOKEN = "attempts-token"
 LOST_AFTER_S = 2.0

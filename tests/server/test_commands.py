@@ -155,7 +155,8 @@ def test_wait_as_a_real_process_for_job_scripts(srv) -> None:
 
 
 def test_nand_server_command_serves_rest_and_ingest(tmp_path) -> None:
-    from tests.server.processes import ServerProcess, free_port
+    from nand.testing import free_port
+    from tests.server.processes import ServerProcess
 
     server = ServerProcess(f"sqlite:///{tmp_path / 's.db'}", free_port(), module="nand").start()
     try:

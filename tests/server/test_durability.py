@@ -9,9 +9,10 @@ import pytest
 from sqlalchemy import create_engine, func, select
 
 from nand.server.models import EventRow, Message
+from nand.testing import free_port
 from tests.server.agents import FakeAgent
 from tests.server.helpers import eventually
-from tests.server.processes import ServerProcess, free_port
+from tests.server.processes import ServerProcess
 
 pytestmark = pytest.mark.slow
 

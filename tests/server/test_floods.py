@@ -11,7 +11,8 @@ import httpx
 import pytest
 
 from benchmarks.floods import big_post, connections, rss_mb, send_frames, settle, start_at_256
-from tests.server.processes import ServerProcess, free_port
+from nand.testing import free_port
+from tests.server.processes import ServerProcess
 
 
 @pytest.fixture

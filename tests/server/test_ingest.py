@@ -115,9 +115,7 @@ def test_token_required_from_agents_when_configured(start_server) -> None:
     good.wait_acked()
     # A reconnect (new socket, same agent id) stays authenticated: the database
     # remembers. The new connection takes the id over once the old one is gone.
-    good.close()
-    again = FakeAgent(server.zmq_endpoint, run="auth", rank=2, agent=good.agent)
-    again.seq = good.seq
+    again = good.reconnected()
     again.send_until_acked("heartbeat", {"step": 4})
     ranks = httpx.get(f"{server.http_url}/api/runs/auth/ranks").json()["items"]
     assert [r["rank"] for r in ranks] == [2]

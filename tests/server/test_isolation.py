@@ -104,10 +104,7 @@ def test_an_agent_that_reconnects_keeps_its_identity(secured) -> None:
     first.hello(token=TOKEN)
     first.heartbeat(1)
     first.wait_acked()
-    first.close()
-    # A new connection (new routing id), same agent id, no second hello.
-    second = FakeAgent(secured.zmq_endpoint, run="again", rank=3, agent=first.agent)
-    second.seq = first.seq
+    second = first.reconnected()
     second.send_until_acked("heartbeat", {"step": 2})
     ranks = httpx.get(f"{secured.http_url}/api/runs/again/ranks").json()["items"]
     assert [(r["rank"], r["step"]) for r in ranks] == [(3, 2)]

@@ -14,8 +14,9 @@ import httpx
 
 from nand.server import embedded
 from nand.server.settings import Settings
+from nand.testing import free_port
 from tests.server.agents import FakeAgent
-from tests.server.processes import ServerProcess, free_port
+from tests.server.processes import ServerProcess
 
 
 def test_metrics_have_process_metrics_and_latency_histograms(tmp_path) -> None:

@@ -14,8 +14,9 @@ import httpx
 import pytest
 
 from nand import exitcodes
+from nand.testing import free_port
 from tests.server.agents import FakeAgent
-from tests.server.processes import ServerProcess, free_port
+from tests.server.processes import ServerProcess
 
 TOKEN = "tok"
 

@@ -21,8 +21,9 @@ import httpx
 import pytest
 from playwright.sync_api import expect
 
+from nand.testing import free_port
 from tests.server.helpers import eventually
-from tests.server.processes import ServerProcess, free_port
+from tests.server.processes import ServerProcess
 from tests.web.conftest import screenshot
 
 pytestmark = pytest.mark.slow

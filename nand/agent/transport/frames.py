@@ -17,9 +17,13 @@ class Frame:
     keep: bool
     data: bytes
     from_spool: bool = False
-    deadline: float = 0.0
+    deadline: float = 0.0  # of its ack; set when it is sent
     start: int = 0  # a frame read from the spool: the offset of its record
-    sent: bool = False  # put on the socket at least once (the server may have it)
+
+    @property
+    def sent(self) -> bool:
+        """Put on the socket at least once: the server may have it."""
+        return self.deadline > 0.0
 
 
 @dataclass

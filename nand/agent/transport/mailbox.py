@@ -81,6 +81,11 @@ class Mailbox:
         if n > 0:
             self.dropped[reason] = self.dropped.get(reason, 0) + n
 
+    def dropped_counts(self) -> dict[str, int]:
+        """A copy of the loss counters, by reason (cumulative)."""
+        with self.lock:
+            return dict(self.dropped)
+
     def drop(self, reason: str, n: int = 1) -> None:
         with self.lock:
             self.count_drop(reason, n)

@@ -179,7 +179,6 @@ class Outbox:
             self.retry_at = time.monotonic() + min(MAX_BACKOFF_S, 0.5 * 2**self.failures)
             return False
         frame.deadline = self._deadline()
-        frame.sent = True
         self.inflight[(frame.agent, frame.seq)] = frame
         self.stats["sent"] += 1
         return True
@@ -242,12 +241,11 @@ class Outbox:
         if self.mode == "spool":
             self.cursor = None  # replay from the first record not acknowledged
 
-    def lose_memory(self) -> int:
+    def lose_memory(self) -> None:
         """At exit: frames that are neither acknowledged nor on disk, counted as lost."""
         lost = self.memory_frames
         if lost:
             self.mailbox.drop(self.backlog.refusal or "closed", lost)
-        return lost
 
 
 def _droppable(frame: Frame) -> bool:

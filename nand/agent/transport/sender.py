@@ -273,9 +273,7 @@ class Sender(threading.Thread):
             if self.outbox.mode == "direct" and self.outbox.has_unacked():
                 self.outbox.to_spool()
             self.outbox.lose_memory()
-            with self.mailbox.lock:
-                lost = dict(self.mailbox.dropped)
-            self.silence.at_exit(len(self.backlog), lost)
+            self.silence.at_exit(len(self.backlog), self.mailbox.dropped_counts())
         self._release()
 
     def _release(self) -> None:

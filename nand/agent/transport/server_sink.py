@@ -173,8 +173,7 @@ class ServerSink:
 
     def dropped(self) -> dict[str, int]:
         """Messages lost so far, by reason (cumulative)."""
-        with self._mailbox.lock:
-            return dict(self._mailbox.dropped)
+        return self._mailbox.dropped_counts()
 
     def stats(self) -> dict[str, Any]:
         """Counters for tests and diagnostics (read without locking)."""
