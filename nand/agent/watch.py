@@ -5,8 +5,7 @@ that keep one device-side reduction per probed value, the optimizer hooks
 that mark the step boundary, the GradScaler watch and DDP's pre-all-reduce
 check. At each boundary ``nand.agent.step`` reads everything once and finds
 the first non-finite value; the outcome comes back here, where the policy
-(``step.policy``) is applied before the update. What is checked and the
-limits are in the README ("What nand reports"); costs in ``benchmarks/README.md``.
+(``step.policy``) is applied before the update. What is checked: the README.
 """
 
 from __future__ import annotations
@@ -192,7 +191,8 @@ class Watch:
                 # The last step's params (even if implied finite) and state.
                 self._opt.add_norms(with_params=True, force=True)
             if not self._guard.off and len(self._buf):
-                outcome = self._boundary.check(self.step, self.step - 1, self._micro, False, False)
+                step = self.step
+                outcome = self._boundary.check(step, step - 1, self._micro, False, False, last=True)
                 self._report(outcome, beat=False)
                 if self._opt is None and self._boundary.micro_steps:
                     self.step += 1  # without an optimizer, the last root call is a step

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -11,13 +10,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import nand
+from nand.testing import free_port
 from tests.agent.models import mlp
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(rank: int, port: int, policy: str, results: dict) -> None:
@@ -51,7 +45,7 @@ def _rank_main(rank: int, port: int, policy: str, results: dict) -> None:
 def _run(policy: str) -> dict:
     manager = mp.Manager()
     results = manager.dict()
-    mp.spawn(_rank_main, args=(_free_port(), policy, results), nprocs=2, join=True)
+    mp.spawn(_rank_main, args=(free_port(), policy, results), nprocs=2, join=True)
     return dict(results)
 
 
@@ -98,6 +92,6 @@ def _rank_skips_on_device(rank: int, port: int, results: dict) -> None:
 def test_deferred_skip_makes_every_rank_skip_the_same_step_on_the_device():
     manager = mp.Manager()
     results = manager.dict()
-    mp.spawn(_rank_skips_on_device, args=(_free_port(), results), nprocs=2, join=True)
+    mp.spawn(_rank_skips_on_device, args=(free_port(), results), nprocs=2, join=True)
     assert results[1] == (True, 5, True, 2, [2])
     assert results[0] == (True, 5, True, None, [2])

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from tests.e2e.conftest import TOKEN
-from tests.e2e.jobs import TRAINER, agent_env, launch, settled_verdict, torchrun
+from tests.e2e.jobs import TRAINER, agent_env, api, launch, settled_verdict, torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -77,6 +77,9 @@ def test_fsdp_shard_made_non_finite_by_one_rank_names_its_owner(nand_server, tmp
     _, verdict = run_job(nand_server, tmp_path, "fsdp-shard", 2, *args)
     assert_origin(verdict, rank=1, module="2.weight", step=5, phase="param")
     assert verdict["ranks_received"] == [0]
+    # Rank 0's own event agrees (its log line, read without a server, too).
+    received = api(nand_server.http_url, "fsdp-shard", "/events?rank=0")["items"][0]
+    assert (received["phase"], received["cause"]) == ("forward", "received")
 
 
 def test_nand_wait_exits_with_the_diverged_code(nand_server, tmp_path):

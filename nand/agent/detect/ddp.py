@@ -117,3 +117,13 @@ def grads_are_reduced(model: Any) -> bool:
     except ImportError:  # an older torch without FSDP2
         return isinstance(model, DistributedDataParallel)
     return isinstance(model, DistributedDataParallel | FSDPModule | FullyShardedDataParallel)
+
+
+def params_are_gathered(model: Any) -> bool:
+    """Whether a wrapper all-gathers each rank's parameter shard into every
+    rank's forward (FSDP1, FSDP2)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    except ImportError:  # an older torch without FSDP2
+        return False
+    return isinstance(model, FSDPModule | FullyShardedDataParallel)

@@ -25,12 +25,14 @@ from torch import Tensor
 
 from nand.agent.detect.amp import AmpWatch
 from nand.agent.detect.compiled import CompiledSlots
-from nand.agent.detect.ddp import LocalGradCheck, grads_are_reduced
+from nand.agent.detect.ddp import LocalGradCheck, grads_are_reduced, params_are_gathered
 from nand.agent.detect.ddp import install as install_local_check
 from nand.agent.detect.probes import MICRO, ProbeBuffer, Site
 from nand.agent.identity import Identity
+from nand.agent.step.agreement import as_received, shard_bad_elsewhere, with_agreed_flag
 from nand.agent.step.analysis import (
     COMPILED_NOTE,
+    Finding,
     ParamSource,
     StepRow,
     first_finding,
@@ -72,6 +74,8 @@ class Boundary:
         self.ddp: LocalGradCheck | None = None
         #: A wrapper (DDP, FSDP) averages gradients across ranks.
         self.grads_reduced = False
+        #: FSDP all-gathers parameters: a shard's NaN reaches every rank's forward.
+        self.params_gathered = False
         self.loss_tensor: Tensor | None = None
         self.seq = 0
         self.warned_headroom = False
@@ -89,7 +93,7 @@ class Boundary:
         #: Slow path: a forward finding explained by a non-finite parameter.
         self.params: ParamSource | None = None
         #: Deferred read (``read="deferred"``): each window is read one boundary late.
-        self.deferred: DeferredRead[tuple[Window, list[str]]] | None = None
+        self.deferred: DeferredRead[tuple[Window, list[str], bool]] | None = None
         #: Deferred ``skip``: the window's non-finite flag, on the device (see ``_put``).
         self.skip_on_device = False
         self.flag: Tensor | None = None
@@ -100,6 +104,10 @@ class Boundary:
         """The watched model runs inside ``wrapper`` (DDP, FSDP): its gradients
         are averaged across ranks, and DDP's own can be checked first."""
         self.grads_reduced = grads_are_reduced(wrapper)
+        if params_are_gathered(wrapper) and self.who.world_size > 1:
+            # The ranks agree at every boundary (one 1-element all-reduce), so
+            # a rank that finds another's shard behind its NaN says "received".
+            self.params_gathered = self.agree = True
         if self.ddp is None:
             self.ddp = install_local_check(wrapper, local_check)
 
@@ -119,6 +127,7 @@ class Boundary:
         skipped: bool,
         record: bool = True,
         micro_base: int = 0,
+        last: bool = False,
     ) -> Outcome:
         """Read the window and analyse it; the buffer is cleared afterwards.
 
@@ -127,6 +136,8 @@ class Boundary:
         the first micro-step of this window within ``step`` (a closure
         evaluated again in the same step). Deferred (``self.deferred``): this
         window is copied to the host and the one before it is read instead.
+        ``last``: the look at ``close``, which decides nothing, so the ranks
+        do not agree on it (a rank that exited early must not hang the others).
         """
         self.clean = False
         self.read_norms = []
@@ -136,13 +147,14 @@ class Boundary:
             if self.slots is not None and self.slots.active:
                 self._take_slots()
             self.micro_steps = self.buf.sites.count(MICRO)
+            agree = self.agree and not last
             if self.deferred is not None:
                 window = self._window(step, prev_step, prev_micro, skipped, record, micro_base)
-                self._put(window, extras)
+                self._put(window, extras, agree)
                 return self.take(keep=1)
-            values, any_bad = self._read_agreed(extras) if self.agree else self._read()
+            values, any_bad = self._read_agreed(extras) if agree else self._read()
             if values is None:
-                return Outcome(None, any_bad) if any_bad else HEALTHY
+                return self._nothing_here(any_bad)
             window = self._window(step, prev_step, prev_micro, skipped, record, micro_base)
             return self._analyse(values, any_bad, extras, window)
         finally:
@@ -181,14 +193,11 @@ class Boundary:
         # A float64 sum overflows only for float64 figures near their
         # limit: then the slow path finds nothing, a false alarm.
         self.clean = math.isfinite(sum(values[:n_main]))
-        event = None
-        if not self.clean:
-            event = self._finding_event(values, extras, scale, w)
-            if overflow and event is not None and event.phase not in SCALED_PHASES:
-                # The scaler skipped the update, but what went non-finite
-                # was not a scaled gradient (a bad input, forward or
-                # weight): an incident, not an overflow.
-                overflow = False
+        event = self._settled_event(values, extras, scale, w, any_bad)
+        if overflow and event is not None and event.phase not in SCALED_PHASES:
+            # The scaler skipped the update, but what went non-finite was not
+            # a scaled gradient (a bad input, forward or weight): an incident.
+            overflow = False
         if event is None and not any_bad and not overflow:
             return HEALTHY
         return Outcome(event, any_bad, overflow)
@@ -215,10 +224,36 @@ class Boundary:
         self.read_norms = row.values[n_pairs : n_pairs + w.n_norms]
         self.read_spans = w.spans
 
-    def _finding_event(
-        self, values: list[float], extras: list[str], scale: float, w: Window
+    def _settled_event(
+        self, values: list[float], extras: list[str], scale: float, w: Window, any_bad: bool
     ) -> Event | None:
-        """The slow path: the window's first verified non-finite entry, as an event.
+        """The slow path's event, if this window held a non-finite value;
+        with FSDP, settled with the other ranks (see ``agreement``)."""
+        finding, error = None, None
+        try:
+            finding = None if self.clean else self._finding(values, extras, w)
+        except Exception as exc:  # the others wait in the agreement below: take part first
+            error = exc
+        if self.params_gathered and any_bad and shard_bad_elsewhere(finding, self.buf.device):
+            finding = as_received(finding) if finding is not None else None
+        if error is not None:
+            raise error
+        if finding is None:
+            return None
+        at = w.prev_step if finding.phase in ("param", "optimizer_state") else w.step
+        self.seq += 1
+        return build_event(finding, self.who, at, self.seq, scale, self.root_type)
+
+    def _nothing_here(self, any_bad: bool) -> Outcome:
+        """An empty window: healthy, unless another rank's was not."""
+        if not any_bad:
+            return HEALTHY
+        if self.params_gathered:  # the others settle where their NaN came from
+            shard_bad_elsewhere(None, self.buf.device)
+        return Outcome(None, any_bad)
+
+    def _finding(self, values: list[float], extras: list[str], w: Window) -> Finding | None:
+        """The slow path: the window's first verified non-finite entry.
 
         A window read one step late (``w.lagged``) is not verified against
         its tensors, which have moved on since: see ``analysis.first_finding``.
@@ -238,9 +273,7 @@ class Boundary:
             if finding.phase == "grad" and finding.cause == "produced":
                 finding = gradient_frontier(w, values, finding, verify=not w.lagged)
             finding.note = finding.note or COMPILED_NOTE
-        at = w.prev_step if finding.phase in ("param", "optimizer_state") else w.step
-        self.seq += 1
-        return build_event(finding, self.who, at, self.seq, scale, self.root_type)
+        return finding
 
     def _take_slots(self) -> None:
         """The compiled slots' pairs join this window, after its own probes."""
@@ -283,21 +316,9 @@ class Boundary:
         """The host read when every rank must take the same decision: the 0-d
         "anything non-finite here" flag is all-reduced (MAX) first, and rides
         along in the same read."""
-        values = self._agreed(self.buf.gather(), len(extras)).tolist()
+        values = with_agreed_flag(self.buf.gather(), len(extras), self.buf.device).tolist()
         self.reads += 1
         return (values[:-1] or None), values[-1] > 0
-
-    def _agreed(self, gathered: Tensor | None, n_extras: int) -> Tensor:
-        import torch.distributed as dist
-
-        if gathered is None:
-            flag = torch.zeros(1, device=self.buf.device)
-            gathered = torch.zeros(0, device=self.buf.device)
-        else:
-            main = gathered[: gathered.numel() - n_extras]
-            flag = (~torch.isfinite(main)).any().float().reshape(1)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return torch.cat([gathered, flag.to(gathered.device)])
 
     def _amp_figures(
         self, values: list[float], extras: list[str], w: Window
@@ -313,22 +334,22 @@ class Boundary:
 
     # --- deferred: this window copied now, read at the next boundary ----------
 
-    def _put(self, w: Window, extras: list[str]) -> None:
+    def _put(self, w: Window, extras: list[str], agree: bool) -> None:
         """Copy this window's results towards the host; no read, no sync. With
         ``skip_on_device`` the window's "anything non-finite" flag stays on the
         device, in ``self.flag``, for the optimizer to skip its update by."""
         assert self.deferred is not None
         gathered = self.buf.gather()
         n_extras = len(extras)
-        if self.agree:  # the flag all-reduced on the device, last in the copy
-            gathered = self._agreed(gathered, n_extras)
+        if agree:  # the flag all-reduced on the device, last in the copy
+            gathered = with_agreed_flag(gathered, n_extras, self.buf.device)
             self.flag = gathered[-1].reshape(()).float() if self.skip_on_device else None
         elif self.skip_on_device and gathered is not None:
             main = gathered[: gathered.numel() - n_extras]
             self.flag = (~torch.isfinite(main)).any().float()
         else:
             self.flag = None
-        self.deferred.put(gathered, (w, extras))
+        self.deferred.put(gathered, (w, extras, agree))
 
     def take(self, keep: int = 0) -> Outcome:
         """Read and analyse the oldest window copied (deferred), unless no more
@@ -338,13 +359,13 @@ class Boundary:
         if taken is None:
             return HEALTHY
         self.reads += 1
-        read, (w, extras) = taken
+        read, (w, extras, agreed) = taken
         values, any_bad = read, False
         self.read_step = w.step
-        if self.agree and read is not None:
+        if agreed and read is not None:
             values, any_bad = read[:-1] or None, read[-1] > 0
         if values is None:
-            return Outcome(None, any_bad) if any_bad else HEALTHY
+            return self._nothing_here(any_bad)
         return self._analyse(values, any_bad, extras, w)
 
     def _warn_headroom(self, row: StepRow, site: Site, value: float) -> None:
