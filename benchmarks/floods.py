@@ -169,15 +169,28 @@ def connection_flood(server: ServerProcess, stderr_path: Path, limit: str) -> No
     socks = connections(server.zmq_endpoint, 400)
     time.sleep(3)
     seconds = [healthz_seconds(server) for _ in range(5)]
+    paused = listener_paused(server)
     time.sleep(2)
     grown = os.path.getsize(stderr_path) - size
     print(
         f"400 ZeroMQ connections ({limit}): /healthz max {max(seconds) * 1000:.0f} ms, "
-        f"log +{grown / 1024:.0f} KiB in ~5 s"
+        f"log +{grown / 1024:.0f} KiB in ~5 s, listener paused: {paused}"
     )
     for sock in socks:
         sock.close()
+    started = time.monotonic()
+    while paused and listener_paused(server) and time.monotonic() - started < 30:
+        time.sleep(0.1)
+    if paused:
+        print(f"  closed: the listener resumed after {time.monotonic() - started:.1f} s")
     time.sleep(2)
+
+
+def listener_paused(server: ServerProcess) -> int:
+    """``nand_agent_listener_paused`` from ``/metrics``: 1 while new agents wait."""
+    text = httpx.get(f"{server.http_url}/metrics", timeout=10).text
+    line = next(x for x in text.splitlines() if x.startswith("nand_agent_listener_paused "))
+    return int(float(line.split()[1]))
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from sqlalchemy import Engine, text
 
 from nand import wire
 from nand.errors import WireError
-from nand.server import announce
+from nand.server import announce, gate
 from nand.server.admission import Admission
 from nand.server.commander import Commander
 from nand.server.metrics import Metrics
@@ -95,22 +95,27 @@ class Ingest:
 
     def _run(self) -> None:
         context = zmq.Context()
+        listener_gate = gate.Gate(
+            gate.backlog(gate.descriptor_limit()), self.metrics.listener_paused
+        )
         try:
-            sock = self._bind(context)
+            sock = self._bind(context, listener_gate.backlog)
         except BaseException as exc:  # reported to start()
             self._error = exc
             self._ready.set()
             context.term()
             return
         self._sock = sock
+        listener_gate.watch(self.endpoint, sock.get_monitor_socket(zmq.EVENT_ACCEPTED))
         self._ready.set()
         try:
             self._loop(sock)
         finally:
             sock.close(linger=1000)
+            listener_gate.stop()
             context.term()
 
-    def _bind(self, context: zmq.Context) -> zmq.Socket:
+    def _bind(self, context: zmq.Context, backlog: int) -> zmq.Socket:
         sock = context.socket(zmq.ROUTER)
         # Per connection: above an agent's window (256 frames) with room for
         # its replays, and small enough that a flooding peer is held in check.
@@ -125,6 +130,8 @@ class Ingest:
         # Peers that vanish without closing TCP are dropped after 15 s of silence.
         sock.setsockopt(zmq.HEARTBEAT_IVL, 5000)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 15000)
+        # What still comes in once the gate pauses the listener (gate.py).
+        sock.setsockopt(zmq.BACKLOG, backlog)
         if self.settings.curve_secret_key:
             sock.curve_secretkey = self.settings.curve_secret_key.encode()
             sock.curve_server = True

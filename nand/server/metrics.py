@@ -97,6 +97,11 @@ class Metrics:
         self._stream_polls = counter(
             "nand_stream_polls", "Database polls for the event streams (one per interval)."
         )
+        self._listener_paused = Gauge(
+            "nand_agent_listener_paused",
+            "1 while new agent connections wait for file descriptors (see gate.py).",
+            registry=self.registry,
+        )
         self._stream_clients = Gauge(
             "nand_stream_clients", "Open event-stream connections.", registry=self.registry
         )
@@ -120,6 +125,9 @@ class Metrics:
 
     def received(self, n: int) -> None:
         self._received.inc(n)
+
+    def listener_paused(self, paused: bool) -> None:
+        self._listener_paused.set(int(paused))
 
     def rejected(self, reason: str) -> None:
         self._rejected.labels(reason).inc()

@@ -66,6 +66,9 @@ def test_a_full_disk_counts_every_loss_keeps_the_first_incident_and_recovers(sma
     assert sink.dropped().get("disk_full", 0) > 0, sink.stats()
     with Receiver(endpoint) as rx:
         assert rx.wait_for(lambda: sink.stats()["connected"])  # the server is back
+        # What the outage left is replayed first; a starved sender thread may
+        # drop (and count) new heartbeats meanwhile (queue_max): wait for it.
+        assert sink.flush(20), sink.stats()
         for step in range(3000, 3400):
             sink.heartbeat(_beat(step))
             time.sleep(0.002)

@@ -4,13 +4,23 @@ REST API answering (figures: benchmarks/floods.py, benchmarks/README.md)."""
 from __future__ import annotations
 
 import os
+import resource
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
 
-from benchmarks.floods import big_post, connections, rss_mb, send_frames, settle, start_at_256
+from benchmarks.floods import (
+    big_post,
+    connections,
+    listener_paused,
+    rss_mb,
+    send_frames,
+    settle,
+    start_at_256,
+)
 from nand.testing import free_port
 from tests.server.processes import ServerProcess
 
@@ -55,6 +65,38 @@ def test_rest_answers_with_more_connections_than_the_starting_descriptor_limit(
         for sock in socks:
             sock.close()
     assert os.path.getsize(tmp_path / "server.err") < 64 * 1024
+
+
+@pytest.mark.slow
+def test_rest_answers_with_more_connections_than_a_hard_limit_allows(process, tmp_path) -> None:
+    assert process.proc is not None
+    resource.prlimit(process.proc.pid, resource.RLIMIT_NOFILE, (256, 256))
+    socks = connections(process.zmq_endpoint, 400)
+    try:
+        settle(process, 2.0)
+        assert httpx.get(f"{process.http_url}/healthz", timeout=5).status_code == 200
+        assert listener_paused(process) == 1  # the agents beyond the descriptors wait
+    finally:
+        for sock in socks:
+            sock.close()
+    assert os.path.getsize(tmp_path / "server.err") < 64 * 1024
+    deadline = time.monotonic() + 10
+    while listener_paused(process) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert listener_paused(process) == 0  # room again: new agents come in
+    received = _received(process)
+    (late,) = connections(process.zmq_endpoint, 1)
+    late.send(b"not msgpack")
+    while _received(process) == received and time.monotonic() < deadline + 5:
+        time.sleep(0.1)
+    late.close()
+    assert _received(process) == received + 1
+
+
+def _received(process: ServerProcess) -> float:
+    text = httpx.get(f"{process.http_url}/metrics").text
+    line = next(x for x in text.splitlines() if x.startswith("nand_messages_received_total "))
+    return float(line.split()[1])
 
 
 def test_the_descriptor_limit_is_raised_to_the_hard_one() -> None:
