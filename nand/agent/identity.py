@@ -84,6 +84,11 @@ def _initialised_dist() -> Any:
     return None
 
 
+def distributed_up() -> bool:
+    """Whether a ``torch.distributed`` process group is up in this process."""
+    return _initialised_dist() is not None
+
+
 def launcher_run_id() -> str | None:
     """The run id the launcher gives (torchrun's, Slurm's), if any."""
     elastic = os.environ.get("TORCHELASTIC_RUN_ID", "")

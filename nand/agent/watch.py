@@ -28,6 +28,7 @@ from nand.agent.detect.names import param_owners, unwrap
 from nand.agent.detect.optimizer import OptimizerHooks
 from nand.agent.detect.probes import ProbeBuffer
 from nand.agent.detect.state import HookState
+from nand.agent.identity import distributed_up
 from nand.agent.output.session import Session
 from nand.agent.safety import Guard
 from nand.agent.step.boundary import Boundary
@@ -83,7 +84,7 @@ class Watch:
         state.window_full = self._window_full
         self._hooks = Hooks(state)
         world = session.who.world_size
-        agree = self.policy in ("skip", "stop") and _dist_up() and world > 1
+        agree = self.policy in ("skip", "stop") and distributed_up() and world > 1
         root_type = type(self._root).__name__
         self._boundary = Boundary(
             self._buf, session.who, self.recorder, len(names), root_type, agree
@@ -123,7 +124,7 @@ class Watch:
             self._unlisten = amp.listen(optimizer, self._adopt_scaler)
         # A plain model trained through a wrapper nand was not given (HF Trainer's
         # callbacks get the model, accelerate wraps it in DDP): found at its first call.
-        if not wrapped and _dist_up() and self.session.who.world_size > 1:
+        if not wrapped and distributed_up() and self.session.who.world_size > 1:
             self._looking = ddp.find_wrapper(self._root, self._found_wrapper)
 
     # --- public API ------------------------------------------------------------
@@ -192,7 +193,9 @@ class Watch:
                 self._opt.add_norms(with_params=True, force=True)
             if not self._guard.off and len(self._buf):
                 step = self.step
-                outcome = self._boundary.check(step, step - 1, self._micro, False, False, last=True)
+                outcome = self._boundary.check(
+                    step, step - 1, self._micro, False, False, decides=False
+                )
                 self._report(outcome, beat=False)
                 if self._opt is None and self._boundary.micro_steps:
                     self.step += 1  # without an optimizer, the last root call is a step
@@ -334,17 +337,17 @@ class Watch:
 
     def _window_full(self) -> None:
         """An optimizer that never steps must not make the buffer grow forever."""
-        self._guarded_check(skipped=False)
+        self._guarded_check(skipped=False, decides=False)
 
     def _guarded_check(
-        self, skipped: bool, step: int | None = None, micro_base: int = 0
+        self, skipped: bool, step: int | None = None, micro_base: int = 0, decides: bool = True
     ) -> Outcome | None:
         if self._guard.off:
             return None
         step = self.step if step is None else step
         try:
             outcome = self._boundary.check(
-                step, step - 1, self._micro, skipped, record=not micro_base, micro_base=micro_base
+                step, step - 1, self._micro, skipped, not micro_base, micro_base, decides
             )
             self._report(outcome)
             return outcome
@@ -394,7 +397,3 @@ class Watch:
 
     def _summary(self, steps_per_s: float) -> StepSummary:  # (a heartbeat's)
         return self.recorder.summary(self.step, steps_per_s, self._amp)
-
-
-def _dist_up() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized()

@@ -127,7 +127,7 @@ class Boundary:
         skipped: bool,
         record: bool = True,
         micro_base: int = 0,
-        last: bool = False,
+        decides: bool = True,
     ) -> Outcome:
         """Read the window and analyse it; the buffer is cleared afterwards.
 
@@ -136,8 +136,9 @@ class Boundary:
         the first micro-step of this window within ``step`` (a closure
         evaluated again in the same step). Deferred (``self.deferred``): this
         window is copied to the host and the one before it is read instead.
-        ``last``: the look at ``close``, which decides nothing, so the ranks
-        do not agree on it (a rank that exited early must not hang the others).
+        ``decides``: a policy acts on this read; only then do the ranks agree
+        on it (not the last look at ``close``, nor a window that filled up
+        mid-step: a rank that exited early must not hang the others).
         """
         self.clean = False
         self.read_norms = []
@@ -147,7 +148,7 @@ class Boundary:
             if self.slots is not None and self.slots.active:
                 self._take_slots()
             self.micro_steps = self.buf.sites.count(MICRO)
-            agree = self.agree and not last
+            agree = self.agree and decides
             if self.deferred is not None:
                 window = self._window(step, prev_step, prev_micro, skipped, record, micro_base)
                 self._put(window, extras, agree)
