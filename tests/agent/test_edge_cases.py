@@ -197,10 +197,10 @@ def test_parameter_norms_record_no_autograd_graph(monkeypatch):
 
     monkeypatch.setattr(torch, "_foreach_norm", spy)
     model = nn.Sequential(nn.Linear(8, 4))  # train() feeds 8 features
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)  # params read every step
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
     with nand.watch(model, opt):
         train(model, opt, 3)
-    # 2 gradients a step, the 2 parameters from the second step on and at close
-    # (momentum is implied finite)
-    assert len(outputs) == 2 + 4 + 4 + 2
+    # 2 gradients a step, the 2 parameters from the second step on and at
+    # close, with the 2 momentum buffers (weight decay: no bound, read them)
+    assert len(outputs) == 2 + 4 + 6 + 6
     assert not any(t.requires_grad for t in outputs)

@@ -166,10 +166,31 @@ def test_the_carried_bound_holds_every_parameter_through_a_schedule(make):
     assert abs(model.a.item()) > 5  # (the parameters did grow)
 
 
-def test_sgd_with_momentum_parameters_are_read_every_step():
+def test_sgd_with_momentum_carries_a_bound_and_reads_neither_state_nor_parameters():
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    assert normed_per_step(opt, model, 3) == [6, 12, 12]  # the momentum is implied, not them
+    # The parameters once (no bound yet); then the momentum buffers' bound,
+    # carried from the gradients, bounds each step and nothing else is read.
+    assert normed_per_step(opt, model, 5) == [6, 12, 6, 6, 6]
+
+
+def test_sgd_momentum_buffers_loaded_from_a_checkpoint_are_read_before_trusted():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    train(model, opt, 2)  # momentum buffers to save
+    saved = opt.state_dict()
+    per_step = []
+    with nand.watch(model, opt), counting_norms() as counts:
+        for step in range(5):
+            if step == 2:
+                opt.load_state_dict(saved)
+            before = sum(counts)
+            train(model, opt, 1)
+            per_step.append(sum(counts) - before)
+    # Buffers nand did not see made: read with the parameters once (18), then
+    # bounded (6). Loaded at step 2: read again once, with the parameters, at
+    # the next boundary (the update of step 2 used them), then bounded again.
+    assert per_step == [6, 18, 6, 18, 6]
 
 
 def test_a_hyperparameter_changed_mid_run_is_taken_into_account():
@@ -185,7 +206,9 @@ def test_a_hyperparameter_changed_mid_run_is_taken_into_account():
             before = sum(counts)
             train(model, opt, 1)
             per_step.append(sum(counts) - before)
-    assert per_step == [6, 12, 12, 18, 18]  # + the 6 momentum buffers
+    # From then on the momentum buffers are read (+6) and, with no bound on
+    # them carried, the parameters too.
+    assert per_step == [6, 12, 6, 18, 18]
 
 
 def test_parameter_groups_added_and_removed_mid_run_keep_the_watch_on():

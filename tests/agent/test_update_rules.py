@@ -13,7 +13,9 @@ from torch import nn
 
 from nand.agent.detect.update_rules import (
     GroupRules,
+    UpdateTerms,
     bound_after_update,
+    buffer_after_update,
     state_follows,
     update_terms,
 )
@@ -108,8 +110,20 @@ def test_the_cached_group_rules_follow_every_change_of_the_hyperparameters():
         lambda groups: torch.optim.SGD(groups, lr=0.5, weight_decay=0.1),
         lambda groups: torch.optim.AdamW(groups, lr=0.05, weight_decay=0.1),
         lambda groups: torch.optim.Adam(groups, lr=0.05, weight_decay=0.1),
+        lambda groups: torch.optim.SGD(groups, lr=0.5, momentum=0.9),
+        lambda groups: torch.optim.SGD(groups, lr=0.5, momentum=0.9, nesterov=True),
+        lambda groups: torch.optim.SGD(groups, lr=0.5, momentum=0.5, dampening=0.3),
+        lambda groups: torch.optim.SGD(groups, lr=0.5, momentum=0.9, weight_decay=0.1),
     ],
-    ids=["sgd", "adamw", "adam-coupled-decay"],
+    ids=[
+        "sgd",
+        "adamw",
+        "adam-coupled-decay",
+        "momentum",
+        "nesterov",
+        "dampening",
+        "momentum-decay",
+    ],
 )
 def test_the_bound_after_each_update_holds_every_parameter_through_a_schedule(make):
     """Carried from step to step with no read, the bound never falls below the
@@ -120,25 +134,38 @@ def test_the_bound_after_each_update_holds_every_parameter_through_a_schedule(ma
     schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.97)
     start = b.detach().clone()
     bound = max(float(a.detach().abs().max()), float(b.detach().abs().max()))
+    buffer = 0.0  # SGD's momentum buffers: none before the first update
     for step in range(60):
         a.grad = torch.randn(64) * (10.0 ** (step % 5 - 2))
         b.grad = torch.randn(8) - 3.0  # a steady push: the parameters grow
         grad_max = max(float(a.grad.norm()), float(b.grad.norm()))  # bounds every element
         terms = [update_terms(opt, group) for group in opt.param_groups]
-        after = bound_after_update(bound, terms, opt.param_groups, grad_max)
+        buffer = buffer_after_update(buffer, bound, terms, grad_max)
+        after = bound_after_update(bound, terms, opt.param_groups, grad_max, buffer)
         assert after is not None
         opt.step()
         schedule.step()
         bound = after * (1 + 4 * torch.finfo(torch.float32).eps)  # the write's rounding
         assert max(float(a.detach().abs().max()), float(b.detach().abs().max())) <= bound, step
+        buffers = [s["momentum_buffer"] for s in opt.state.values() if "momentum_buffer" in s]
+        assert all(float(x.abs().max()) <= buffer * (1 + 1e-6) for x in buffers), step
     assert float((b.detach() - start).abs().max()) > 1.0  # (they did move)
+
+
+def test_a_momentum_bound_needs_the_parameters_bound_only_with_weight_decay():
+    plain = UpdateTerms(grow=0.0, per_grad=1.0, momentum=0.9)
+    decayed = UpdateTerms(grow=0.1, per_grad=1.0, momentum=0.9)
+    assert buffer_after_update(1.0, None, [plain], 2.0) == 0.9 + 2.0
+    assert buffer_after_update(1.0, None, [decayed], 2.0) is None
+    assert buffer_after_update(1.0, 10.0, [decayed], 2.0) == 0.9 + 2.0 + 1.0
+    assert buffer_after_update(5.0, 10.0, [plain], 0.0) == 5.0  # never shrinks (a skipped step)
 
 
 def test_no_bound_for_a_tensor_learning_rate_or_a_group_without_terms():
     p, q = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))
-    opt = torch.optim.SGD([{"params": [p]}, {"params": [q], "momentum": 0.9}], lr=0.1)
+    opt = torch.optim.SGD([{"params": [p]}, {"params": [q], "momentum": 1.5}], lr=0.1)
     terms = [update_terms(opt, group) for group in opt.param_groups]
-    assert terms[0] is not None and terms[1] is None  # momentum: no bound on one update
+    assert terms[0] is not None and terms[1] is None  # momentum >= 1: no bound
     assert bound_after_update(1.0, terms, opt.param_groups, 1.0) is None
     opt.param_groups.pop()
     assert bound_after_update(1.0, terms[:1], opt.param_groups, 1.0) == 1.1

@@ -43,7 +43,12 @@ from torch.utils.hooks import RemovableHandle
 
 from nand.agent.detect.param_cache import GRAD, ParamCache
 from nand.agent.detect.probes import ProbeBuffer, Site, local
-from nand.agent.detect.update_rules import GroupRules, bound_after_update, state_follows
+from nand.agent.detect.update_rules import (
+    GroupRules,
+    bound_after_update,
+    buffer_after_update,
+    state_follows,
+)
 from nand.agent.safety import Guard
 
 
@@ -78,7 +83,7 @@ class ReadWindow(Protocol):
     flag: Tensor | None
     clean: bool  # nothing non-finite, suspects included
     read_norms: list[float]  # the multi-tensor norms, in launch order
-    read_spans: dict[str, tuple[int, int]]  # (start, count) of "grad" and "param" among them
+    read_spans: dict[str, tuple[int, int]]  # (start, count) of "grad", "param", "state" in them
 
 
 class OptimizerHooks:
@@ -114,6 +119,8 @@ class OptimizerHooks:
         self._state_due = False  # the last step's state is checked (read next boundary)
         #: An upper bound on every parameter's max|x| (None: not known, read them).
         self._bound: float | None = None
+        #: And on every momentum buffer's (SGD; 0 before the first update).
+        self._buffer_bound: float | None = None if optimizer.state else 0.0
         self._params_due = True  # the last step's parameters are checked
         self.handles: list[RemovableHandle] = [
             optimizer.register_step_pre_hook(self._pre),
@@ -226,17 +233,19 @@ class OptimizerHooks:
     def _bound_after(self, clean: bool) -> float | None:
         """A bound on every parameter's max|p| after this update, or None."""
         norms, spans = self.window.read_norms, self.window.read_spans
-        before = self._bound
-        if "param" in spans:  # read in this window: a bound from what they were
-            start, n = spans["param"]
-            read = norms[start : start + n]
-            before = max(read, default=0.0) if math.isfinite(sum(read)) else None
-        if before is None or not clean or not self.state_trusted:
-            return None
+        before = _max_read(norms, spans["param"]) if "param" in spans else self._bound
+        buffer = _max_read(norms, spans["state"]) if "state" in spans else self._buffer_bound
         start, n = spans.get("grad", (0, 0))
         grad_max = max(norms[start : start + n]) if n else 0.0
+        terms = self._rules.terms
+        if buffer is not None and clean and self.state_trusted:
+            self._buffer_bound = buffer_after_update(buffer, before, terms, grad_max)
+        else:
+            self._buffer_bound = None
+        if before is None or self._buffer_bound is None or not clean or not self.state_trusted:
+            return None
         groups = self.optimizer.param_groups
-        after = bound_after_update(before, self._rules.terms, groups, grad_max)
+        after = bound_after_update(before, terms, groups, grad_max, self._buffer_bound)
         # Writing p - step rounds once more: a relative ulp or two of the dtype.
         if after is None or after * self.cache.rounding >= self.cache.limit:
             return None
@@ -296,6 +305,7 @@ class OptimizerHooks:
     def _loaded(self, optimizer: Any) -> None:
         # New state tensors, not checked yet; what the buffer holds is the old.
         self.state_trusted = self._state_due = False
+        self._buffer_bound = None  # known again once the new state is read
         self.cache.forget_state()
 
     def add_norms(self, with_params: bool, force: bool = False) -> None:
@@ -348,5 +358,14 @@ class OptimizerHooks:
             sites += param_sites
         if self._state_due:
             state, state_sites = cache.state
+            self.buf.spans["state"] = (len(self.buf.norms) + len(tensors), len(state))
             tensors += state if cache.plain else [local(t) for t in state]
             sites += state_sites
+
+
+def _max_read(norms: list[float], span: tuple[int, int]) -> float | None:
+    """The largest of the norms read in ``span`` (each bounds its tensor's
+    max|x|), or None if one of them is not finite."""
+    start, n = span
+    read = norms[start : start + n]
+    return max(read, default=0.0) if math.isfinite(sum(read)) else None

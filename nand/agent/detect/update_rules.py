@@ -71,10 +71,15 @@ class UpdateTerms:
     grow: float  # SGD: +weight decay; decoupled decay: -weight decay
     fixed: float = 0.0  # Adam: the per-element step bound per unit of lr
     per_grad: float = 0.0  # SGD: the step is lr * |g|
+    #: SGD with momentum: the step is (at most) the gradient plus the
+    #: momentum buffer, whose bound is carried from step to step
+    #: (:func:`buffer_after_update`).
+    momentum: float = 0.0
 
-    def bound(self, lr: float, grad_max: float) -> tuple[float, float]:
+    def bound(self, lr: float, grad_max: float, buffer_max: float = 0.0) -> tuple[float, float]:
         """``(factor, shift)``: max|p| after <= factor * max|p| before + shift."""
-        by_grad = self.per_grad * grad_max if self.per_grad else 0.0  # (0 * inf is NaN)
+        step_max = grad_max + buffer_max if self.momentum else grad_max
+        by_grad = self.per_grad * step_max if self.per_grad else 0.0  # (0 * inf is NaN)
         return abs(1.0 + lr * self.grow), lr * (self.fixed + by_grad)
 
 
@@ -82,6 +87,10 @@ def update_terms(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> Upd
     """The bound of one update, per unit of learning rate (``None``: no bound).
 
     - SGD without momentum: ``p - lr * (g + wd * p)``.
+    - SGD with momentum ``m`` (dampening ``d``, Nesterov or not): the buffer
+      is ``b = m*b + (1-d)*g'`` (``g'`` on the first step) with ``g' = g +
+      wd*p``, and the step ``b``, or ``g' + m*b`` (Nesterov): at most ``|g'| +
+      |b|`` per element, with ``|b|`` bounded by :func:`buffer_after_update`.
     - Adam/AdamW: with ``m`` and ``v`` built from the same gradients (the
       state is trusted, see :func:`state_follows`), Cauchy-Schwarz over the
       two geometric sums gives ``|m| <= (1-b1) sqrt(v / ((1-b2)(1-b1²/b2)))``;
@@ -96,9 +105,10 @@ def update_terms(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> Upd
     decay = float(group.get("weight_decay", 0))
     kind = type(optimizer)
     if kind is torch.optim.SGD:
-        if group.get("momentum", 0) != 0:
+        momentum = group.get("momentum", 0)
+        if momentum != 0 and not (_unit(momentum) and _unit(group.get("dampening", 0), 1.0)):
             return None
-        return UpdateTerms(grow=decay, per_grad=1.0)
+        return UpdateTerms(grow=decay, per_grad=1.0, momentum=float(momentum))
     if kind in (torch.optim.Adam, torch.optim.AdamW):
         b1, b2 = group.get("betas", (0.9, 0.999))
         if not (_unit(b1) and _unit(b2)) or b1 * b1 >= b2:
@@ -114,21 +124,51 @@ def bound_after_update(
     terms: Sequence[UpdateTerms | None],
     groups: Sequence[dict[str, Any]],
     grad_max: float,
+    buffer_max: float = 0.0,
 ) -> float | None:
     """The largest max|p| any group can reach in this update (exact arithmetic).
 
     ``bound_before`` bounds every parameter before it, ``terms`` are the
-    groups' :func:`update_terms` and ``grad_max`` bounds every gradient
-    element. ``None`` when a group has no bound or a learning rate that is not
-    a plain number (a tensor lr would need a host read).
+    groups' :func:`update_terms`, ``grad_max`` bounds every gradient element
+    and ``buffer_max`` every momentum buffer's after it
+    (:func:`buffer_after_update`). ``None`` when a group has no bound or a
+    learning rate that is not a plain number (a tensor lr would need a host read).
     """
     bound = 0.0
     for group_terms, group in zip(terms, groups, strict=True):
         lr = group["lr"]
         if group_terms is None or not _plain_number(lr):
             return None
-        factor, shift = group_terms.bound(float(lr), grad_max)
+        factor, shift = group_terms.bound(float(lr), grad_max, buffer_max)
         bound = max(bound, bound_before * factor + shift)
+    return bound
+
+
+def buffer_after_update(
+    buffer_before: float,
+    param_before: float | None,
+    terms: Sequence[UpdateTerms | None],
+    grad_max: float,
+) -> float | None:
+    """A bound on every momentum buffer's max|x| after this update (SGD).
+
+    ``m*b + (1-d)*(g + wd*p)``, or ``g + wd*p`` on a buffer's first step, is at
+    most ``m*|b| + |g| + wd*|p|``. The bound never shrinks, so it also holds
+    after an update that was skipped (the buffer then kept its value). ``None``
+    when weight decay needs the parameters' bound and there is none.
+
+    >>> buffer_after_update(0.0, None, [UpdateTerms(grow=0.0, per_grad=1.0, momentum=0.9)], 2.0)
+    2.0
+    """
+    bound = buffer_before
+    for group_terms in terms:
+        if group_terms is None or not group_terms.momentum:
+            continue
+        decay = group_terms.grow
+        if decay and param_before is None:
+            return None
+        by_decay = decay * param_before if decay and param_before is not None else 0.0
+        bound = max(bound, group_terms.momentum * buffer_before + grad_max + by_decay)
     return bound
 
 
