@@ -76,6 +76,11 @@ NAND_DDP_LOCAL_CHECK = "NAND_DDP_LOCAL_CHECK"
 NAND_HEARTBEAT_S = "NAND_HEARTBEAT_S"
 """Seconds between heartbeats sent to the server. Default 5."""
 
+NAND_FINGERPRINT_STEPS = "NAND_FINGERPRINT_STEPS"
+"""Every this many optimizer steps each DDP rank sends an exact fingerprint of
+its parameters, which the server compares across replicas (``0``: never; see
+``nand.agent.step.fingerprint``). Default 100."""
+
 NAND_QUEUE_MAX = "NAND_QUEUE_MAX"
 """Messages held in memory by the sender before spooling to disk. Default 10000."""
 
@@ -276,6 +281,7 @@ class AgentConfig:
     ddp_local_check: bool = True
     read_params_every_step: bool = False
     heartbeat_s: float = 5.0
+    fingerprint_steps: int = 100
     close_timeout_s: float = 2.0
     transport: TransportConfig = dataclasses.field(default_factory=TransportConfig)
     #: The server's web address (``NAND_URL``, as the CLI uses it), for the
@@ -305,6 +311,7 @@ class AgentConfig:
             ),
             "heartbeat_s": get_float(NAND_HEARTBEAT_S, cls.heartbeat_s),
             "close_timeout_s": get_float(NAND_CLOSE_TIMEOUT_S, cls.close_timeout_s),
+            "fingerprint_steps": get_int(NAND_FINGERPRINT_STEPS, cls.fingerprint_steps),
             "url": get_str(NAND_URL),
             "transport": TransportConfig.resolve(),
         }
@@ -333,5 +340,7 @@ class AgentConfig:
             )
         if self.flight_steps < 1 or self.max_events < 1:
             raise ConfigError("flight_steps and max_events must be at least 1")
-        if self.heartbeat_s < 0 or self.close_timeout_s < 0:
-            raise ConfigError("heartbeat_s and close_timeout_s must not be negative")
+        if self.heartbeat_s < 0 or self.close_timeout_s < 0 or self.fingerprint_steps < 0:
+            raise ConfigError(
+                "heartbeat_s, close_timeout_s and fingerprint_steps must not be negative"
+            )

@@ -48,8 +48,12 @@ Cause = Literal["data", "produced", "propagated", "received"]
 CAUSES: tuple[Cause, ...] = get_args(Cause)
 
 #: A run's state on the server, worst first where several apply (see
-#: ``nand.server.correlate.run_state``).
-RunState = Literal["healthy", "diverged", "stalled", "finished", "lost", "crashed"]
+#: ``nand.server.correlate.run_state``). ``replica_mismatch``: everything is
+#: finite, but one DDP rank's parameters differ from the other replicas'
+#: (``nand.server.replicas``).
+RunState = Literal[
+    "healthy", "diverged", "stalled", "finished", "lost", "crashed", "replica_mismatch"
+]
 RUN_STATES: tuple[RunState, ...] = get_args(RunState)
 
 #: One rank's state on the server.

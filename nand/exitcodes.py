@@ -18,6 +18,7 @@ code  name                meaning
 12    BAD_DATABASE_URL    ``--db`` does not parse, names an unsupported database, or is in memory
 13    MISSING_EXTRA       an optional dependency is not installed (the extra is named)
 14    DATABASE_ERROR      the database could not be opened, created or reached
+15    REPLICA_MISMATCH    ``nand wait``: a DDP rank's parameters differ from the other replicas'
 124   TIMEOUT             ``--timeout`` passed first
 ====  ==================  ======================================================
 """
@@ -39,4 +40,5 @@ ADDRESS_IN_USE = 11
 BAD_DATABASE_URL = 12
 MISSING_EXTRA = 13
 DATABASE_ERROR = 14
+REPLICA_MISMATCH = 15
 TIMEOUT = 124

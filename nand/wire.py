@@ -59,7 +59,7 @@ PROTOCOL_VERSION = 1
 #: by 64 steps is about 1.2 MB).
 DEFAULT_MAX_BYTES = DEFAULT_MAX_FRAME_BYTES
 
-AGENT_KINDS = frozenset({"hello", "event", "heartbeat", "flight", "bye"})
+AGENT_KINDS = frozenset({"hello", "event", "heartbeat", "flight", "fingerprint", "bye"})
 SERVER_KINDS = frozenset({"ack", "command", "reject"})
 COMMANDS = frozenset({"stop", "send_flight"})
 
@@ -81,6 +81,9 @@ REASONS = (
 MAX_DROP_REASONS = 32
 DROP_REASON_PATTERN = re.compile(r"[a-z][a-z0-9_]{0,39}")
 MAX_DROP_COUNT = 2**63 - 1
+#: A fingerprint names at most this many parameters, each name this long.
+MAX_FINGERPRINT_PARAMS = 100_000
+MAX_NAME_CHARS = 512
 
 
 def encode(message: Mapping[str, Any]) -> bytes:
@@ -265,6 +268,20 @@ def _validate_heartbeat(message: Mapping[str, Any]) -> None:
     validate_dropped(_require(body, "dropped", (dict,), "heartbeat", optional=True))
 
 
+def _validate_fingerprint(message: Mapping[str, Any]) -> None:
+    """``{step, names, values}``: one int64 per parameter (``agent.step.fingerprint``)."""
+    body = _agent_envelope(message)
+    _non_negative(_require(body, "step", _INT, "fingerprint"), "fingerprint.step")
+    names = _require(body, "names", (list,), "fingerprint")
+    values = _require(body, "values", (list,), "fingerprint")
+    if len(names) != len(values) or len(names) > MAX_FINGERPRINT_PARAMS:
+        raise WireError("bad_field", f"fingerprint: {len(names)} names, {len(values)} values")
+    if not all(isinstance(n, str) and len(n) <= MAX_NAME_CHARS for n in names):
+        raise WireError("bad_field", "fingerprint.names must be strings")
+    if not all(type(v) is int and -MAX_DROP_COUNT - 1 <= v <= MAX_DROP_COUNT for v in values):
+        raise WireError("bad_field", "fingerprint.values must be 64-bit integers")
+
+
 def validate_dropped(dropped: Mapping[str, Any] | None, where: str = "heartbeat.dropped") -> None:
     """Check a heartbeat's cumulative loss counts ``{reason: n}`` (absent: none).
 
@@ -323,6 +340,7 @@ _VALIDATORS: dict[str, Callable[[Mapping[str, Any]], None]] = {
     "event": _validate_event,
     "heartbeat": _validate_heartbeat,
     "flight": _validate_flight_message,
+    "fingerprint": _validate_fingerprint,
     "bye": _validate_bye,
     "ack": _validate_ack,
     "command": _validate_command,

@@ -33,6 +33,7 @@ from nand.agent.output.session import Session
 from nand.agent.safety import Guard
 from nand.agent.step.boundary import Boundary
 from nand.agent.step.deferred import flush_at_exit, read_mode
+from nand.agent.step.fingerprint import Fingerprints
 from nand.agent.step.incidents import Incidents
 from nand.agent.step.policy import StepPolicy
 from nand.agent.step.recorder import FlightRecorder
@@ -112,6 +113,7 @@ class Watch:
             self._policy.lagged = True
             flush_at_exit(self._exit)
         self._boundary.wrapped_in(model, self.settings.ddp_local_check)  # (DDP: its check)
+        self._boundary.fingerprints = Fingerprints.wanted(self.settings, self._root, self.session)
         self._hooks.install(self._root, self._infos, proxies=not self._boundary.grads_reduced)
         if optimizer is None:
             self._hooks.state.before_root = self._root_step
@@ -122,8 +124,7 @@ class Watch:
                 self._adopt_scaler(scaler)
             # Frameworks make their own scaler: learn it when it steps this optimizer.
             self._unlisten = amp.listen(optimizer, self._adopt_scaler)
-        # A plain model trained through a wrapper nand was not given (HF Trainer's
-        # callbacks get the model, accelerate wraps it in DDP): found at its first call.
+        # A wrapper nand was not given (HF Trainer, accelerate's DDP): found at its first call.
         if not wrapped and distributed_up() and self.session.who.world_size > 1:
             self._looking = ddp.find_wrapper(self._root, self._found_wrapper)
 

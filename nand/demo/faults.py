@@ -19,6 +19,10 @@ bad_shard      ``rank``'s optimizer step writes +inf into its own part of
                ``module``'s weight at ``step`` (its FSDP shard, or its DDP
                replica): param on that rank; the others receive it through the
                next step's all-gather (FSDP) or gradient all-reduce (DDP)
+drift          after ``rank``'s optimizer step at ``step``, one element of
+               ``module``'s weight gains 0.01: finite, and that replica now
+               differs from the others (a silent data corruption; DDP)
+bitflip        the same, but the lowest mantissa bit of one element flips
 =============  ==================================================================
 
 The hooks planted here are registered *before* ``nand.watch``, so nand sees
@@ -33,7 +37,12 @@ from typing import Any
 import torch
 from torch import nn
 
-KINDS = ("overflow", "nan_forward", "nan_backward", "bad_data", "lr_explosion", "bad_shard")
+KINDS = (
+    "overflow", "nan_forward", "nan_backward", "bad_data", "lr_explosion", "bad_shard", "drift",
+    "bitflip",
+)  # fmt: skip
+#: Kinds planted by a step post-hook on the optimizer (``plant_in_optimizer``).
+WRITTEN_AFTER_STEP = ("bad_shard", "drift", "bitflip")
 BUILD_UP_STEPS = 8
 
 
@@ -88,7 +97,11 @@ class _PoisonGradient(torch.autograd.Function):
 def plant(fault: Fault, model: nn.Module, rank: int) -> _StepClock:
     """Install ``fault``'s hooks on ``model`` (unwrapped); returns the clock to advance."""
     clock = _StepClock()
-    if not fault.applies_to(rank) or fault.kind in ("bad_data", "lr_explosion", "bad_shard"):
+    if not fault.applies_to(rank) or fault.kind in (
+        "bad_data",
+        "lr_explosion",
+        *WRITTEN_AFTER_STEP,
+    ):
         return clock
     module = model.get_submodule(fault.module)
     if fault.kind == "overflow":
@@ -153,8 +166,8 @@ def maybe_explode_lr(fault: Fault | None, step: int, optimizer: torch.optim.Opti
 def plant_in_optimizer(
     fault: Fault | None, optimizer: torch.optim.Optimizer, model: nn.Module, rank: int, clock
 ) -> None:
-    """The ``bad_shard`` fault: a step post-hook, registered before nand's own."""
-    if fault is None or fault.kind != "bad_shard" or rank != fault.rank:
+    """``bad_shard``, ``drift``, ``bitflip``: a step post-hook, registered before nand's own."""
+    if fault is None or fault.kind not in WRITTEN_AFTER_STEP or rank != fault.rank:
         return
     weight: Any = model.get_submodule(fault.module).weight  # a Tensor, or an FSDP2 DTensor
 
@@ -162,6 +175,11 @@ def plant_in_optimizer(
         if clock.step == fault.step:
             with torch.no_grad():
                 local = weight.to_local() if hasattr(weight, "to_local") else weight
-                local.view(-1)[0] = float("inf")
+                if fault.kind == "bad_shard":
+                    local.view(-1)[0] = float("inf")
+                elif fault.kind == "drift":
+                    local.view(-1)[0] += 0.01
+                else:  # bitflip: the lowest mantissa bit (float32)
+                    local.view(-1).view(torch.int32)[0] ^= 1
 
     optimizer.register_step_post_hook(corrupt)

@@ -106,10 +106,10 @@ def train(args: argparse.Namespace) -> int:
     if fault is not None and not fault.module:
         fault = Fault(fault.kind, fault.rank, fault.step, default_fault_module(args.model))
     clock = plant(fault, model, rank) if fault else None
-    model = wrap(model, args.fsdp)
+    plain, model = model, wrap(model, args.fsdp)  # (DDP wraps it; FSDP2 shards it in place)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     if clock is not None:
-        plant_in_optimizer(fault, optimizer, model, rank, clock)
+        plant_in_optimizer(fault, optimizer, plain, rank, clock)
     batches = Batches(args, rank)
 
     with nand.watch(model, optimizer=optimizer, on_nonfinite=args.policy) as watch:

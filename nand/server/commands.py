@@ -45,6 +45,7 @@ WAIT_EPILOG = """exit codes (for job scripts):
   5    a rank stalled (no step progress for NAND_STALLED_AFTER_S)
   6    the run finished without diverging (while waiting for diverged)
   7    a rank crashed (exited with an exception)
+  15   a rank's parameters differ from the other DDP replicas' (replica_mismatch)
   8    the server could not be reached for --retry-for seconds
   2    bad arguments or --url;  124  --timeout passed first
 
@@ -104,9 +105,10 @@ def _wait_parser(subparsers: Any) -> None:
     wait.add_argument("run", help=RUN_HELP)
     wait.add_argument(
         "--until",
-        choices=("diverged", "finished", "any"),
+        choices=("diverged", "mismatch", "finished", "any"),
         default="any",
-        help="the state to wait for; any: diverged, finished, lost, stalled or crashed (any)",
+        help="the state to wait for (mismatch: replica_mismatch); any: diverged, "
+        "replica_mismatch, finished, lost, stalled or crashed (any)",
     )
     wait.add_argument(
         "--timeout", type=_duration, default=None, help="give up after, e.g. 600, 30m, 12h (never)"

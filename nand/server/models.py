@@ -58,6 +58,13 @@ class Run(Base):
     stop_step: Mapped[int | None] = mapped_column(Integer, nullable=True)
     stop_requested_at: Mapped[float | None] = mapped_column(Float, nullable=True, index=True)
     stop_reason: Mapped[str] = mapped_column(String(500), default="")
+    #: The DDP replicas' comparison (nand.server.replicas): the first step at
+    #: which a rank's parameters differed, the last at which all agreed, the
+    #: ranks that differed and the parameters that did (null: none seen).
+    replica_step: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    replica_good_step: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    replica_ranks: Mapped[list[int] | None] = mapped_column(JSON, nullable=True)
+    replica_params: Mapped[list[str] | None] = mapped_column(JSON, nullable=True)
 
 
 class Rank(Base):
@@ -205,3 +212,18 @@ class Drop(Base):
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
     rank: Mapped[int] = mapped_column(Integer)
     count: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class Fingerprint(Base):
+    """One rank's parameter fingerprint at one step: one integer per parameter
+    (``names``/``values``) and a digest of them all. Only a run's latest steps
+    are kept; what the comparison found stays on the run."""
+
+    __tablename__ = "fingerprints"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    step: Mapped[int] = mapped_column(Integer, primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    digest: Mapped[str] = mapped_column(String(64))
+    names: Mapped[list[str]] = mapped_column(JSON)
+    values: Mapped[list[int]] = mapped_column(JSON)

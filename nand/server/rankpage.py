@@ -18,7 +18,7 @@ from sqlalchemy import and_, select
 from sqlalchemy.orm import Session
 
 from nand.events import RankState, Relation
-from nand.server import correlate, store, views
+from nand.server import correlate, replicas, store, views
 from nand.server.models import EventRow, Rank, Run
 from nand.server.schemas import RankPage, RunSummary
 from nand.server.settings import Settings
@@ -146,7 +146,7 @@ def run_summary(session: Session, run: Run, settings: Settings, now: float) -> R
         attempt=run.attempt,
         launch=run.launch,
         live=run.superseded_at is None,
-        state=correlate.run_state(list(states)),
+        state=replicas.run_state(correlate.run_state(list(states)), run),
         world_size=max(run.world_size, total),
         ranks_seen=total,
         latest_step=run.latest_step,

@@ -8,6 +8,8 @@ Times are Unix seconds (float, UTC).
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, Field
 
 # The vocabulary is the event model's, written once (nand/events.py):
@@ -93,6 +95,19 @@ class StopInfo(BaseModel):
     stopped_at: int | None = None
 
 
+class ReplicaCheck(BaseModel):
+    """What the replicas' fingerprints say (``nand.server.replicas``)."""
+
+    #: ``consistent``: every rank agreed at ``last_good_step``; ``mismatch``:
+    #: ``ranks`` differed from the others at ``first_bad_step``.
+    state: Literal["consistent", "mismatch"]
+    ranks: list[int] = Field(default_factory=list)
+    first_bad_step: int | None = None
+    last_good_step: int | None = None
+    params: list[str] = Field(default_factory=list)
+    summary: str = ""
+
+
 class Verdict(BaseModel):
     """The one call a scheduler polls: is this run healthy, and if not, where from."""
 
@@ -129,6 +144,8 @@ class Verdict(BaseModel):
     #: The gaps in one sentence ("Rank 3 dropped 1,204 messages before the
     #: server had them (spool_full 1,000, rejected 204): …"); "" without any.
     gaps_summary: str = ""
+    #: The DDP replicas compared (null: no fingerprints received yet).
+    replica: ReplicaCheck | None = None
 
 
 class RunSummary(BaseModel):

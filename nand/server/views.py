@@ -13,7 +13,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from nand.events import Event, RankState, Relation, cause_of, phase_of, value_kinds
-from nand.server import correlate, losses, store, summary
+from nand.server import correlate, losses, replicas, store, summary
 from nand.server.evidence import FlightEvidence, heartbeat_evidence
 from nand.server.models import EventRow, Rank, Run
 from nand.server.schemas import (
@@ -118,7 +118,7 @@ def run_summary(run: Run, ranks: RankRows, settings: Settings, now: float) -> Ru
     return RunSummary(
         run=run.name,
         **_attempt_fields(run),
-        state=correlate.run_state(list(states.values())),
+        state=replicas.run_state(correlate.run_state(list(states.values())), run),
         world_size=max(run.world_size, len(ranks)),
         ranks_seen=len(ranks),
         latest_step=run.latest_step,
@@ -148,7 +148,7 @@ def _gaps(ranks: RankRows) -> dict[str, Any]:
 
 def verdict(session: Session, run: Run, ranks: RankRows, settings: Settings, now: float) -> Verdict:
     states = rank_states(ranks, settings, now)
-    state = correlate.run_state(list(states.values()))
+    state = replicas.run_state(correlate.run_state(list(states.values())), run)
     stop = _stop(run, ranks)
     # An earlier attempt's ranks are gone or belong to history: never stop them.
     stoppable = run.superseded_at is None and bool(live_ranks(ranks, settings, now))
@@ -156,8 +156,11 @@ def verdict(session: Session, run: Run, ranks: RankRows, settings: Settings, now
     head_row = _origin_row(ranks)
     if head_row is None:
         steps = [(r.rank, states[r.rank], r.step) for r, _ in ranks]
-        text = summary.calm_summary(state, steps, settings.lost_after_s, settings.stalled_after_s)
+        text = replicas.sentence(run) or summary.calm_summary(
+            state, steps, settings.lost_after_s, settings.stalled_after_s
+        )
         return Verdict(
+            replica=replicas.check(run),
             run=run.name,
             **_attempt_fields(run),
             state=state,
@@ -184,6 +187,7 @@ def verdict(session: Session, run: Run, ranks: RankRows, settings: Settings, now
             firsts, world, hint, evidence, devices={r.rank: r.device for r, _ in ranks}
         ),
         since=head.time,
+        replica=replicas.check(run),
         stop=stop,
         stoppable=stoppable,
         **_gaps(ranks),

@@ -36,7 +36,10 @@ STATE_EXIT = {
     "lost": exitcodes.LOST,
     "stalled": exitcodes.STALLED,
     "crashed": exitcodes.CRASHED,
+    "replica_mismatch": exitcodes.REPLICA_MISMATCH,
 }
+#: ``--until`` names a state by a shorter word where it has one.
+UNTIL_STATE = {"mismatch": "replica_mismatch"}
 #: The server sends a keep-alive every 15 s: silence for longer means it is gone.
 READ_TIMEOUT_S = 40.0
 MAX_BACKOFF_S = 30.0
@@ -44,7 +47,7 @@ MAX_BACKOFF_S = 30.0
 
 def wait_exit_code(until: str, state: str) -> int | None:
     """The exit code once ``state`` is seen while waiting for ``until``; None: keep waiting."""
-    if state == until or (until == "any" and state == "finished"):
+    if state == UNTIL_STATE.get(until, until) or (until == "any" and state == "finished"):
         return exitcodes.OK
     if state in STATE_EXIT:
         return STATE_EXIT[state]

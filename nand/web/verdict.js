@@ -83,7 +83,24 @@ function headline(verdict, run) {
     lost: ["Lost: some ranks stopped reporting."],
     crashed: ["Crashed: a rank exited with an exception, with every value finite."],
     diverged: ["Diverged."],
+    replica_mismatch: replicaHeadline(verdict.replica),
   }[verdict.state];
+}
+
+/** "Rank 2's parameters differ from the other replicas' since step 40" (all finite). */
+function replicaHeadline(replica) {
+  if (!replica || replica.state !== "mismatch") return ["Replica mismatch."];
+  const who = replica.ranks.length === 1
+    ? `Rank ${replica.ranks[0]}'s parameters differ`
+    : `Ranks ${rankList(replica.ranks)} hold different parameters`;
+  const since = replica.last_good_step === null
+    ? `at step ${count(replica.first_bad_step)}`
+    : `between steps ${count(replica.last_good_step)} and ${count(replica.first_bad_step)}`;
+  return [
+    el("strong", {}, "Replica mismatch: "),
+    `${who} from the other replicas' ${since}`,
+    replica.params.length ? [" in ", el("code", { class: "where" }, replica.params.slice(0, 3).join(", "))] : "",
+  ];
 }
 
 function originFacts(verdict, ranks) {

@@ -108,6 +108,21 @@ class Session:
     def event(self, event: Event, flight: FlightWindow | None) -> None:
         self._call("event", event, flight)
 
+    @property
+    def world_size(self) -> int:
+        return self.who.world_size
+
+    def fingerprint(self, step: int, names: list[str], values: list[int]) -> None:
+        """A replica fingerprint (``step.fingerprint``), for the sinks that take one."""
+        for sink in list(self.sinks):
+            send = getattr(sink, "fingerprint", None)
+            if send is None or not getattr(sink, "per_step", True):
+                continue
+            try:
+                send(step, names, values)
+            except Exception as exc:
+                self._drop(sink, "fingerprint", exc)
+
     def step_done(self, step: int, summary: Callable[[float], StepSummary]) -> None:
         """Heartbeat when due: ``summary(steps_per_s)`` builds it from the
         figures this step already read (never an extra sync)."""

@@ -41,6 +41,7 @@ from nand.agent.step.analysis import (
     param_behind,
 )
 from nand.agent.step.deferred import DeferredRead
+from nand.agent.step.fingerprint import Fingerprints
 from nand.agent.step.recorder import FlightRecorder
 from nand.agent.step.report import build_event
 from nand.agent.step.window import HEALTHY, SCALED_PHASES, Outcome, Window
@@ -99,6 +100,8 @@ class Boundary:
         self.flag: Tensor | None = None
         #: The step of the window read last (deferred: the one before ``check``'s).
         self.read_step = 0
+        #: DDP replicas' fingerprints, taken here every N steps (see fingerprint.py).
+        self.fingerprints: Fingerprints | None = None
 
     def wrapped_in(self, wrapper: Any, local_check: bool) -> None:
         """The watched model runs inside ``wrapper`` (DDP, FSDP): its gradients
@@ -161,6 +164,22 @@ class Boundary:
         finally:
             self.buf.clear()
             self.loss_tensor = None
+            if self.fingerprints is not None:
+                self._fingerprint(step, decides)
+
+    def _fingerprint(self, step: int, boundary: bool) -> None:
+        """After the step's read: send the last fingerprint, take this one's.
+        Its failure turns fingerprints off, not the watch."""
+        assert self.fingerprints is not None
+        replicated = self.grads_reduced and not self.params_gathered
+        try:
+            if boundary:
+                self.fingerprints.at_boundary(step, replicated)
+            else:
+                self.fingerprints.flush()
+        except Exception as exc:
+            log.warning("nand: replica fingerprints off: %s", exc)
+            self.fingerprints = None
 
     def _window(
         self,

@@ -140,6 +140,10 @@ class ServerSink:
         with self._guard():
             self._submit("flight", _with_flight({"reason": reason}, flight))
 
+    def fingerprint(self, step: int, names: list[str], values: list[int]) -> None:
+        with self._guard():
+            self._submit("fingerprint", {"step": step, "names": names, "values": values})
+
     def commands(self) -> list[dict[str, Any]]:
         try:
             return self._mailbox.take_commands()

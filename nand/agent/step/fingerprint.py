@@ -1,0 +1,106 @@
+"""Replica fingerprints: do the data-parallel ranks still hold the same weights?
+
+Under DDP every rank should hold bit-identical parameters after every update.
+A replica that drifts (a flipped bit in a GEMM, a bad memory cell) stays
+finite and trains on, and nothing else in nand would see it. Every
+``NAND_FINGERPRINT_STEPS`` steps each rank computes, on the device, one
+integer per parameter: the sum of its elements' **bit patterns** (the float
+viewed as an integer of its width, summed in int64). Integer addition is
+exact and order-free, so healthy replicas give identical numbers however a
+kernel orders its reduction (a float sum would not: GPU reductions may
+differ from run to run), and any single flipped bit changes the sum by ±2^k.
+Two flips could cancel; one cannot. The server compares ranks at the same
+step; the training job runs no extra collective.
+
+The fingerprint is taken at the step boundary, before the update, so step S
+means "the parameters after S updates" on every rank. It is copied towards
+the host without waiting (``deferred.DeferredRead``) and sent at the next
+boundary, after that step's one read. Cost: one pass over the parameters
+every N steps (figures in ``benchmarks/README.md``). Only where the ranks
+hold full replicas: DDP (FSDP's shards differ by design).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import torch
+from torch import Tensor, nn
+
+from nand.agent.step.deferred import DeferredRead
+from nand.config import AgentConfig
+
+#: The integer type with the width of each float type (its bit pattern).
+_BITS = {
+    torch.float64: torch.int64,
+    torch.float32: torch.int32,
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+}
+
+#: ``send(step, names, values)``: hands a fingerprint to the outputs.
+Send = Callable[[int, list[str], list[int]], None]
+
+
+def fingerprint(tensors: Sequence[Tensor]) -> Tensor:
+    """One int64 per tensor: the sum of its elements' bit patterns (device-side).
+
+    >>> a = torch.tensor([1.0, 2.0])
+    >>> b = a.clone(); b.view(torch.int32)[0] ^= 1  # the lowest mantissa bit of one element
+    >>> bool(fingerprint([a]) != fingerprint([b]))
+    True
+    """
+    sums = [t.detach().view(_BITS[t.dtype]).sum(dtype=torch.int64) for t in tensors]
+    return torch.stack(sums)
+
+
+class Outputs(Protocol):
+    """Where fingerprints go (``output.session.Session``)."""
+
+    per_step: bool
+
+    @property
+    def world_size(self) -> int: ...
+
+    def fingerprint(self, step: int, names: list[str], values: list[int]) -> None: ...
+
+
+class Fingerprints:
+    """Takes a fingerprint every ``every`` steps and sends it one boundary later."""
+
+    @classmethod
+    def wanted(
+        cls, settings: AgentConfig, root: nn.Module, outputs: Outputs
+    ) -> Fingerprints | None:
+        """For a watch with a server and other ranks to compare with, else None."""
+        if not settings.fingerprint_steps or outputs.world_size < 2 or not outputs.per_step:
+            return None
+        return cls(settings.fingerprint_steps, root, outputs.fingerprint)
+
+    def __init__(self, every: int, root: nn.Module, send: Send) -> None:
+        self.every = every
+        self.send = send
+        named = [(n, p) for n, p in root.named_parameters() if p.dtype in _BITS]
+        self.names = [name for name, _ in named]
+        self.params = [p for _, p in named]
+        self._copies: DeferredRead[int] = DeferredRead()
+        self.taken = 0  # fingerprints taken, for tests
+
+    def at_boundary(self, step: int, replicated: bool) -> None:
+        """Send the fingerprint taken at the last boundary, then take this
+        step's if it is due and the parameters are full replicas."""
+        self._send(self._copies.take())
+        if replicated and self.params and self.every and step % self.every == 0:
+            self._copies.put(fingerprint(self.params), step)
+            self.taken += 1
+
+    def flush(self) -> None:
+        """At close: send what was taken and not sent yet."""
+        while len(self._copies):
+            self._send(self._copies.take())
+
+    def _send(self, taken: tuple[list[float] | None, int] | None) -> None:
+        values, step = taken if taken is not None else (None, 0)
+        if values is not None:
+            self.send(step, self.names, [int(v) for v in values])

@@ -1,0 +1,58 @@
+"""Silent replica divergence in a real torchrun DDP job (gloo, CPU): one rank's
+weight written off by a finite amount, or by one flipped low bit, after a
+known optimizer step (the ground truth, planted by ``nand.demo.faults``; nand
+is not told) → the server's verdict is ``replica_mismatch``, naming that rank,
+the parameter and the fingerprinted steps around the write (issue 18)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.e2e.conftest import TOKEN
+from tests.e2e.jobs import TRAINER, agent_env, launch, settled_verdict, torchrun
+
+pytestmark = pytest.mark.slow
+
+MODULE = "2"  # the MLP's last Linear (``--model mlp``)
+
+
+def run_job(server, tmp_path, run: str, every: int, *args: str) -> dict:
+    env = agent_env(server.zmq_endpoint, run, TOKEN, NAND_FINGERPRINT_STEPS=str(every))
+    command = [*torchrun(3), *TRAINER, "--model", "mlp", *args]
+    job = launch(command, env, tmp_path / f"{run}.log")
+    assert job.wait() == [0], (tmp_path / f"{run}.log").read_text()[-3000:]
+    return settled_verdict(server.http_url, run, 3)
+
+
+def expected_bracket(written_after_step: int, every: int) -> tuple[int, int]:
+    """The fingerprint at step S holds the parameters after S updates; a write
+    after the update of loop step k is first seen at the first S > k."""
+    first_bad = (written_after_step // every + 1) * every
+    return first_bad - every, first_bad
+
+
+@pytest.mark.parametrize(
+    ("kind", "rank", "step", "every"), [("drift", 1, 3, 2), ("bitflip", 2, 5, 3)]
+)
+def test_a_rank_whose_weights_were_written_off_is_named_between_two_fingerprints(
+    nand_server, tmp_path, kind, rank, step, every
+):
+    fault = f"{kind}:rank={rank}:step={step}:module={MODULE}"
+    verdict = run_job(nand_server, tmp_path, kind, every, "--steps", "14", "--fault", fault)
+    assert verdict["state"] == "replica_mismatch", verdict["summary"]
+    good, bad = expected_bracket(step, every)
+    replica = verdict["replica"]
+    assert (replica["ranks"], replica["last_good_step"], replica["first_bad_step"]) == (
+        [rank],
+        good,
+        bad,
+    )
+    assert replica["params"] == [f"{MODULE}.weight"]
+    assert verdict["origin"] is None  # everything stayed finite
+
+
+def test_a_healthy_ddp_run_of_200_steps_has_no_false_mismatch(nand_server, tmp_path):
+    verdict = run_job(nand_server, tmp_path, "healthy", 10, "--steps", "200")
+    assert verdict["state"] == "finished", verdict["summary"]
+    assert verdict["replica"]["state"] == "consistent"
+    assert verdict["replica"]["last_good_step"] >= 190
