@@ -1,4 +1,5 @@
-"""The ``nand`` command line: ``nand server | demo | runs | verdict | stop | wait | prune | spool``.
+"""The ``nand`` command line: ``nand server | demo | runs | hosts | verdict | stop | wait |
+prune | spool``.
 
 Each group of subcommands lives next to the code it drives and exposes
 ``register(subparsers)``; it must import only light modules at import time
@@ -24,7 +25,7 @@ from nand.errors import CommandError
 
 #: Modules that add subcommands, in the order their commands are listed.
 COMMAND_GROUPS = (
-    "nand.server.commands",  # server, runs, verdict, stop, wait, prune
+    "nand.server.commands",  # server, runs, hosts, verdict, stop, wait, prune
     "nand.agent.transport.commands",  # spool replay
     "nand.demo",  # demo
 )

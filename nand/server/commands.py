@@ -70,6 +70,14 @@ def register(subparsers: Any) -> None:
     runs.add_argument("--limit", type=int, default=50, help="most runs listed, newest first (50)")
     runs.set_defaults(func=rest_commands.cmd_runs)
 
+    hosts = subparsers.add_parser(
+        "hosts", help="hosts by incidents, replica mismatches and crashes across runs"
+    )
+    hosts.add_argument("--url", help=URL_HELP)
+    hosts.add_argument("--json", action="store_true", help="print the JSON page")
+    hosts.add_argument("--limit", type=int, default=20, help="most hosts listed, worst first (20)")
+    hosts.set_defaults(func=rest_commands.cmd_hosts)
+
     verdict = subparsers.add_parser("verdict", help="where a run first went non-finite")
     verdict.add_argument("run", help=RUN_HELP)
     verdict.add_argument("--url", help=URL_HELP)

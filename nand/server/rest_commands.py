@@ -89,10 +89,10 @@ def cmd_runs(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(runs, indent=2))
         return exitcodes.OK
-    print(f"{'RUN':<36} {'STATE':<9} {'RANKS':>5} {'STEP':>8} {'EVENTS':>7}  ORIGIN")
+    print(f"{'RUN':<36} {'STATE':<16} {'RANKS':>5} {'STEP':>8} {'EVENTS':>7}  ORIGIN")
     for run in runs:
         print(
-            f"{run['run']:<36} {run['state']:<9} {run['ranks_seen']:>5} "
+            f"{run['run']:<36} {run['state']:<16} {run['ranks_seen']:>5} "
             f"{run['latest_step']:>8} {run['event_count']:>7}  {_origin_text(run.get('origin'))}"
         )
     return exitcodes.OK
@@ -105,6 +105,27 @@ def _origin_text(origin: dict[str, Any] | None) -> str:
         f"rank {origin['rank']} {origin['phase']} {origin['module'] or '<root>'} "
         f"step {origin['step']}"
     )
+
+
+@reports_api_errors
+def cmd_hosts(args: argparse.Namespace) -> int:
+    page = request_json(f"{base_url(args)}/api/hosts?limit={max(1, min(args.limit, 1000))}")
+    if args.json:
+        print(json.dumps(page, indent=2))
+        return exitcodes.OK
+    print(f"{'HOST':<32} {'INCIDENTS':>9} {'MISMATCHES':>10} {'CRASHES':>7} {'RUNS':>5}  GPUS")
+    for host in page["items"]:
+        gpus = ", ".join(
+            f"{g['gpu']}: {g['incidents']}/{g['mismatches']}/{g['crashes']}"
+            for g in host["gpus"]
+            if g["incidents"] or g["mismatches"] or g["crashes"]
+        )
+        print(
+            f"{host['host']:<32} {host['incidents']:>9} {host['mismatches']:>10} "
+            f"{host['crashes']:>7} {host['runs']:>5}  {gpus}"
+        )
+    print(f"({page['total']} hosts over the last {page['runs']} runs)")
+    return exitcodes.OK
 
 
 @reports_api_errors

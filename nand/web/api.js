@@ -48,6 +48,7 @@ const runPath = (run, rest = "") => `runs/${encodeURIComponent(run)}${rest}`;
 
 export const api = {
   runs: () => request("runs"),
+  hosts: () => request("hosts", {}, { limit: 200 }),
   run: (run) => request(runPath(run)),
   /** A page of ranks: {items, total, limit, next_after, states}; `after`: ranks above it. */
   ranks: (run, params) => request(runPath(run, "/ranks"), {}, params),

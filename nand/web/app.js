@@ -8,6 +8,7 @@ import { clear, el } from "./dom.js";
 import { parseHash } from "./route.js";
 import { hideTip } from "./tooltip.js";
 import { runsPage } from "./runs.js";
+import { hostsPage } from "./hosts.js";
 import { runPage } from "./run.js";
 
 const main = document.getElementById("main");
@@ -33,9 +34,11 @@ function route() {
   const runMatch = path.match(/^\/runs\/(.+)$/);
   if (path === "/" || path === "/runs") unmount = runsPage(main, params);
   else if (runMatch) unmount = runPage(main, decodeURIComponent(runMatch[1]), params);
+  else if (path === "/hosts") unmount = hostsPage(main);
   else main.append(notFound(path));
+  const here = path === "/runs" ? "/" : path;
   for (const link of document.querySelectorAll(".topbar nav a")) {
-    if (path === "/" || path === "/runs") link.setAttribute("aria-current", "page");
+    if (link.getAttribute("href") === `#${here}`) link.setAttribute("aria-current", "page");
     else link.removeAttribute("aria-current");
   }
 }

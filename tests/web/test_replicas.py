@@ -1,4 +1,4 @@
-"""A replica mismatch on the dashboard, in real Chromium against a real server
+"""A replica mismatch and the hosts page, in real Chromium against a real server
 (issue 18): shown like a divergence (which rank, since when, which
 parameters), its badge in the runs list. Screenshot: artifacts/screenshots/."""
 
@@ -43,3 +43,15 @@ def test_a_mismatch_names_the_rank_the_bracket_and_the_parameter(page, dashboard
     page.goto(dashboard.url)
     row = page.locator('tr[data-run="silent-corruption"]')
     expect(row.locator(".badge-replica_mismatch")).to_be_visible()
+
+
+def test_the_hosts_page_counts_the_odd_replicas_host(page, dashboard: Dashboard):
+    mismatched_run(dashboard.server.zmq_endpoint, "silent-corruption-2")
+    page.goto(f"{dashboard.url}#/hosts")
+    odd = page.locator('table.hosts tr[data-host="host-3"]')  # FakeAgent: rank r on host-r
+    expect(odd.locator("td").nth(1)).to_have_text("2")  # mismatches: the two runs here
+    expect(odd).to_have_class("row-diverged")
+    clean = page.locator('table.hosts tr[data-host="host-0"]')
+    expect(clean.locator("td").nth(1)).to_have_text("0")
+    expect(page.locator('.topbar nav a[href="#/hosts"]')).to_have_attribute("aria-current", "page")
+    screenshot(page, "hosts")

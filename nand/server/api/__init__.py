@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from nand.server.api import events, health, runs, stop, stream, verdict
+from nand.server.api import events, health, hosts, runs, stop, stream, verdict
 
 ROUTERS: tuple[APIRouter, ...] = (
     runs.router,
@@ -13,6 +13,7 @@ ROUTERS: tuple[APIRouter, ...] = (
     stop.router,
     stream.router,
     health.router,
+    hosts.router,
 )
 
 __all__ = ["ROUTERS"]
