@@ -12,12 +12,14 @@ it is imported on first use so that a server host never imports torch.
 
 import typing
 
-from nand.errors import NandError, NonFiniteError, StopRequested
-from nand.events import Event
+from nand.errors import EarlyWarning, NandError, NonFiniteError, StopRequested
+from nand.events import Alert, Event
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Alert",
+    "EarlyWarning",
     "Event",
     "NandError",
     "NonFiniteError",

@@ -41,6 +41,12 @@ NAND_ON_NONFINITE = "NAND_ON_NONFINITE"
 """What to do when a rank goes non-finite: ``warn`` (default), ``raise``,
 ``skip`` or ``stop``."""
 
+NAND_ON_WARNING = "NAND_ON_WARNING"
+"""What to do with an early warning (a loss spike, a growing gradient norm, an
+activation near its dtype's limit; see ``nand.agent.step.blowup``): ``log``
+(default), ``raise`` (``nand.EarlyWarning`` out of ``optimizer.step()``) or
+``skip`` (drop that update, as Lightning's ``SpikeDetection`` can)."""
+
 NAND_READ = "NAND_READ"
 """How the step's results reach the host: ``sync`` (read at the step boundary,
 before the update: a host-device sync on CUDA), ``deferred`` (copied without
@@ -259,6 +265,8 @@ class TransportConfig:
 
 Policy = Literal["warn", "raise", "skip", "stop"]
 POLICIES: tuple[Policy, ...] = get_args(Policy)
+WarningPolicy = Literal["log", "raise", "skip"]
+WARNING_POLICIES: tuple[WarningPolicy, ...] = get_args(WarningPolicy)
 Read = Literal["auto", "sync", "deferred"]
 READS: tuple[Read, ...] = get_args(Read)
 
@@ -269,6 +277,7 @@ class AgentConfig:
     the defaults written here (and nowhere else)."""
 
     on_nonfinite: Policy = "warn"
+    on_warning: WarningPolicy = "log"
     read: Read = "auto"
     disabled: bool = False
     server: str | None = None
@@ -297,6 +306,7 @@ class AgentConfig:
         """
         from_env: dict[str, Any] = {
             "on_nonfinite": get_str(NAND_ON_NONFINITE, cls.on_nonfinite),
+            "on_warning": get_str(NAND_ON_WARNING, cls.on_warning),
             "read": get_str(NAND_READ, cls.read),
             "disabled": get_bool(NAND_DISABLE, cls.disabled),
             "server": get_str(NAND_SERVER),
@@ -330,6 +340,10 @@ class AgentConfig:
         if self.on_nonfinite not in POLICIES:
             raise ConfigError(
                 f"on_nonfinite={self.on_nonfinite!r}: use one of {', '.join(POLICIES)}"
+            )
+        if self.on_warning not in WARNING_POLICIES:
+            raise ConfigError(
+                f"on_warning={self.on_warning!r}: use one of {', '.join(WARNING_POLICIES)}"
             )
         if self.read not in READS:
             raise ConfigError(f"read={self.read!r}: use one of {', '.join(READS)}")

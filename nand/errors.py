@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from nand.events import Event
+    from nand.events import Alert, Event
 
 
 class NandError(Exception):
@@ -29,6 +29,16 @@ class NonFiniteError(NandError):
     def __init__(self, event: Event, message: str | None = None) -> None:
         self.event = event
         super().__init__(message or event.message or event.describe())
+
+
+class EarlyWarning(NandError):
+    """``on_warning="raise"``: the run is heading for a blow-up (``.alert``
+    says what was seen: a loss spike, a growing gradient norm, an activation
+    near its dtype's limit); everything is still finite."""
+
+    def __init__(self, alert: Alert) -> None:
+        self.alert = alert
+        super().__init__(alert.message)
 
 
 class StopRequested(NandError):

@@ -94,6 +94,16 @@ DropReason = Literal[
 DROP_REASONS: tuple[DropReason, ...] = get_args(DropReason)
 
 
+#: What an early warning is about (``nand.agent.step.blowup``, ``nand.server``):
+#:
+#: - ``loss_spike``: the loss jumped well above its recent values
+#: - ``grad_growth``: the gradient norm grew by an order of magnitude or more
+#: - ``headroom``: an activation came within 2x of its dtype's largest value
+#: - ``grad_outlier``: one rank's own gradients stood out from the other ranks'
+WarningKind = Literal["loss_spike", "grad_growth", "headroom", "grad_outlier"]
+WARNING_KINDS: tuple[WarningKind, ...] = get_args(WarningKind)
+
+
 def phase_of(value: str) -> Phase:
     """``value`` as a :data:`Phase` (stored values were checked on the wire)."""
     for phase in PHASES:
@@ -273,3 +283,26 @@ def finite_or_none(value: float | None) -> float | None:
     if value is None or not math.isfinite(value):
         return None
     return value
+
+
+@dataclass
+class Alert:
+    """An early warning on one rank: still finite, but heading for trouble.
+
+    Never an incident: it does not make a run diverged. ``value`` is what was
+    seen (the loss, the gradient norm, the activation's max|x|) and
+    ``reference`` what it was compared with (the recent maximum or median, the
+    dtype's limit).
+    """
+
+    kind: WarningKind
+    step: int
+    rank: int = 0
+    module: str = ""
+    value: float | None = None
+    reference: float | None = None
+    message: str = ""
+    time: float = field(default_factory=time.time)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

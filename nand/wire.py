@@ -51,7 +51,7 @@ import msgpack
 
 from nand.config import DEFAULT_MAX_FRAME_BYTES
 from nand.errors import WireError
-from nand.events import CAUSES, PHASES
+from nand.events import CAUSES, PHASES, WARNING_KINDS
 
 PROTOCOL_VERSION = 1
 
@@ -59,7 +59,7 @@ PROTOCOL_VERSION = 1
 #: by 64 steps is about 1.2 MB).
 DEFAULT_MAX_BYTES = DEFAULT_MAX_FRAME_BYTES
 
-AGENT_KINDS = frozenset({"hello", "event", "heartbeat", "flight", "fingerprint", "bye"})
+AGENT_KINDS = frozenset({"hello", "event", "heartbeat", "flight", "fingerprint", "warning", "bye"})
 SERVER_KINDS = frozenset({"ack", "command", "reject"})
 COMMANDS = frozenset({"stop", "send_flight"})
 
@@ -282,6 +282,21 @@ def _validate_fingerprint(message: Mapping[str, Any]) -> None:
         raise WireError("bad_field", "fingerprint.values must be 64-bit integers")
 
 
+def _validate_warning(message: Mapping[str, Any]) -> None:
+    """An early warning (``nand.events.Alert``): a known kind, a step, figures, words."""
+    body = _agent_envelope(message)
+    kind = _require(body, "kind", _STR, "warning")
+    if kind not in WARNING_KINDS:
+        raise WireError("bad_field", f"warning.kind {kind!r} not in {WARNING_KINDS}")
+    _non_negative(_require(body, "step", _INT, "warning"), "warning.step")
+    module = _require(body, "module", _STR, "warning", optional=True) or ""
+    text = _require(body, "message", _STR, "warning", optional=True) or ""
+    if len(module) > MAX_NAME_CHARS or len(text) > 2000:
+        raise WireError("bad_field", "warning.module or warning.message too long")
+    for key in ("value", "reference"):
+        _require(body, key, _NUM, "warning", optional=True)
+
+
 def validate_dropped(dropped: Mapping[str, Any] | None, where: str = "heartbeat.dropped") -> None:
     """Check a heartbeat's cumulative loss counts ``{reason: n}`` (absent: none).
 
@@ -341,6 +356,7 @@ _VALIDATORS: dict[str, Callable[[Mapping[str, Any]], None]] = {
     "heartbeat": _validate_heartbeat,
     "flight": _validate_flight_message,
     "fingerprint": _validate_fingerprint,
+    "warning": _validate_warning,
     "bye": _validate_bye,
     "ack": _validate_ack,
     "command": _validate_command,

@@ -36,6 +36,7 @@ def watch(
     optimizer: Any = None,
     *,
     on_nonfinite: str | None = None,
+    on_warning: str | None = None,
     server: str | None = None,
     run: str | None = None,
     events_file: str | None = None,
@@ -55,6 +56,7 @@ def watch(
     """
     settings = AgentConfig.resolve(
         on_nonfinite=on_nonfinite,
+        on_warning=on_warning,
         server=server,
         run=run,
         events_file=events_file,

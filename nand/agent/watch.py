@@ -68,7 +68,7 @@ class Watch:
         nothing installed on the model, the optimizer, DDP or the scaler."""
         self.settings = settings
         self.policy = settings.on_nonfinite
-        self._policy = StepPolicy(self.policy, self._drop_grads, on_stop)
+        self._policy = StepPolicy(self.policy, self._drop_grads, on_stop, settings.on_warning)
         self.session = session
         self.step = 0
         self._incidents = Incidents(settings.max_events)
@@ -244,6 +244,8 @@ class Watch:
                     self._drop_grads()  # a fused optimizer got found_inf; nothing to apply
             elif outcome.event is not None or outcome.any_rank_bad:
                 self._policy.apply(outcome, self._boundary.read_step)
+            else:  # early warnings of a clean step (step/blowup.py)
+                self._policy.alerted(outcome.alerts, self._boundary.read_step)
         if not self._guard.off:  # switched off by its own error: nothing counted from here on
             self.step += 1
 
@@ -367,6 +369,8 @@ class Watch:
             if self._amp is not None:
                 self._amp.warn_if_collapsing(event.message if event else None)
             return
+        for alert in outcome.alerts:
+            self.session.alert(alert)
         if beat and self.session.per_step:
             self.session.step_done(self.step, self._summary)
         if event is None:
@@ -379,16 +383,11 @@ class Watch:
     def _hook_optimizer(self, optimizer: torch.optim.Optimizer, wrapped: bool) -> OptimizerHooks:
         owners = {module: (info.name, info.type) for module, info in self._infos.items()}
         return OptimizerHooks(
-            optimizer,
-            self._buf,
-            self._guard,
-            param_owners(self._root, owners, wrapped),
-            self._on_step,
-            window=self._boundary,
-            evaluated=self._on_evaluation,
+            optimizer, self._buf, self._guard, param_owners(self._root, owners, wrapped),
+            self._on_step, window=self._boundary, evaluated=self._on_evaluation,
             # Deferred, no plan can wait for the window read one step late.
             read_params_every_step=self.settings.read_params_every_step or self.deferred,
-        )
+        )  # fmt: skip
 
     def _hello(self, optimizer: Any) -> None:
         p = next(iter(self._root.parameters()), None)

@@ -113,10 +113,11 @@ def _wait_parser(subparsers: Any) -> None:
     wait.add_argument("run", help=RUN_HELP)
     wait.add_argument(
         "--until",
-        choices=("diverged", "mismatch", "finished", "any"),
+        choices=("diverged", "mismatch", "warning", "finished", "any"),
         default="any",
-        help="the state to wait for (mismatch: replica_mismatch); any: diverged, "
-        "replica_mismatch, finished, lost, stalled or crashed (any)",
+        help="the state to wait for (mismatch: replica_mismatch; warning: the first early "
+        "warning of a blow-up); any: diverged, replica_mismatch, finished, lost, stalled "
+        "or crashed (any)",
     )
     wait.add_argument(
         "--timeout", type=_duration, default=None, help="give up after, e.g. 600, 30m, 12h (never)"

@@ -40,7 +40,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from nand.events import RUN_STATES
+from nand.events import RUN_STATES, WARNING_KINDS
 from nand.server import losses
 from nand.server.admission import IDENTITY_REASONS
 from nand.wire import REASONS
@@ -96,6 +96,12 @@ class Metrics:
         self._commands = counter("nand_commands_sent", "Commands sent to agents.")
         self._stream_polls = counter(
             "nand_stream_polls", "Database polls for the event streams (one per interval)."
+        )
+        self._warnings = Gauge(
+            "nand_warnings",
+            "Early warnings of a blow-up in the live runs, by kind (nand.server.alerts).",
+            ["kind"],
+            registry=self.registry,
         )
         self._listener_paused = Gauge(
             "nand_agent_listener_paused",
@@ -170,6 +176,7 @@ class Metrics:
         runs_by_state: Mapping[str, int],
         dropped: Mapping[str, int] | None = None,
         runs_with_gaps: int = 0,
+        warnings: Mapping[str, int] | None = None,
     ) -> str:
         """The ``/metrics`` body; ``dropped``: the live runs' losses by reason."""
         for state in RUN_STATES:
@@ -177,4 +184,6 @@ class Metrics:
         for reason, count in losses.metric_labels(dropped or {}).items():
             self._dropped.labels(reason).set(count)
         self._gappy.set(runs_with_gaps)
+        for kind in WARNING_KINDS:
+            self._warnings.labels(kind).set((warnings or {}).get(kind, 0))
         return generate_latest(self.registry).decode()

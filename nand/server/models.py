@@ -65,6 +65,8 @@ class Run(Base):
     replica_good_step: Mapped[int | None] = mapped_column(Integer, nullable=True)
     replica_ranks: Mapped[list[int] | None] = mapped_column(JSON, nullable=True)
     replica_params: Mapped[list[str] | None] = mapped_column(JSON, nullable=True)
+    #: Early warnings stored for the run (``warnings``).
+    warning_count: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
 
 class Rank(Base):
@@ -227,3 +229,21 @@ class Fingerprint(Base):
     digest: Mapped[str] = mapped_column(String(64))
     names: Mapped[list[str]] = mapped_column(JSON)
     values: Mapped[list[int]] = mapped_column(JSON)
+
+
+class WarningRow(Base):
+    """An early warning from one rank (``nand.events.Alert``): never an event."""
+
+    __tablename__ = "warnings"
+    __table_args__ = (Index("ix_warnings_run_step", "run_id", "step"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    rank: Mapped[int] = mapped_column(Integer)
+    step: Mapped[int] = mapped_column(Integer)
+    kind: Mapped[str] = mapped_column(String(40))
+    module: Mapped[str] = mapped_column(String(512), default="")
+    value: Mapped[float | None] = mapped_column(Float, nullable=True)
+    reference: Mapped[float | None] = mapped_column(Float, nullable=True)
+    message: Mapped[str] = mapped_column(Text, default="")
+    time: Mapped[float] = mapped_column(Float)

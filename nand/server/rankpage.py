@@ -153,5 +153,6 @@ def run_summary(session: Session, run: Run, settings: Settings, now: float) -> R
         started_at=run.started_at,
         last_seen=run.last_seen,
         event_count=run.event_count,
+        warnings=run.warning_count,
         origin=origin,
     )

@@ -19,7 +19,7 @@ from pydantic import BaseModel, Field
 # origin: ``origin``, ``simultaneous`` (several ranks at the same logical
 # point, none first: no rank is then ``origin``), ``received`` (through a
 # collective), ``produced`` (made it itself, after the origin), or null.
-from nand.events import Cause, Phase, RankState, Relation, RunState
+from nand.events import Cause, Phase, RankState, Relation, RunState, WarningKind
 
 
 class EventOut(BaseModel):
@@ -93,6 +93,27 @@ class StopInfo(BaseModel):
     reason: str = ""
     #: The step at which the ranks stopped (from their byes), once they did.
     stopped_at: int | None = None
+
+
+class WarningOut(BaseModel):
+    """An early warning from one rank (``nand.events.Alert``): still finite."""
+
+    rank: int
+    step: int
+    kind: WarningKind
+    module: str = ""
+    value: float | None = None
+    reference: float | None = None
+    message: str = ""
+    time: float = 0.0
+
+
+class WarningsSummary(BaseModel):
+    """A run's early warnings: how many, by kind, and the first (by step)."""
+
+    count: int = 0
+    by_kind: dict[str, int] = Field(default_factory=dict)
+    first: WarningOut | None = None
 
 
 class GpuTally(BaseModel):
@@ -176,6 +197,8 @@ class Verdict(BaseModel):
     gaps_summary: str = ""
     #: The DDP replicas compared (null: no fingerprints received yet).
     replica: ReplicaCheck | None = None
+    #: Early warnings of a blow-up (loss spikes, growing gradients, headroom).
+    warnings: WarningsSummary = Field(default_factory=WarningsSummary)
 
 
 class RunSummary(BaseModel):
@@ -194,6 +217,8 @@ class RunSummary(BaseModel):
     started_at: float
     last_seen: float
     event_count: int
+    #: Early warnings stored (a loss spike, a growing gradient norm, headroom).
+    warnings: int = 0
     origin: Origin | None = None
     #: Messages the agents dropped before the server had them (a long outage
     #: filled their memory queue and disk spool…), over every rank: not 0 means

@@ -13,7 +13,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from nand.events import Event, RankState, Relation, cause_of, phase_of, value_kinds
-from nand.server import correlate, losses, replicas, store, summary
+from nand.server import alerts, correlate, losses, replicas, store, summary
 from nand.server.evidence import FlightEvidence, heartbeat_evidence
 from nand.server.models import EventRow, Rank, Run
 from nand.server.schemas import (
@@ -125,6 +125,7 @@ def run_summary(run: Run, ranks: RankRows, settings: Settings, now: float) -> Ru
         started_at=run.started_at,
         last_seen=run.last_seen,
         event_count=run.event_count,
+        warnings=run.warning_count,
         origin=origin_out(head, ranks) if head is not None else None,
         **_losses(ranks),
     )
@@ -161,6 +162,7 @@ def verdict(session: Session, run: Run, ranks: RankRows, settings: Settings, now
         )
         return Verdict(
             replica=replicas.check(run),
+            warnings=alerts.summary(session, run),
             run=run.name,
             **_attempt_fields(run),
             state=state,
@@ -188,6 +190,7 @@ def verdict(session: Session, run: Run, ranks: RankRows, settings: Settings, now
         ),
         since=head.time,
         replica=replicas.check(run),
+        warnings=alerts.summary(session, run),
         stop=stop,
         stoppable=stoppable,
         **_gaps(ranks),

@@ -119,6 +119,8 @@ class Waiter:
                 if not self._counts(summary):
                     continue
                 state = str(summary["state"])
+                if self.args.until == "warning" and summary.get("warnings"):
+                    state = "warning"  # an early warning: what was asked
                 code = wait_exit_code(self.args.until, state)
                 if code is not None:
                     print(f"{self.args.run}: {state}", flush=True)

@@ -30,7 +30,7 @@ from sqlalchemy import (
 from sqlalchemy import update as sql_update
 from sqlalchemy.exc import IntegrityError
 
-from nand.server import attempts, losses, replicas
+from nand.server import alerts, attempts, losses, replicas
 from nand.server import firsts as firsts_mod
 from nand.server import rows as build
 from nand.server.attempts import RunIds
@@ -172,6 +172,7 @@ def _store(conn: Connection, fresh: list[dict[str, Any]], run_ids: RunIds, now: 
     _store_events(conn, by_kind["event"], run_ids, rank_ids)
     _store_flights(conn, by_kind["flight"], run_ids)
     replicas.store(conn, by_kind["fingerprint"], run_ids)
+    alerts.store(conn, by_kind["warning"], run_ids)
     _store_byes(conn, by_kind["bye"], run_ids, rank_ids, now)
     _touch_runs(conn, fresh, run_ids, now)
     return len(by_kind["event"])

@@ -54,6 +54,7 @@ export const api = {
   ranks: (run, params) => request(runPath(run, "/ranks"), {}, params),
   verdict: (run) => request(runPath(run, "/verdict")),
   series: (run) => request(runPath(run, "/series")),
+  warnings: (run) => request(runPath(run, "/warnings")),
   flight: (run, rank) => request(runPath(run, "/flight"), {}, { rank }),
   events: (run, filters) => request(runPath(run, "/events"), {}, filters),
   stop: (run, token, body) =>

@@ -191,10 +191,11 @@ function hoverLines(lines, step, tolerance, origin) {
 }
 
 /**
- * lineChart({title, lines: [{rank, points: [{step, value}]}], origin, mark, log})
- * `mark` is the step of the first non-finite value (a dashed line).
+ * lineChart({title, lines: [{rank, points: [{step, value}]}], origin, mark, warnings, log})
+ * `mark` is the step of the first non-finite value (a dashed line); `warnings`
+ * the run's early warnings ({step, rank, kind, message}), a triangle each.
  */
-export function lineChart({ title, lines, origin = null, mark = null, log = false }) {
+export function lineChart({ title, lines, origin = null, mark = null, warnings = [], log = false }) {
   const figure = el("figure", { class: "chart" }, el("figcaption", {}, title));
   let ext = extent(lines, log, mark);
   if (!Number.isFinite(ext.lo)) {
@@ -254,6 +255,17 @@ export function lineChart({ title, lines, origin = null, mark = null, log = fals
         "text",
         { class: "mark-label", x: x(mark) + 3, y: PAD.top - 8, "text-anchor": "end" },
         "first non-finite",
+      ),
+    );
+  }
+  for (const w of warnings) {
+    if (w.step < ext.s0 || w.step > ext.s1) continue;
+    const cx = x(w.step);
+    chart.append(
+      svg(
+        "path",
+        { class: `warn-mark warn-${w.kind}`, d: `M${cx - 4},${PAD.top - 7}h8l-4,6z`, dataset: { step: w.step } },
+        svg("title", {}, `rank ${w.rank}: ${w.message}`),
       ),
     );
   }

@@ -47,7 +47,7 @@ function header(run) {
   );
 }
 
-function curves(series, origin) {
+function curves(series, origin, warnings = []) {
   const grid = el("div", { class: "charts" });
   for (const c of CURVES) {
     const lines = series.map((s) => ({
@@ -60,6 +60,7 @@ function curves(series, origin) {
         lines,
         origin: origin ? origin.rank : null,
         mark: origin ? origin.step : null,
+        warnings,
         log: c.log,
       }),
     );
@@ -99,8 +100,10 @@ export function runPage(main, runId, params) {
   const rankPage = () => api.ranks(runId, { limit: RANK_PAGE, after: rankAfter });
 
   async function fetchAll() {
-    const [detail, page, series] = await Promise.all([api.run(runId), rankPage(), api.series(runId)]);
-    return { detail, ranks: page.items, page, series };
+    const [detail, page, series, warnings] = await Promise.all([
+      api.run(runId), rankPage(), api.series(runId), api.warnings(runId),
+    ]);
+    return { detail, ranks: page.items, page, series, warnings };
   }
 
   async function turnRanks(after, back) {
@@ -119,7 +122,7 @@ export function runPage(main, runId, params) {
     }
   }
 
-  function mount({ detail, ranks, page, series }) {
+  function mount({ detail, ranks, page, series, warnings }) {
     const started = performance.now();
     clear(main);
     const origin = detail.verdict.origin;
@@ -151,7 +154,7 @@ export function runPage(main, runId, params) {
       panel(
         "training",
         "Training",
-        "Per rank, from the heartbeats; the dashed line is the first non-finite step.",
+        "Per rank, from the heartbeats; the dashed line is the first non-finite step, a triangle an early warning (hover it).",
         slots.curves,
       ),
       panel("events", "Events", "Every non-finite value seen, in logical order.", events),
@@ -164,13 +167,13 @@ export function runPage(main, runId, params) {
       originId: origin ? origin.event_id : null,
       params,
     });
-    parts = { slots, stop, flight, table, detail, ranks, page, series };
+    parts = { slots, stop, flight, table, detail, ranks, page, series, warnings };
     drawVisuals();
     main.dataset.renderMs = (performance.now() - started).toFixed(1);
   }
 
   function drawVisuals() {
-    const { slots, ranks, page, series, detail } = parts;
+    const { slots, ranks, page, series, detail, warnings } = parts;
     const origin = detail.verdict.origin;
     clear(slots.pager).append(
       rankPager(page, rankAfter, {
@@ -189,7 +192,7 @@ export function runPage(main, runId, params) {
       },
     });
     clear(slots.strip).append(strip);
-    clear(slots.curves).append(curves(series, origin));
+    clear(slots.curves).append(curves(series, origin, warnings));
   }
 
   // Live refresh: one at a time, then a pause of at least 2 s or five times
@@ -213,6 +216,7 @@ export function runPage(main, runId, params) {
       parts.ranks = next.ranks;
       parts.page = next.page;
       parts.series = next.series;
+      parts.warnings = next.warnings;
       clear(parts.slots.head).append(header(next.detail));
       parts.stop.sync(next.detail);
       clear(parts.slots.verdict).append(verdictCard(next.detail.verdict, next.detail));

@@ -153,6 +153,18 @@ export function verdictCard(verdict, run) {
     el("h2", { id: "verdict-title", class: "verdict-title" }, headline(verdict, run)),
   );
   if (verdict.summary) card.append(el("p", { class: "summary" }, verdict.summary));
+  const warned = verdict.warnings;
+  if (warned && warned.count) {
+    const kinds = Object.entries(warned.by_kind).map(([k, n]) => `${n} ${k.replace("_", " ")}`);
+    card.append(
+      el(
+        "p",
+        { class: "summary early-warnings" },
+        `${count(warned.count)} early warning${warned.count === 1 ? "" : "s"} (${kinds.join(", ")}); first: `,
+        `rank ${warned.first.rank}, ${warned.first.message}.`,
+      ),
+    );
+  }
   // A run with gaps says so where the verdict is read: the evidence may be incomplete.
   const gaps = gapsNote(verdict);
   if (gaps) card.append(gaps);

@@ -147,12 +147,12 @@ def test_a_healthy_run_reports_nothing(caplog):
 
 
 def test_an_internal_error_is_logged_once_and_never_reaches_the_training_loop(caplog, monkeypatch):
-    from nand.agent.step import boundary
+    from nand.agent.step import blowup
 
     def broken(*args: Any, **kwargs: Any) -> bool:
         raise RuntimeError("a bug inside nand")
 
-    monkeypatch.setattr(boundary, "near_limit", broken)  # runs on every step read
+    monkeypatch.setattr(blowup, "near_limit", broken)  # runs on every step read
     caplog.set_level(logging.ERROR, logger="nand")
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)

@@ -30,7 +30,7 @@ from nand.agent.identity import Identity, resolve_identity
 from nand.agent.output.sinks import JsonlSink, LogSink, server_sink
 from nand.agent.sink import Sink
 from nand.config import AgentConfig
-from nand.events import Event, FlightWindow, StepSummary
+from nand.events import Alert, Event, FlightWindow, StepSummary
 
 log = logging.getLogger("nand")
 
@@ -114,14 +114,23 @@ class Session:
 
     def fingerprint(self, step: int, names: list[str], values: list[int]) -> None:
         """A replica fingerprint (``step.fingerprint``), for the sinks that take one."""
+        self._call_optional("fingerprint", True, step, names, values)
+
+    def alert(self, alert: Alert) -> None:
+        """An early warning (``step.blowup``), for every sink that takes one."""
+        self._call_optional("alert", False, alert)
+
+    def _call_optional(self, method: str, per_step: bool, *args: Any) -> None:
+        """``method`` of the sinks that have it (``per_step``: of those that
+        want per-step calls only)."""
         for sink in list(self.sinks):
-            send = getattr(sink, "fingerprint", None)
-            if send is None or not getattr(sink, "per_step", True):
+            send = getattr(sink, method, None)
+            if send is None or (per_step and not getattr(sink, "per_step", True)):
                 continue
             try:
-                send(step, names, values)
+                send(*args)
             except Exception as exc:
-                self._drop(sink, "fingerprint", exc)
+                self._drop(sink, method, exc)
 
     def step_done(self, step: int, summary: Callable[[float], StepSummary]) -> None:
         """Heartbeat when due: ``summary(steps_per_s)`` builds it from the

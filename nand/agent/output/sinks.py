@@ -16,7 +16,7 @@ import threading
 from typing import Any
 
 from nand.config import TransportConfig
-from nand.events import Event, FlightWindow, StepSummary, finite_or_none
+from nand.events import Alert, Event, FlightWindow, StepSummary, finite_or_none
 
 log = logging.getLogger("nand")
 
@@ -33,6 +33,9 @@ class LogSink:
 
     def event(self, event: Event, flight: FlightWindow | None) -> None:
         log.warning("nand: %s", event.message or event.describe())
+
+    def alert(self, alert: Alert) -> None:
+        log.warning("nand: rank %d: %s", alert.rank, alert.message)
 
     def heartbeat(self, summary: StepSummary) -> None:
         pass
@@ -83,6 +86,9 @@ class JsonlSink:
 
     def heartbeat(self, summary: StepSummary) -> None:
         pass
+
+    def alert(self, alert: Alert) -> None:
+        self._queue.put({"type": "warning", "warning": alert.to_dict()})
 
     def flight(self, flight: FlightWindow, reason: str) -> None:
         self._queue.put({"type": "flight", "reason": reason, "flight": flight.to_dict()})

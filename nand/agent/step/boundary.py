@@ -27,7 +27,7 @@ from nand.agent.detect.amp import AmpWatch
 from nand.agent.detect.compiled import CompiledSlots
 from nand.agent.detect.ddp import LocalGradCheck, grads_are_reduced, params_are_gathered
 from nand.agent.detect.ddp import install as install_local_check
-from nand.agent.detect.probes import MICRO, ProbeBuffer, Site
+from nand.agent.detect.probes import MICRO, ProbeBuffer
 from nand.agent.identity import Identity
 from nand.agent.step.agreement import as_received, shard_bad_elsewhere, with_agreed_flag
 from nand.agent.step.analysis import (
@@ -37,15 +37,15 @@ from nand.agent.step.analysis import (
     StepRow,
     first_finding,
     gradient_frontier,
-    near_limit,
     param_behind,
 )
+from nand.agent.step.blowup import BlowUpWatch, global_norm
 from nand.agent.step.deferred import DeferredRead
 from nand.agent.step.fingerprint import Fingerprints
 from nand.agent.step.recorder import FlightRecorder
 from nand.agent.step.report import build_event
 from nand.agent.step.window import HEALTHY, SCALED_PHASES, Outcome, Window
-from nand.events import Cause, Event
+from nand.events import Alert, Cause, Event
 
 log = logging.getLogger("nand")
 
@@ -79,7 +79,7 @@ class Boundary:
         self.params_gathered = False
         self.loss_tensor: Tensor | None = None
         self.seq = 0
-        self.warned_headroom = False
+        self.blowup = BlowUpWatch(who.rank)  # early warnings (see blowup.py)
         self.reads = 0  # host reads done, for tests and the benchmark
         #: What the last window read held: its figures (None: nothing read)
         #: and its micro-steps (root forward calls).
@@ -218,9 +218,14 @@ class Boundary:
             # The scaler skipped the update, but what went non-finite was not
             # a scaled gradient (a bad input, forward or weight): an incident.
             overflow = False
-        if event is None and not any_bad and not overflow:
+        alerts = self._alerts(row, w) if not overflow else ()
+        if event is None and not any_bad and not overflow and not alerts:
             return HEALTHY
-        return Outcome(event, any_bad, overflow)
+        return Outcome(event, any_bad, overflow, alerts)
+
+    def _alerts(self, row: StepRow, w: Window) -> tuple[Alert, ...]:
+        grad_norm = global_norm(self.read_norms, self.read_spans.get("grad"), row.norm_scale)
+        return tuple(self.blowup.look(row, w.n_pairs, grad_norm, self.clean))
 
     def _read(self) -> tuple[list[float] | None, bool]:
         """THE host read of the step: one gathered tensor, one ``tolist()``."""
@@ -231,16 +236,11 @@ class Boundary:
         return gathered.tolist(), False
 
     def _keep(self, row: StepRow, w: Window) -> None:
-        """Keep the row (flight recorder, the optimizer hooks' norms), and warn
-        once when an activation nears its dtype's limit."""
+        """Keep the row (flight recorder, the optimizer hooks' norms)."""
         if w.record:
             self.recorder.rows.append(row)
         self.row = row
         n_pairs = w.n_pairs
-        if n_pairs and not self.warned_headroom:
-            near = near_limit(row, n_pairs)
-            if near is not None:
-                self._warn_headroom(row, *near)
         self.read_norms = row.values[n_pairs : n_pairs + w.n_norms]
         self.read_spans = w.spans
 
@@ -387,14 +387,3 @@ class Boundary:
         if values is None:
             return self._nothing_here(any_bad)
         return self._analyse(values, any_bad, extras, w)
-
-    def _warn_headroom(self, row: StepRow, site: Site, value: float) -> None:
-        """Warn once: an activation came within 2x of its dtype's limit."""
-        self.warned_headroom = True
-        limit = torch.finfo(site.dtype).max if site.dtype is not None else math.inf
-        log.warning(
-            "nand: overflow headroom: %s (%s) reached max |x| %.4g at step %d, %.0f%% of the "
-            "%s limit %.4g; still finite, but close to overflowing",
-            site.module or "<root>", site.module_type, value, row.step,
-            100 * value / limit, str(site.dtype).removeprefix("torch."), limit,
-        )  # fmt: skip

@@ -11,6 +11,11 @@
 With ``on_stop`` (the framework integrations) ``raise``/``stop`` end the
 framework's loop instead: the update is skipped and ``on_stop()`` is called
 once (Lightning's ``trainer.should_stop``, HF's ``control.should_training_stop``).
+
+Early warnings (``on_warning``, :meth:`StepPolicy.alerted`) are reported, and
+then ``log`` (nothing more), ``raise`` (:class:`~nand.errors.EarlyWarning`) or
+``skip`` (drop the update, read in sync; a deferred read learns of it a step
+late and only says so).
 """
 
 from __future__ import annotations
@@ -19,8 +24,9 @@ import logging
 from collections.abc import Callable
 
 from nand.agent.step.window import Outcome
-from nand.config import Policy
-from nand.errors import NandError, NonFiniteError, StopRequested
+from nand.config import Policy, WarningPolicy
+from nand.errors import EarlyWarning, NandError, NonFiniteError, StopRequested
+from nand.events import Alert
 
 log = logging.getLogger("nand")
 
@@ -31,8 +37,10 @@ class StepPolicy:
         name: Policy,
         drop_grads: Callable[[], None],
         on_stop: Callable[[], None] | None,
+        on_warning: WarningPolicy = "log",
     ) -> None:
         self.name = name
+        self.on_warning = on_warning
         self.drop_grads = drop_grads
         self.on_stop = on_stop
         self._stopping = False
@@ -61,6 +69,18 @@ class StepPolicy:
             self.stop(NonFiniteError(event), step)
         else:  # (stop) this rank only received it, or another rank saw it
             self.stop(StopRequested(step, "a non-finite value on another rank"), step)
+
+    def alerted(self, alerts: tuple[Alert, ...], step: int) -> None:
+        """Early warnings of this step (already reported): ``on_warning``."""
+        if not alerts or self.on_warning == "log":
+            return
+        if self.on_warning == "raise":
+            raise EarlyWarning(alerts[0])
+        if self.lagged:
+            log.warning("nand: step %d warned, read one step late: not skipped", step)
+        else:
+            self.drop_grads()
+            log.warning("nand: skipped optimizer step %d (%s)", step, alerts[0].kind)
 
     def stop(self, error: NandError, step: int) -> None:
         """End training at this step boundary, before the update: raise

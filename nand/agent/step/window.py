@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from nand.agent.detect.probes import Site
-from nand.events import Event
+from nand.events import Alert, Event
 
 
 class Outcome(NamedTuple):
@@ -16,6 +16,7 @@ class Outcome(NamedTuple):
     event: Event | None = None  # this window's first verified non-finite entry
     any_rank_bad: bool = False  # agreed across ranks (skip/stop with a process group)
     overflow: bool = False  # an AMP overflow step, skipped by the scaler (not an incident)
+    alerts: tuple[Alert, ...] = ()  # early warnings of a clean step (``blowup.py``)
 
 
 class Window(NamedTuple):

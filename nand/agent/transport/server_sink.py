@@ -64,7 +64,7 @@ from nand.agent.transport.sender import Sender
 from nand.agent.transport.spool import spool_path
 from nand.config import TransportConfig
 from nand.errors import ConfigError
-from nand.events import Event, FlightWindow, StepSummary
+from nand.events import Alert, Event, FlightWindow, StepSummary
 
 log = logging.getLogger("nand.agent.transport")
 _LIVE: weakref.WeakSet[ServerSink] = weakref.WeakSet()
@@ -139,6 +139,10 @@ class ServerSink:
     def flight(self, flight: FlightWindow, reason: str) -> None:
         with self._guard():
             self._submit("flight", _with_flight({"reason": reason}, flight))
+
+    def alert(self, alert: Alert) -> None:
+        with self._guard():
+            self._submit("warning", alert.to_dict())
 
     def fingerprint(self, step: int, names: list[str], values: list[int]) -> None:
         with self._guard():

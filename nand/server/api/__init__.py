@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from nand.server.api import events, health, hosts, runs, stop, stream, verdict
+from nand.server.api import alerts, events, health, hosts, runs, stop, stream, verdict
 
 ROUTERS: tuple[APIRouter, ...] = (
     runs.router,
@@ -14,6 +14,7 @@ ROUTERS: tuple[APIRouter, ...] = (
     stream.router,
     health.router,
     hosts.router,
+    alerts.router,
 )
 
 __all__ = ["ROUTERS"]

@@ -12,7 +12,7 @@ from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 
 from nand import __version__
-from nand.server import losses, store, views
+from nand.server import alerts, losses, store, views
 from nand.server.api.deps import SessionDep, StateDep
 from nand.server.metrics import CONTENT_TYPE
 
@@ -67,5 +67,6 @@ def metrics(state: StateDep, session: SessionDep) -> PlainTextResponse:
     by_state: Counter[str] = Counter(s.state for s in summaries)
     dropped = losses.summed(s.dropped for s in summaries)
     gappy = sum(1 for s in summaries if s.messages_dropped)
-    body = state.metrics.render(by_state, dropped=dropped, runs_with_gaps=gappy)
+    warned = alerts.by_kind_live(session)
+    body = state.metrics.render(by_state, dropped=dropped, runs_with_gaps=gappy, warnings=warned)
     return PlainTextResponse(body, media_type=CONTENT_TYPE)
