@@ -36,6 +36,7 @@ GRAD_WINDOW = 50
 GRAD_GROWTH = 10.0
 WARMUP = 10
 QUIET_STEPS = 100
+MEDIAN_EVERY = 10
 
 
 class BlowUpWatch:
@@ -45,6 +46,8 @@ class BlowUpWatch:
         self.rank = rank
         self.losses: deque[float] = deque(maxlen=LOSS_WINDOW)
         self.grad_norms: deque[float] = deque(maxlen=GRAD_WINDOW)
+        self._median = 0.0  # of grad_norms, recomputed every MEDIAN_EVERY steps
+        self._stale = 0
         self._last: dict[tuple[str, str], int] = {}  # (kind, module) -> step warned
 
     def look(self, row: StepRow, n_pairs: int, grad_norm: float | None, clean: bool) -> list[Alert]:
@@ -74,7 +77,7 @@ class BlowUpWatch:
         if norm is None or not math.isfinite(norm):
             return None
         window = self.grad_norms
-        median = statistics.median(window) if len(window) >= WARMUP else 0.0
+        median = self._grad_median()
         if median > 0 and norm > GRAD_GROWTH * median:
             return Alert(
                 "grad_growth", step, self.rank, "", norm, median,
@@ -83,6 +86,17 @@ class BlowUpWatch:
             )  # fmt: skip
         window.append(norm)
         return None
+
+    def _grad_median(self) -> float:
+        """The window's median, recomputed every :data:`MEDIAN_EVERY` steps
+        (it moves slowly; a sort of 50 floats every step is what it saves)."""
+        if len(self.grad_norms) < WARMUP:
+            return 0.0
+        self._stale -= 1
+        if self._stale <= 0:
+            self._median = statistics.median(self.grad_norms)
+            self._stale = MEDIAN_EVERY
+        return self._median
 
     def _headroom(self, row: StepRow, n_pairs: int) -> Alert | None:
         near = near_limit(row, n_pairs) if n_pairs else None
@@ -113,4 +127,4 @@ def global_norm(norms: list[float], span: tuple[int, int] | None, scale: float) 
     if span is None or not span[1]:
         return None
     start, n = span
-    return math.sqrt(sum(x * x for x in norms[start : start + n])) / (scale or 1.0)
+    return math.hypot(*norms[start : start + n]) / (scale or 1.0)
