@@ -89,12 +89,22 @@ def _syn_filter() -> tuple[bytes, ctypes.Array[ctypes.c_char]]:
 
 def listening_socket(port: int) -> socket.socket | None:
     """This process's listening TCP socket on ``port`` (libzmq's, for an
-    endpoint it bound), as a socket object over a duplicate descriptor."""
+    endpoint it bound), as a socket object over a duplicate descriptor.
+
+    Only sockets are duplicated: closing a duplicate of a *file* descriptor
+    would drop every POSIX lock this process holds on that file, SQLite's on
+    its database among them (another process could then delete the WAL under
+    the server's feet)."""
     for name in os.listdir(_PROC_FD):
-        dup = os.dup(int(name))
+        try:
+            if not os.readlink(f"{_PROC_FD}/{name}").startswith("socket:"):
+                continue
+            dup = os.dup(int(name))
+        except OSError:  # closed meanwhile
+            continue
         try:
             sock = socket.socket(fileno=dup)
-        except OSError:  # not a socket
+        except OSError:  # not a socket after all
             os.close(dup)
             continue
         try:

@@ -112,3 +112,32 @@ def test_two_servers_on_one_postgres_give_the_same_answers(postgres) -> None:
                 agent.close()
             a.stop()
             b.stop()
+
+
+def test_another_process_reading_the_sqlite_file_sees_every_write(sqlite_url, tmp_path) -> None:
+    """The server keeps SQLite's locks on its database: a process that opens
+    the file (``sqlite3``, a second server, a backup) and closes it again
+    neither deletes the WAL under the server's feet nor reads a stale file."""
+    import contextlib
+    import sqlite3
+
+    path = tmp_path / "nand.db"
+
+    def beats_seen_elsewhere() -> int:
+        with contextlib.closing(sqlite3.connect(path)) as other:
+            return other.execute("SELECT count(*) FROM heartbeats").fetchone()[0]
+
+    server = ServerProcess(sqlite_url, free_port()).start()
+    agent = FakeAgent(server.zmq_endpoint, run="locks")
+    try:
+        agent.hello()
+        agent.heartbeat(1)
+        agent.wait_acked()
+        assert beats_seen_elsewhere() == 1
+        assert (tmp_path / "nand.db-wal").exists()  # still the server's
+        agent.heartbeat(2)
+        agent.wait_acked()
+        assert beats_seen_elsewhere() == 2
+    finally:
+        agent.close()
+        server.stop()
