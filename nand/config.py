@@ -145,6 +145,12 @@ NAND_STALLED_AFTER_S = "NAND_STALLED_AFTER_S"
 """A rank that sends heartbeats but no step progress for this long is ``stalled``.
 Default 300."""
 
+NAND_GRAD_OUTLIER_FACTOR = "NAND_GRAD_OUTLIER_FACTOR"
+"""A DDP rank whose own gradient norm (before the all-reduce) is over this
+many times the median of the ranks' at the same step, or under its inverse,
+gets a ``grad_outlier`` warning (three ranks or more; see
+``nand.server.outliers``). Default 10."""
+
 NAND_URL = "NAND_URL"
 """Base URL of the REST API for the CLI (``nand runs``, ``nand verdict``...).
 Default ``http://127.0.0.1:8080``. Set for a training job, rank 0's start line

@@ -237,6 +237,10 @@ class StepSummary:
     max_activation: float | None = None
     amp_skipped: int = 0
     amp_scale: float | None = None
+    #: DDP: ``(step, norm)`` of this rank's own gradients before the
+    #: all-reduce, for the steps since the last heartbeat (the server compares
+    #: the ranks: ``nand.server.outliers``).
+    local_grad_norms: list[tuple[int, float]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

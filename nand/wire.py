@@ -11,7 +11,8 @@ Every message is one msgpack map (one ZeroMQ frame)::
       heartbeat  body = StepSummary.to_dict() + {"dropped"?: {reason: n}}  the agent's
                  cumulative losses by reason (DROP_REASONS in nand.events; another short
                  identifier is accepted from a newer agent): at most MAX_DROP_REASONS
-                 entries, counts 0 <= n <= 2**63 - 1
+                 entries, counts 0 <= n <= 2**63 - 1; "local_grad_norms"?: [[step, norm],
+                 ...] (DDP, at most MAX_LOCAL_NORMS, each norm finite and >= 0)
       flight     body = {"flight": FlightWindow.to_dict(), "reason": str}
       bye        body = {"step": int, "reason": str}
 
@@ -84,6 +85,9 @@ MAX_DROP_COUNT = 2**63 - 1
 #: A fingerprint names at most this many parameters, each name this long.
 MAX_FINGERPRINT_PARAMS = 100_000
 MAX_NAME_CHARS = 512
+#: A heartbeat carries at most this many local gradient norms (the agent's
+#: ``recorder.LOCAL_NORMS_KEPT``).
+MAX_LOCAL_NORMS = 256
 
 
 def encode(message: Mapping[str, Any]) -> bytes:
@@ -266,6 +270,23 @@ def _validate_heartbeat(message: Mapping[str, Any]) -> None:
     for key in ("steps_per_s", "loss", "grad_norm", "max_activation", "amp_scale"):
         _require(body, key, _NUM, "heartbeat", optional=True)
     validate_dropped(_require(body, "dropped", (dict,), "heartbeat", optional=True))
+    _validate_local_norms(_require(body, "local_grad_norms", (list,), "heartbeat", optional=True))
+
+
+def _validate_local_norms(pairs: list[Any] | None) -> None:
+    """``[[step, norm], ...]``: steps non-negative ints, norms finite and >= 0."""
+    if pairs is None:
+        return
+    if len(pairs) > MAX_LOCAL_NORMS:
+        raise WireError("bad_field", f"heartbeat.local_grad_norms: over {MAX_LOCAL_NORMS}")
+    for pair in pairs:
+        if not (isinstance(pair, list | tuple) and len(pair) == 2):
+            raise WireError("bad_field", "heartbeat.local_grad_norms: [[step, norm], ...]")
+        step, norm = pair
+        if not (type(step) is int and step >= 0 and type(norm) in (int, float)):
+            raise WireError("bad_field", "heartbeat.local_grad_norms: [[step, norm], ...]")
+        if not 0 <= norm < float("inf"):
+            raise WireError("bad_field", "heartbeat.local_grad_norms: a norm is not finite")
 
 
 def _validate_fingerprint(message: Mapping[str, Any]) -> None:

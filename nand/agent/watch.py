@@ -216,7 +216,7 @@ class Watch:
             if self._looking is not None:
                 self._looking.remove()
             self._buf.clear()
-            self.session.close(self.step, reason)
+            self.session.close(self.step, reason, self._summary)
 
     def __enter__(self) -> Watch:
         return self

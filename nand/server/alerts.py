@@ -7,6 +7,10 @@ order of magnitude, an activation nears its dtype's limit
 verdict carries how many there were and the first (``Verdict.warnings``), the
 dashboard marks their steps, and ``nand wait --until warning`` returns on the
 first.
+
+One kind comes from the server itself: ``grad_outlier``, a rank whose own
+gradients stand out from the other ranks' at the same step
+(``nand.server.outliers``).
 """
 
 from __future__ import annotations
@@ -27,9 +31,13 @@ from nand.server.schemas import WarningOut, WarningsSummary
 
 def store(conn: Connection, messages: list[dict[str, Any]], run_ids: RunIds) -> None:
     """Insert a batch's warnings and count them on their runs."""
-    if not messages:
-        return
-    rows = [_row(message, run_ids) for message in messages]
+    if messages:
+        insert_rows(conn, [_row(message, run_ids) for message in messages])
+
+
+def insert_rows(conn: Connection, rows: list[dict[str, Any]]) -> None:
+    """Insert warning rows (``warnings`` columns) and count them on their runs;
+    the server's own warnings (``outliers``) come in here too."""
     conn.execute(insert(WarningRow), rows)
     added: Counter[int] = Counter(row["run_id"] for row in rows)
     conn.execute(

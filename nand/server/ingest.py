@@ -239,7 +239,7 @@ class Ingest:
         messages = [m for _, m in accepted]
         started = time.time()
         try:
-            result = write_batch(self.engine, messages, started, self.settings.lost_after_s)
+            result = write_batch(self.engine, messages, started, *self._rules())
         except Exception:
             self.metrics.write_error()
             if not self._database_answers():
@@ -257,6 +257,10 @@ class Ingest:
             lags=[done - m["time"] for m in messages],
         )
         return set(result.acked)
+
+    def _rules(self) -> tuple[float, float]:
+        """``write_batch``'s settings: ``lost_after_s``, ``grad_outlier_factor``."""
+        return self.settings.lost_after_s, self.settings.grad_outlier_factor
 
     def _database_answers(self) -> bool:
         try:
@@ -276,11 +280,7 @@ class Ingest:
         for message in messages:
             key = (message["agent"], message["seq"])
             try:
-                acked.update(
-                    write_batch(
-                        self.engine, [message], time.time(), self.settings.lost_after_s
-                    ).acked
-                )
+                acked.update(write_batch(self.engine, [message], time.time(), *self._rules()).acked)
             except Exception as exc:
                 if not self._database_answers():
                     return acked

@@ -231,6 +231,18 @@ class Fingerprint(Base):
     values: Mapped[list[int]] = mapped_column(JSON)
 
 
+class LocalGradNorm(Base):
+    """One DDP rank's own gradient norm (before the all-reduce) at one step,
+    until every rank's is in and they are compared (nand.server.outliers)."""
+
+    __tablename__ = "local_grad_norms"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    step: Mapped[int] = mapped_column(Integer, primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    norm: Mapped[float] = mapped_column(Float)
+
+
 class WarningRow(Base):
     """An early warning from one rank (``nand.events.Alert``): never an event."""
 

@@ -28,6 +28,9 @@ class Settings:
     stalled_after_s: float = 300.0
     #: The agents' heartbeat period, used by the stop-step rule.
     heartbeat_s: float = 5.0
+    #: A rank whose local gradient norm is this many times off the ranks'
+    #: median at a step gets a ``grad_outlier`` warning (nand.server.outliers).
+    grad_outlier_factor: float = 10.0
     #: Most messages written in one transaction.
     max_batch: int = 2000
     #: How often the stream endpoint and the stop push look at the database.
@@ -56,6 +59,9 @@ class Settings:
             "lost_after_s": config.get_float(config.NAND_LOST_AFTER_S, cls.lost_after_s),
             "stalled_after_s": config.get_float(config.NAND_STALLED_AFTER_S, cls.stalled_after_s),
             "heartbeat_s": config.get_float(config.NAND_HEARTBEAT_S, cls.heartbeat_s),
+            "grad_outlier_factor": config.get_float(
+                config.NAND_GRAD_OUTLIER_FACTOR, cls.grad_outlier_factor
+            ),
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]

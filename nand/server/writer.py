@@ -30,7 +30,7 @@ from sqlalchemy import (
 from sqlalchemy import update as sql_update
 from sqlalchemy.exc import IntegrityError
 
-from nand.server import alerts, attempts, losses, replicas
+from nand.server import alerts, attempts, losses, outliers, replicas
 from nand.server import firsts as firsts_mod
 from nand.server import rows as build
 from nand.server.attempts import RunIds
@@ -60,22 +60,28 @@ def write_batch(
     messages: list[dict[str, Any]],
     now: float,
     lost_after_s: float = Settings.lost_after_s,
+    grad_outlier_factor: float = Settings.grad_outlier_factor,
 ) -> BatchResult:
     """Store ``messages`` (decoded and validated) and commit; see the module doc.
 
     ``lost_after_s``: how long a silent rank counts as alive, which decides
     whether a rerun without a launch identity is a new attempt.
+    ``grad_outlier_factor``: see ``outliers.standing_out``.
     """
     try:
-        return _write_batch(engine, messages, now, lost_after_s)
+        return _write_batch(engine, messages, now, lost_after_s, grad_outlier_factor)
     except IntegrityError:
         # Another server committed one of these messages between our lookup and
         # our insert: a second pass sees it and skips it.
-        return _write_batch(engine, messages, now, lost_after_s)
+        return _write_batch(engine, messages, now, lost_after_s, grad_outlier_factor)
 
 
 def _write_batch(
-    engine: Engine, messages: list[dict[str, Any]], now: float, lost_after_s: float
+    engine: Engine,
+    messages: list[dict[str, Any]],
+    now: float,
+    lost_after_s: float,
+    grad_outlier_factor: float,
 ) -> BatchResult:
     unique: dict[Key, dict[str, Any]] = {}
     for message in messages:
@@ -88,7 +94,7 @@ def _write_batch(
         result.duplicates = len(messages) - len(fresh)
         result.stored = len(fresh)
         if fresh:
-            _store(conn, fresh, run_ids, now)
+            _store(conn, fresh, run_ids, now, grad_outlier_factor)
             result.events = sum(1 for m in fresh if m["kind"] == "event")
             result.runs = {m["run"] for m in fresh}
             result.kinds = Counter(m["kind"] for m in fresh)
@@ -161,7 +167,13 @@ def _bulk_insert(conn: Connection, table: Any, rows: list[dict[str, Any]]) -> No
     conn.exec_driver_sql(sql, [tuple(row[c] for c in columns) for row in rows])
 
 
-def _store(conn: Connection, fresh: list[dict[str, Any]], run_ids: RunIds, now: float) -> int:
+def _store(
+    conn: Connection,
+    fresh: list[dict[str, Any]],
+    run_ids: RunIds,
+    now: float,
+    grad_outlier_factor: float,
+) -> int:
     by_kind: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for message in fresh:
         by_kind[message["kind"]].append(message)
@@ -175,6 +187,8 @@ def _store(conn: Connection, fresh: list[dict[str, Any]], run_ids: RunIds, now: 
     alerts.store(conn, by_kind["warning"], run_ids)
     _store_byes(conn, by_kind["bye"], run_ids, rank_ids, now)
     _touch_runs(conn, fresh, run_ids, now)
+    # (after the runs' world sizes, which a hello in this batch may have set)
+    outliers.store(conn, by_kind["heartbeat"], run_ids, grad_outlier_factor)
     return len(by_kind["event"])
 
 

@@ -185,6 +185,7 @@ export function runPage(main, runId, params) {
       ranks,
       series,
       startedAt: detail.started_at,
+      warnings,
       width: innerWidth(slots.strip),
       onRank: (rank) => {
         parts.table.setRank(rank);

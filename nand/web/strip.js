@@ -1,7 +1,9 @@
 // The rank × step health strip: one row per rank, one column per step (or
 // per bin of steps when there are more steps than pixels). A rank is healthy
 // until its first non-finite step, non-finite after it, and its row ends where
-// it stopped reporting. The first non-finite point of each rank is marked.
+// it stopped reporting. The first non-finite point of each rank is marked, and
+// each early warning (a loss spike, a growing gradient norm, a rank whose own
+// gradients stand out) is a small triangle on its rank's row.
 
 import { hiDpiCanvas, pointer } from "./canvas.js";
 import { cssVar, el } from "./dom.js";
@@ -56,6 +58,7 @@ function colours() {
     received: cssVar("--warn"),
     lost: cssVar("--lost"),
     stalled: cssVar("--stall"),
+    warned: cssVar("--stall"), // (the charts' triangles: .warn-mark)
     mark: cssVar("--fg"),
     muted: cssVar("--muted"),
     fg: cssVar("--fg"),
@@ -77,15 +80,41 @@ function binColour(span, s0, s1, c) {
   return c.ok;
 }
 
-export function healthStrip({ ranks, series, width, onRank, startedAt = null }) {
+/** Per row index, the warnings of that row's rank: [{step, kind, message}]. */
+function warningsByRow(rows, warnings) {
+  const rowOf = new Map(rows.map((r, j) => [r.rank, j]));
+  const found = new Map();
+  for (const w of warnings) {
+    const j = rowOf.get(w.rank);
+    if (j === undefined) continue; // a rank on another page of the strip
+    if (!found.has(j)) found.set(j, []);
+    found.get(j).push(w);
+  }
+  return found;
+}
+
+/** A downward triangle at the top of a row, its tip at the warning's step. */
+function drawWarning(ctx, px, y, rowH) {
+  const h = Math.max(3, Math.min(7, rowH - 1));
+  ctx.beginPath();
+  ctx.moveTo(px - h * 0.6, y);
+  ctx.lineTo(px + h * 0.6, y);
+  ctx.lineTo(px, y + h);
+  ctx.closePath();
+  ctx.fill();
+}
+
+export function healthStrip({ ranks, series, width, onRank, startedAt = null, warnings = [] }) {
   const wrap = el("div", { class: "strip" });
   if (!ranks.length) {
     wrap.append(el("p", { class: "chart-empty" }, "No rank has reported yet."));
     return wrap;
   }
   const rows = spans(ranks, series, startedAt);
+  const warned = warningsByRow(rows, warnings);
+  const warnedSteps = [...warned.values()].flat().map((w) => w.step);
   const s0 = Math.min(...rows.map((r) => r.from));
-  const end = Math.max(s0 + 1, ...rows.map((r) => r.to));
+  const end = Math.max(s0 + 1, ...rows.map((r) => r.to), ...warnedSteps);
   const plotW = Math.max(120, width - LABEL_W - 8);
   const steps = end - s0 + 1;
   const bins = Math.min(steps, Math.floor(plotW / 2));
@@ -97,7 +126,8 @@ export function healthStrip({ ranks, series, width, onRank, startedAt = null }) 
   const { canvas, ctx } = hiDpiCanvas(
     LABEL_W + plotW,
     TOP + rows.length * rowH + AXIS_H,
-    `Health of ${rows.length} ranks over steps ${s0} to ${end}`,
+    `Health of ${rows.length} ranks over steps ${s0} to ${end}` +
+      (warnedSteps.length ? `; early warnings: ${warnedSteps.length}` : ""),
   );
   const c = colours();
   const x = linear(s0, end + 1, LABEL_W, LABEL_W + plotW);
@@ -124,6 +154,10 @@ export function healthStrip({ ranks, series, width, onRank, startedAt = null }) 
       );
     }
   });
+  ctx.fillStyle = c.warned;
+  for (const [j, found] of warned) {
+    for (const w of found) drawWarning(ctx, x(w.step) + 0.5, TOP + j * rowH, rowH - gap);
+  }
 
   // Rank labels where they fit, else every tenth rank; the origin's always,
   // with its neighbours' labels dropped so they do not overlap it.
@@ -162,6 +196,11 @@ export function healthStrip({ ranks, series, width, onRank, startedAt = null }) 
     ];
     if (span.bad !== null) lines.push(["first non-finite", `step ${count(span.bad)}`]);
     if (span.relation) lines.push(RELATION_WORDS[span.relation]);
+    // The warnings within 4 px of the pointer on this row.
+    const near = Math.abs(x.invert(p.x + 4) - x.invert(p.x));
+    for (const w of warned.get(j) || []) {
+      if (Math.abs(w.step - step) <= near) lines.push(`warning at step ${count(w.step)}: ${w.message}`);
+    }
     showTip(lines, ev.clientX, ev.clientY);
   });
   canvas.addEventListener("mouseleave", hideTip);
@@ -185,6 +224,9 @@ export function healthStrip({ ranks, series, width, onRank, startedAt = null }) 
         : null,
       rows.some((r) => r.bad !== null)
         ? el("li", {}, el("span", { class: "swatch mark" }), "first non-finite step")
+        : null,
+      warnedSteps.length
+        ? el("li", {}, el("span", { class: "swatch warned" }), "early warning (hover it)")
         : null,
       rows.some((r) => r.state === "lost")
         ? el("li", {}, el("span", { class: "swatch lost" }), "lost")

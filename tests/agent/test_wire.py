@@ -96,8 +96,9 @@ def test_hello_heartbeat_flight_and_bye_round_trip():
         "token": "s3cret",
     }
     summary = StepSummary(
-        step=9, steps_per_s=3.5, loss=0.25, grad_norm=1.5, max_activation=7.0, amp_skipped=2
-    )
+        step=9, steps_per_s=3.5, loss=0.25, grad_norm=1.5, max_activation=7.0, amp_skipped=2,
+        local_grad_norms=[[8, 1.25], [9, 0.0]],
+    )  # fmt: skip
     cases = {
         "hello": hello,
         "heartbeat": {**summary.to_dict(), "dropped": {"queue_full": 3}},
@@ -165,6 +166,24 @@ def test_agent_messages_with_bad_fields_say_which_field():
     negative = wire.agent_message("bye", agent="a", seq=-1, run="r", rank=0, body={"step": 1})
     with pytest.raises(WireError, match=r"message.seq is negative"):
         wire.decode(wire.encode(negative))
+
+
+@pytest.mark.parametrize(
+    ("pairs", "says"),
+    [
+        ([[1, 2.0]] * (wire.MAX_LOCAL_NORMS + 1), "over 256"),
+        ([[1, float("nan")]], "not finite"),
+        ([[1, -1.0]], "not finite"),
+        ([[-1, 1.0]], r"\[\[step, norm\]"),
+        ([[1, True]], r"\[\[step, norm\]"),
+        ([[1, 2.0, 3.0]], r"\[\[step, norm\]"),
+        ([5], r"\[\[step, norm\]"),
+    ],
+)
+def test_a_heartbeats_local_gradient_norms_must_be_step_norm_pairs(pairs, says):
+    body = {**StepSummary(step=1).to_dict(), "local_grad_norms": pairs}
+    with pytest.raises(WireError, match=f"heartbeat.local_grad_norms: .*{says}"):
+        wire.decode(_msg("heartbeat", body))
 
 
 def test_a_heartbeat_carries_every_drop_reason_and_newer_ones_if_they_are_identifiers():

@@ -7,11 +7,16 @@ all-reduce in a communication hook that first launches one reduction of the
 rank's local gradient bucket, then does exactly what DDP does by default
 (divide by the world size, all-reduce).
 
-The reduction is one ``aminmax`` of the bucket (the cheapest exact pass on
-CPU; NaN reaches both results, +inf the max, -inf the min). Its 0-d results
-stay on the device; at the step boundary they are summed in float64 (finite
-values cannot overflow there) and read with everything else in the one host
-read, as the ``ddp_local`` extra.
+The reduction is the bucket's norm, accumulated in float32: one pass, cheaper
+than an ``aminmax`` on CPU, and it answers two questions. Non-finite, this
+rank's own gradients were (NaN and inf reach the norm; so does a finite
+gradient whose squares overflow float32, a norm over 1.8e19, which is a
+blow-up of this rank's making too). Finite, it is this rank's local gradient
+norm, which the server compares with the other ranks' at the same step to
+name a rank whose batch or hardware stands out (``nand.server.outliers``).
+The 0-d norms stay on the device; at the step boundary they are combined in
+float64 and read with everything else in the one host read, as the
+``ddp_local`` extra.
 
 DDP takes one communication hook. If the model already has one, nand leaves
 it alone and goes without this check (grad events then say ``received``);
@@ -38,27 +43,30 @@ log = logging.getLogger("nand")
 
 
 class LocalGradCheck:
-    """The per-step "were my own gradients finite before the all-reduce" flag."""
+    """The per-step norm of this rank's own gradients, before the all-reduce
+    (non-finite: they were not finite)."""
 
     def __init__(self) -> None:
-        self._extremes: list[Tensor] = []
+        self._norms: list[Tensor] = []
         self.active = True  # DDP cannot unregister a hook: close() turns it into a no-op
 
     def hook(self, process_group: Any, bucket: GradBucket) -> torch.futures.Future[Tensor]:
         if self.active:  # device work only: one reduction launched, nothing read
-            self._extremes.extend(torch.aminmax(bucket.buffer().detach()))
+            grads = bucket.buffer().detach()
+            self._norms.append(torch.linalg.vector_norm(grads, dtype=torch.float32))
         return default_hooks.allreduce_hook(process_group, bucket)
 
     def close(self) -> None:
         self.active = False
-        self._extremes = []
+        self._norms = []
 
     def take(self) -> Tensor | None:
-        """The step's flag as a 0-d tensor (non-finite = bad), or None; resets."""
-        if not self._extremes:
+        """The step's local gradient norm as a 0-d tensor, or None; resets.
+        (Micro-steps without sync add no buckets: DDP reduces only at the last.)"""
+        if not self._norms:
             return None
-        total = torch.stack(self._extremes).sum(dtype=torch.float64)
-        self._extremes = []
+        total: Tensor = torch.linalg.vector_norm(torch.stack(self._norms), dtype=torch.float64)
+        self._norms = []
         return total
 
 

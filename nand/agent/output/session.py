@@ -163,7 +163,16 @@ class Session:
         elif kind == "send_flight":
             self._call("flight", flight(), "requested")
 
-    def close(self, step: int, reason: str) -> None:
+    def close(
+        self, step: int, reason: str, summary: Callable[[float], StepSummary] | None = None
+    ) -> None:
+        """Bye, after a last heartbeat if the steps since the previous one
+        left DDP local gradient norms unsent (the server compares them)."""
+        if summary is not None and self.per_step and step > self._last_step:
+            elapsed = max(time.monotonic() - self._last_beat, 1e-9)
+            last = summary((step - self._last_step) / elapsed)
+            if last.local_grad_norms:
+                self._call("heartbeat", last)
         self._call("bye", step, reason)
         self._call("close", self.settings.close_timeout_s)
 

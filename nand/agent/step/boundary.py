@@ -209,6 +209,8 @@ class Boundary:
         loss = values[-1] if "loss" in extras else None
         row = StepRow(w.step, values, w.sites, w.norm_sites, scale, norm_scale, loss)
         self._keep(row, w)
+        if "ddp_local" in extras and w.record:  # (DDP buckets hold the AMP-scaled gradients)
+            self.recorder.local_norm(w.step, self._extra(values, extras, "ddp_local") / scale)
         n_main = len(values) - len(extras)
         # A float64 sum overflows only for float64 figures near their
         # limit: then the slow path finds nothing, a false alarm.
@@ -328,9 +330,13 @@ class Boundary:
         rank's backward showed it first (that finding would have come first).
         """
         if "ddp_local" in extras:
-            local = values[len(values) - len(extras) + extras.index("ddp_local")]
+            local = self._extra(values, extras, "ddp_local")
             return "received" if math.isfinite(local) else "produced"
         return "received" if self.grads_reduced else "produced"
+
+    @staticmethod
+    def _extra(values: list[float], extras: list[str], name: str) -> float:
+        return values[len(values) - len(extras) + extras.index(name)]
 
     def _read_agreed(self, extras: list[str]) -> tuple[list[float] | None, bool]:
         """The host read when every rank must take the same decision: the 0-d

@@ -6,10 +6,16 @@ buffer of :class:`~nand.agent.step.analysis.StepRow`. They are turned into the
 per-module matrices of a :class:`~nand.events.FlightWindow` only when a window
 is asked for (an incident, a server request), so a healthy step pays one
 ``deque.append``.
+
+Under DDP it also keeps each step's local gradient norm (this rank's own,
+before the all-reduce; ``detect.ddp``) until a heartbeat carries it to the
+server, which compares the ranks (``nand.server.outliers``): at most
+:data:`LOCAL_NORMS_KEPT` steps between two heartbeats, the latest.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 import torch
@@ -18,6 +24,10 @@ from torch import nn
 from nand.agent.detect.amp import AmpWatch
 from nand.agent.step.analysis import StepRow, Telemetry, telemetry
 from nand.events import FlightWindow, StepSummary
+
+#: Local gradient norms kept between two heartbeats (at more steps per
+#: heartbeat period the oldest go uncompared). The wire takes no more.
+LOCAL_NORMS_KEPT = 256
 
 
 def _finite(value: float | None) -> float | None:
@@ -33,6 +43,13 @@ class FlightRecorder:
         self.rows: deque[StepRow] = deque(maxlen=max(1, steps))
         self.dtype = ""
         self.dtype_max: float | None = None
+        #: ``(step, local gradient norm)`` not yet sent (DDP only).
+        self.local_norms: deque[tuple[int, float]] = deque(maxlen=LOCAL_NORMS_KEPT)
+
+    def local_norm(self, step: int, norm: float) -> None:
+        """This step's local gradient norm (a non-finite one is an event's job)."""
+        if math.isfinite(norm):
+            self.local_norms.append((step, norm))
 
     def set_dtype(self, dtype: torch.dtype) -> None:
         """The model's dtype, with its limit: the scale telemetry is read against."""
@@ -57,7 +74,15 @@ class FlightRecorder:
             max_activation=tele.max_act if tele else None,
             amp_skipped=amp.skipped if amp is not None else 0,
             amp_scale=amp.scale if amp is not None else None,
+            local_grad_norms=self._take_local_norms(),
         )
+
+    def _take_local_norms(self) -> list[tuple[int, float]] | None:
+        if not self.local_norms:
+            return None
+        taken = list(self.local_norms)
+        self.local_norms.clear()
+        return taken
 
     def last(self) -> Telemetry | None:
         return telemetry(self.rows[-1], len(self.modules)) if self.rows else None

@@ -260,6 +260,7 @@ class ServerSink:
             return
         self._last_beat_at = time.monotonic()
         body = dict(self._last_beat_body, keepalive=True)
+        body.pop("local_grad_norms", None)  # (sent once: they are per step, not a state)
         self._submit("heartbeat", body)
 
     def _ensure_sender(self) -> Sender:

@@ -6,7 +6,7 @@ Revises: 0006
 An agent sends a ``warning`` when the loss spikes, the gradient norm grows by
 an order of magnitude or an activation nears its dtype's limit
 (``nand.agent.step.blowup``); each is a row here, never an event (see
-nand.server.warnings).
+nand.server.alerts).
 """
 
 from __future__ import annotations
