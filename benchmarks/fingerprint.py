@@ -4,8 +4,9 @@ every ``NAND_FINGERPRINT_STEPS`` steps, on the benchmark models.
     python benchmarks/fingerprint.py [--only transformer gpt ...]
 
 For each model, in one process and one thread, interleaved repeats of a
-training step and of a fingerprint of every parameter after it
-(``nand.agent.step.fingerprint.fingerprint`` and the read of its result),
+training step and of a fingerprint of every parameter and its per-element
+optimizer state after it (AdamW's two moments, SGD's momentum buffer;
+``nand.agent.step.fingerprint`` and the read of its result),
 each timed on its own (a fingerprint is a few milliseconds against a step's
 noise of more); medians. The cost per step at N is the fingerprint's share of
 a step divided by N (one is taken every N steps). Single process: the DDP
@@ -25,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.overhead import BENCHES, make_optimizer
-from nand.agent.step.fingerprint import fingerprint
+from nand.agent.step.fingerprint import Fingerprints, fingerprint
 
 DEFAULT_EVERY = 100  # nand.config.AgentConfig.fingerprint_steps
 
@@ -34,7 +35,8 @@ def measure(name: str, repeats: int) -> tuple[float, float]:
     bench = BENCHES[name]
     model, inputs, loss_fn = bench.make()
     opt = make_optimizer(bench.optimizer, model)
-    params = list(model.parameters())
+    # The parameters and the optimizer's per-element state, as a DDP rank takes them.
+    taker = Fingerprints(1, model, send=lambda *_: None, state=opt.state)
 
     def step() -> float:
         started = time.process_time()
@@ -45,7 +47,7 @@ def measure(name: str, repeats: int) -> tuple[float, float]:
 
     def take() -> float:
         started = time.process_time()
-        fingerprint(params).tolist()  # (the read a rank does a step later)
+        fingerprint(taker._tensors()[1]).tolist()  # (the read a rank does a step later)
         return time.process_time() - started
 
     step(), take()  # warm-up

@@ -86,10 +86,8 @@ class Watch:
         self._hooks = Hooks(state)
         world = session.who.world_size
         agree = self.policy in ("skip", "stop") and distributed_up() and world > 1
-        root_type = type(self._root).__name__
-        self._boundary = Boundary(
-            self._buf, session.who, self.recorder, len(names), root_type, agree
-        )
+        kind = type(self._root).__name__
+        self._boundary = Boundary(self._buf, session.who, self.recorder, len(names), kind, agree)
         self._boundary.slots = self._slots
         self._opt: OptimizerHooks | None = None
         self._amp: AmpWatch | None = None
@@ -113,7 +111,9 @@ class Watch:
             self._policy.lagged = True
             flush_at_exit(self._exit)
         self._boundary.wrapped_in(model, self.settings.ddp_local_check)  # (DDP: its check)
-        self._boundary.fingerprints = Fingerprints.wanted(self.settings, self._root, self.session)
+        self._boundary.fingerprints = Fingerprints.wanted(
+            self.settings, self._root, self.session, optimizer
+        )
         self._hooks.install(self._root, self._infos, proxies=not self._boundary.grads_reduced)
         if optimizer is None:
             self._hooks.state.before_root = self._root_step

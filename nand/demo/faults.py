@@ -23,6 +23,8 @@ drift          after ``rank``'s optimizer step at ``step``, one element of
                ``module``'s weight gains 0.01: finite, and that replica now
                differs from the others (a silent data corruption; DDP)
 bitflip        the same, but the lowest mantissa bit of one element flips
+state_drift    the same as drift, in the optimizer's first per-element state
+               of ``module``'s weight (AdamW's ``exp_avg``), not the weight
 =============  ==================================================================
 
 The hooks planted here are registered *before* ``nand.watch``, so nand sees
@@ -39,10 +41,10 @@ from torch import nn
 
 KINDS = (
     "overflow", "nan_forward", "nan_backward", "bad_data", "lr_explosion", "bad_shard", "drift",
-    "bitflip",
+    "bitflip", "state_drift",
 )  # fmt: skip
 #: Kinds planted by a step post-hook on the optimizer (``plant_in_optimizer``).
-WRITTEN_AFTER_STEP = ("bad_shard", "drift", "bitflip")
+WRITTEN_AFTER_STEP = ("bad_shard", "drift", "bitflip", "state_drift")
 BUILD_UP_STEPS = 8
 
 
@@ -166,7 +168,8 @@ def maybe_explode_lr(fault: Fault | None, step: int, optimizer: torch.optim.Opti
 def plant_in_optimizer(
     fault: Fault | None, optimizer: torch.optim.Optimizer, model: nn.Module, rank: int, clock
 ) -> None:
-    """``bad_shard``, ``drift``, ``bitflip``: a step post-hook, registered before nand's own."""
+    """``bad_shard``, ``drift``, ``bitflip``, ``state_drift``: a step post-hook,
+    registered before nand's own."""
     if fault is None or fault.kind not in WRITTEN_AFTER_STEP or rank != fault.rank:
         return
     weight: Any = model.get_submodule(fault.module).weight  # a Tensor, or an FSDP2 DTensor
@@ -179,6 +182,10 @@ def plant_in_optimizer(
                     local.view(-1)[0] = float("inf")
                 elif fault.kind == "drift":
                     local.view(-1)[0] += 0.01
+                elif fault.kind == "state_drift":
+                    moments = opt.state[weight].values()
+                    state = next(t for t in moments if t.shape == weight.shape)  # exp_avg
+                    state.view(-1)[0] += 0.01
                 else:  # bitflip: the lowest mantissa bit (float32)
                     local.view(-1).view(torch.int32)[0] ^= 1
 

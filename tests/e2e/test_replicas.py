@@ -51,6 +51,20 @@ def test_a_rank_whose_weights_were_written_off_is_named_between_two_fingerprints
     assert verdict["origin"] is None  # everything stayed finite
 
 
+def test_a_rank_whose_optimizer_state_was_written_off_is_named_before_its_weights_differ(
+    nand_server, tmp_path
+):
+    """AdamW's exp_avg of one element changed after the update of step 4, on
+    rank 2 only: fingerprinted every step, the state differs at step 5, before
+    the next update carries it into the weight."""
+    fault = f"state_drift:rank=2:step=4:module={MODULE}"
+    verdict = run_job(nand_server, tmp_path, "state", 1, "--steps", "10", "--fault", fault)
+    assert verdict["state"] == "replica_mismatch", verdict["summary"]
+    replica = verdict["replica"]
+    assert (replica["ranks"], replica["last_good_step"], replica["first_bad_step"]) == ([2], 4, 5)
+    assert replica["params"] == [f"{MODULE}.weight:exp_avg"]
+
+
 def test_a_healthy_ddp_run_of_200_steps_has_no_false_mismatch_nor_warning(nand_server, tmp_path):
     verdict = run_job(nand_server, tmp_path, "healthy", 10, "--steps", "200")
     assert verdict["state"] == "finished", verdict["summary"]

@@ -18,11 +18,17 @@ the host without waiting (``deferred.DeferredRead``) and sent at the next
 boundary, after that step's one read. Cost: one pass over the parameters
 every N steps (figures in ``benchmarks/README.md``). Only where the ranks
 hold full replicas: DDP (FSDP's shards differ by design).
+
+The optimizer's per-element state is replicated too (SGD's momentum, Adam's
+``exp_avg`` and ``exp_avg_sq``): each such tensor of a parameter's state is
+fingerprinted with it, named ``"<param>:<key>"``. A corrupted moment shows
+there first, a step before it reaches the weights. Not for optimizers whose
+state is sharded across ranks by design (``ZeroRedundancyOptimizer``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 import torch
@@ -71,20 +77,29 @@ class Fingerprints:
 
     @classmethod
     def wanted(
-        cls, settings: AgentConfig, root: nn.Module, outputs: Outputs
+        cls, settings: AgentConfig, root: nn.Module, outputs: Outputs, optimizer: object = None
     ) -> Fingerprints | None:
         """For a watch with a server and other ranks to compare with, else None."""
         if not settings.fingerprint_steps or outputs.world_size < 2 or not outputs.per_step:
             return None
-        return cls(settings.fingerprint_steps, root, outputs.fingerprint)
+        return cls(
+            settings.fingerprint_steps, root, outputs.fingerprint, replicated_state(optimizer)
+        )
 
-    def __init__(self, every: int, root: nn.Module, send: Send) -> None:
+    def __init__(
+        self,
+        every: int,
+        root: nn.Module,
+        send: Send,
+        state: Mapping[Tensor, Mapping[str, object]] | None = None,
+    ) -> None:
         self.every = every
         self.send = send
         named = [(n, p) for n, p in root.named_parameters() if p.dtype in _BITS]
         self.names = [name for name, _ in named]
         self.params = [p for _, p in named]
-        self._copies: DeferredRead[int] = DeferredRead()
+        self.state = state  # the optimizer's, per parameter (None: not fingerprinted)
+        self._copies: DeferredRead[tuple[int, list[str]]] = DeferredRead()
         self.taken = 0  # fingerprints taken, for tests
 
     def at_boundary(self, step: int, replicated: bool) -> None:
@@ -92,15 +107,44 @@ class Fingerprints:
         step's if it is due and the parameters are full replicas."""
         self._send(self._copies.take())
         if replicated and self.params and self.every and step % self.every == 0:
-            self._copies.put(fingerprint(self.params), step)
+            names, tensors = self._tensors()
+            self._copies.put(fingerprint(tensors), (step, names))
             self.taken += 1
+
+    def _tensors(self) -> tuple[list[str], list[Tensor]]:
+        """The parameters, then each one's per-element optimizer state (which
+        appears at the first update: the list is made anew each time)."""
+        names, tensors = list(self.names), list[Tensor](self.params)
+        for name, param in zip(self.names, self.params, strict=True):
+            for key, value in (self.state or {}).get(param, {}).items():
+                if isinstance(value, Tensor) and _per_element(value, param):
+                    names.append(f"{name}:{key}")
+                    tensors.append(value)
+        return names, tensors
 
     def flush(self) -> None:
         """At close: send what was taken and not sent yet."""
         while len(self._copies):
             self._send(self._copies.take())
 
-    def _send(self, taken: tuple[list[float] | None, int] | None) -> None:
-        values, step = taken if taken is not None else (None, 0)
+    def _send(self, taken: tuple[list[float] | None, tuple[int, list[str]]] | None) -> None:
+        values, (step, names) = taken if taken is not None else (None, (0, []))
         if values is not None:
-            self.send(step, self.names, [int(v) for v in values])
+            self.send(step, names, [int(v) for v in values])
+
+
+def _per_element(state: Tensor, param: Tensor) -> bool:
+    """A state tensor with one entry per parameter element (not Adam's step)."""
+    return state.shape == param.shape and state.dtype in _BITS
+
+
+def replicated_state(optimizer: object) -> Mapping[Tensor, Mapping[str, object]] | None:
+    """The optimizer's per-parameter state, if every DDP rank holds all of it."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # (accelerate's, Lightning's wrappers)
+    if not isinstance(inner, torch.optim.Optimizer) or type(inner).__name__ in SHARDED_STATE:
+        return None
+    return inner.state
+
+
+#: Optimizers whose state each rank holds only part of, by design.
+SHARDED_STATE = frozenset({"ZeroRedundancyOptimizer"})
