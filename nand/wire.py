@@ -14,6 +14,7 @@ Every message is one msgpack map (one ZeroMQ frame)::
                  entries, counts 0 <= n <= 2**63 - 1; "local_grad_norms"?: [[step, norm],
                  ...] (DDP, at most MAX_LOCAL_NORMS, each norm finite and >= 0)
       flight     body = {"flight": FlightWindow.to_dict(), "reason": str}
+      fingerprint body = {"step", "names", "values", "group"?}: see _validate_fingerprint
       bye        body = {"step": int, "reason": str}
 
     server → agent:
@@ -85,6 +86,8 @@ MAX_DROP_COUNT = 2**63 - 1
 #: A fingerprint names at most this many parameters, each name this long.
 MAX_FINGERPRINT_PARAMS = 100_000
 MAX_NAME_CHARS = 512
+#: A fingerprint's replica group: at most this many mesh coordinates.
+MAX_MESH_DIMS = 8
 #: A heartbeat carries at most this many local gradient norms (the agent's
 #: ``recorder.LOCAL_NORMS_KEPT``).
 MAX_LOCAL_NORMS = 256
@@ -290,7 +293,9 @@ def _validate_local_norms(pairs: list[Any] | None) -> None:
 
 
 def _validate_fingerprint(message: Mapping[str, Any]) -> None:
-    """``{step, names, values}``: one int64 per parameter (``agent.step.fingerprint``)."""
+    """``{step, names, values, group?}``: one int64 per parameter
+    (``agent.step.fingerprint``); ``group``: the replica group, at most
+    MAX_MESH_DIMS mesh coordinates (absent or ``[]``: every rank)."""
     body = _agent_envelope(message)
     _non_negative(_require(body, "step", _INT, "fingerprint"), "fingerprint.step")
     names = _require(body, "names", (list,), "fingerprint")
@@ -301,6 +306,9 @@ def _validate_fingerprint(message: Mapping[str, Any]) -> None:
         raise WireError("bad_field", "fingerprint.names must be strings")
     if not all(type(v) is int and -MAX_DROP_COUNT - 1 <= v <= MAX_DROP_COUNT for v in values):
         raise WireError("bad_field", "fingerprint.values must be 64-bit integers")
+    group = _require(body, "group", (list,), "fingerprint", optional=True) or []
+    if len(group) > MAX_MESH_DIMS or not all(type(c) is int and 0 <= c < 2**31 for c in group):
+        raise WireError("bad_field", "fingerprint.group must be a few mesh coordinates")
 
 
 def _validate_warning(message: Mapping[str, Any]) -> None:

@@ -32,7 +32,7 @@ class Sink(Protocol):
         """The flight-recorder window, sent on request (e.g. the server asked)."""
 
     # Optional, for per-step sinks (a server): ``fingerprint(step, names,
-    # values)``, a replica fingerprint (``nand.agent.step.fingerprint``).
+    # values, group)``, a replica fingerprint (``nand.agent.step.fingerprint``).
 
     def commands(self) -> list[dict[str, Any]]:
         """Commands received from the server since the last call (never blocks)."""

@@ -267,12 +267,12 @@ class Watch:
         self._flush()
 
     def _flush(self) -> None:
-        """Deferred: read and report every window still pending (``close``,
-        interpreter exit), so the last steps' events are never lost."""
+        """Report what is still pending (deferred windows, a fingerprint): at close, exit."""
         deferred = self._boundary.deferred
         try:
             while deferred and not self._guard.off:
                 self._report(self._boundary.take(), beat=False)
+            self._boundary.flush_fingerprints()
         except Exception as exc:
             self._guard.failed(exc, "deferred read")
 

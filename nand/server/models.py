@@ -229,6 +229,9 @@ class Fingerprint(Base):
     digest: Mapped[str] = mapped_column(String(64))
     names: Mapped[list[str]] = mapped_column(JSON)
     values: Mapped[list[int]] = mapped_column(JSON)
+    #: The ranks that hold the same tensors: HSDP's shard coordinates, as
+    #: "1" or "0,2" ("": every rank, DDP). Compared within a group only.
+    replica_group: Mapped[str] = mapped_column(String(64), default="", server_default="")
 
 
 class LocalGradNorm(Base):

@@ -1,6 +1,8 @@
 """The DDP replicas compared: a rank whose parameters differ from the others'.
 
-Under DDP every rank holds the same parameters after every update. Every
+Under DDP every rank holds the same parameters after every update (under
+HSDP, every rank of a replica group: those holding the same shard; each
+fingerprint names its group and only a group's ranks are compared). Every
 ``NAND_FINGERPRINT_STEPS`` steps each rank sends an exact fingerprint of
 them, one integer per parameter (``nand.agent.step.fingerprint``). Here the
 ranks' fingerprints of one step are compared as they arrive; the job runs no
@@ -66,6 +68,7 @@ def _row(message: dict[str, Any], run_ids: RunIds) -> dict[str, Any]:
         "digest": digest,
         "names": names,
         "values": values,
+        "replica_group": ",".join(str(c) for c in body.get("group") or ()),
     }
 
 
@@ -77,12 +80,19 @@ def _compare(conn: Connection, run_id: int, step: int) -> None:
     if run.replica_step is not None and step > run.replica_step:
         return
     found = conn.execute(
-        select(Fingerprint.rank, Fingerprint.digest, Fingerprint.names, Fingerprint.values)
+        select(
+            Fingerprint.rank, Fingerprint.digest, Fingerprint.names, Fingerprint.values,
+            Fingerprint.replica_group,
+        )
         .where(Fingerprint.run_id == run_id, Fingerprint.step == step)
         .order_by(Fingerprint.rank)
-    ).all()
-    if len({row.digest for row in found}) > 1:
-        ranks, params = differing(found)
+    ).all()  # fmt: skip
+    groups: dict[str, list[Any]] = {}
+    for row in found:
+        groups.setdefault(row.replica_group, []).append(row)
+    split = [rows for rows in groups.values() if len({row.digest for row in rows}) > 1]
+    if split:
+        ranks, params = differing(split[0])
         values = {"replica_step": step, "replica_ranks": ranks, "replica_params": params}
     elif len(found) >= max(2, run.world_size) and step > (run.replica_good_step or -1):
         values = {"replica_good_step": step}  # every rank reported, all the same

@@ -112,9 +112,9 @@ class Session:
     def world_size(self) -> int:
         return self.who.world_size
 
-    def fingerprint(self, step: int, names: list[str], values: list[int]) -> None:
+    def fingerprint(self, step: int, names: list[str], values: list[int], group: list[int]) -> None:
         """A replica fingerprint (``step.fingerprint``), for the sinks that take one."""
-        self._call_optional("fingerprint", True, step, names, values)
+        self._call_optional("fingerprint", True, step, names, values, group)
 
     def alert(self, alert: Alert) -> None:
         """An early warning (``step.blowup``), for every sink that takes one."""

@@ -167,14 +167,19 @@ class Boundary:
             if self.fingerprints is not None:
                 self._fingerprint(step, decides)
 
+    def flush_fingerprints(self) -> None:
+        """At close: send a fingerprint taken and not sent yet (also when the
+        close had nothing left to read)."""
+        if self.fingerprints is not None:
+            self._fingerprint(self.read_step, boundary=False)
+
     def _fingerprint(self, step: int, boundary: bool) -> None:
         """After the step's read: send the last fingerprint, take this one's.
         Its failure turns fingerprints off, not the watch."""
         assert self.fingerprints is not None
-        replicated = self.grads_reduced and not self.params_gathered
         try:
             if boundary:
-                self.fingerprints.at_boundary(step, replicated)
+                self.fingerprints.at_boundary(step, self.grads_reduced)
             else:
                 self.fingerprints.flush()
         except Exception as exc:

@@ -16,8 +16,12 @@ The fingerprint is taken at the step boundary, before the update, so step S
 means "the parameters after S updates" on every rank. It is copied towards
 the host without waiting (``deferred.DeferredRead``) and sent at the next
 boundary, after that step's one read. Cost: one pass over the parameters
-every N steps (figures in ``benchmarks/README.md``). Only where the ranks
-hold full replicas: DDP (FSDP's shards differ by design).
+every N steps (figures in ``benchmarks/README.md``). Only where ranks hold
+the same tensors: DDP's full replicas, and under HSDP (FSDP2 on a mesh with a
+replicate dimension) the ranks that hold the same shard. Each fingerprint
+names its replica group (this rank's coordinates on the sharded mesh
+dimensions: ``[]`` under DDP) and the server compares within groups. Plain
+FSDP shards differ by design: nothing to compare.
 
 The optimizer's per-element state is replicated too (SGD's momentum, Adam's
 ``exp_avg`` and ``exp_avg_sq``): each such tensor of a parameter's state is
@@ -28,6 +32,7 @@ state is sharded across ranks by design (``ZeroRedundancyOptimizer``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
@@ -45,8 +50,8 @@ _BITS = {
     torch.bfloat16: torch.int16,
 }
 
-#: ``send(step, names, values)``: hands a fingerprint to the outputs.
-Send = Callable[[int, list[str], list[int]], None]
+#: ``send(step, names, values, group)``: hands a fingerprint to the outputs.
+Send = Callable[[int, list[str], list[int], list[int]], None]
 
 
 def fingerprint(tensors: Sequence[Tensor]) -> Tensor:
@@ -57,8 +62,32 @@ def fingerprint(tensors: Sequence[Tensor]) -> Tensor:
     >>> bool(fingerprint([a]) != fingerprint([b]))
     True
     """
-    sums = [t.detach().view(_BITS[t.dtype]).sum(dtype=torch.int64) for t in tensors]
+    sums = [_local(t).detach().view(_BITS[t.dtype]).sum(dtype=torch.int64) for t in tensors]
     return torch.stack(sums)
+
+
+def _local(t: Tensor) -> Tensor:
+    """An FSDP2 parameter's (DTensor's) own shard; any other tensor itself."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def replica_group(params: Sequence[Tensor]) -> list[int] | None:
+    """Which ranks hold the same tensors as this one: this rank's coordinates
+    on the mesh dimensions the parameters are sharded on (``[]``: full
+    replicas, as under DDP). None when no other rank holds this rank's shards
+    (FSDP without a replicate dimension). FSDP2 puts every parameter of a
+    model on one mesh with the same placements: the first one tells.
+    """
+    sharded = next((p for p in params if hasattr(p, "placements")), None)
+    if sharded is None:
+        return []
+    mesh, placements = sharded.device_mesh, sharded.placements  # type: ignore[attr-defined]
+    coordinate = mesh.get_coordinate()
+    replicate = [i for i, placement in enumerate(placements) if placement.is_replicate()]
+    if coordinate is None or math.prod(mesh.size(i) for i in replicate) < 2:
+        return None
+    return [coordinate[i] for i in range(len(placements)) if i not in replicate]
 
 
 class Outputs(Protocol):
@@ -69,7 +98,9 @@ class Outputs(Protocol):
     @property
     def world_size(self) -> int: ...
 
-    def fingerprint(self, step: int, names: list[str], values: list[int]) -> None: ...
+    def fingerprint(
+        self, step: int, names: list[str], values: list[int], group: list[int]
+    ) -> None: ...
 
 
 class Fingerprints:
@@ -99,14 +130,17 @@ class Fingerprints:
         self.names = [name for name, _ in named]
         self.params = [p for _, p in named]
         self.state = state  # the optimizer's, per parameter (None: not fingerprinted)
+        self.group = replica_group(self.params)  # (None: no rank to compare with)
         self._copies: DeferredRead[tuple[int, list[str]]] = DeferredRead()
         self.taken = 0  # fingerprints taken, for tests
 
-    def at_boundary(self, step: int, replicated: bool) -> None:
+    def at_boundary(self, step: int, reduced: bool) -> None:
         """Send the fingerprint taken at the last boundary, then take this
-        step's if it is due and the parameters are full replicas."""
+        step's if it is due and a wrapper (``reduced``: DDP, FSDP) keeps other
+        ranks' tensors equal to this rank's."""
         self._send(self._copies.take())
-        if replicated and self.params and self.every and step % self.every == 0:
+        due = self.every and step % self.every == 0
+        if reduced and due and self.params and self.group is not None:
             names, tensors = self._tensors()
             self._copies.put(fingerprint(tensors), (step, names))
             self.taken += 1
@@ -130,7 +164,7 @@ class Fingerprints:
     def _send(self, taken: tuple[list[float] | None, tuple[int, list[str]]] | None) -> None:
         values, (step, names) = taken if taken is not None else (None, (0, []))
         if values is not None:
-            self.send(step, names, [int(v) for v in values])
+            self.send(step, names, [int(v) for v in values], self.group or [])
 
 
 def _per_element(state: Tensor, param: Tensor) -> bool:

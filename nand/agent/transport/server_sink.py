@@ -144,9 +144,10 @@ class ServerSink:
         with self._guard():
             self._submit("warning", alert.to_dict())
 
-    def fingerprint(self, step: int, names: list[str], values: list[int]) -> None:
+    def fingerprint(self, step: int, names: list[str], values: list[int], group: list[int]) -> None:
         with self._guard():
-            self._submit("fingerprint", {"step": step, "names": names, "values": values})
+            body = {"step": step, "names": names, "values": values, "group": group}
+            self._submit("fingerprint", body)
 
     def commands(self) -> list[dict[str, Any]]:
         try:
