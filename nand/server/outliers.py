@@ -193,10 +193,11 @@ def _warn(conn: Connection, run_id: int, step: int, outlier: Outlier) -> None:
 
 
 def sentence(outlier: Outlier, step: int) -> str:
-    """The finding in words a person on call can act on.
+    """The finding in words a person on call can act on (the rank is the
+    warning's own field, as with the agents' warnings).
 
     >>> print(sentence(Outlier(rank=2, norm=900.0, median=1.2, ranks=4), 57))
-    Rank 2's own gradient norm at step 57, before the all-reduce, is 750x the median of the 4 ranks' (900 against 1.2): its batch differs from the others' (bad data, a poisoned sample, targets in other units) or its hardware computes wrong.
+    own gradient norm at step 57, before the all-reduce, is 750x the median of the 4 ranks' (900 against 1.2): its batch differs from the others' (bad data, a poisoned sample, targets in other units) or its hardware computes wrong
     """  # noqa: E501
     if outlier.norm <= 0:
         how = f"zero, against a median of {outlier.median:.3g} over the {outlier.ranks} ranks"
@@ -208,7 +209,7 @@ def sentence(outlier: Outlier, step: int) -> str:
             f"({outlier.norm:.3g} against {outlier.median:.3g})"
         )
     return (
-        f"Rank {outlier.rank}'s own gradient norm at step {step:,}, before the all-reduce, "
-        f"is {how}: its batch differs from the others' (bad data, a poisoned sample, "
-        "targets in other units) or its hardware computes wrong."
+        f"own gradient norm at step {step:,}, before the all-reduce, is {how}: its batch "
+        "differs from the others' (bad data, a poisoned sample, targets in other units) or "
+        "its hardware computes wrong"
     )

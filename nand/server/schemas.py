@@ -197,7 +197,8 @@ class Verdict(BaseModel):
     gaps_summary: str = ""
     #: The DDP replicas compared (null: no fingerprints received yet).
     replica: ReplicaCheck | None = None
-    #: Early warnings of a blow-up (loss spikes, growing gradients, headroom).
+    #: Early warnings (loss spikes, growing gradients, headroom; a rank whose
+    #: own gradients stand out from the others').
     warnings: WarningsSummary = Field(default_factory=WarningsSummary)
 
 
@@ -217,7 +218,8 @@ class RunSummary(BaseModel):
     started_at: float
     last_seen: float
     event_count: int
-    #: Early warnings stored (a loss spike, a growing gradient norm, headroom).
+    #: Early warnings stored (a loss spike, a growing gradient norm, headroom,
+    #: a rank whose own gradients stand out).
     warnings: int = 0
     origin: Origin | None = None
     #: Messages the agents dropped before the server had them (a long outage

@@ -140,7 +140,7 @@ def test_the_rank_fed_a_batch_scaled_by_1000_is_named_at_its_step(nand_server):
     odd = outliers[0]
     expected = truth[ODD_RANK][ODD_STEP]  # nand's norm is float32-accumulated
     assert odd["value"] == pytest.approx(expected, rel=1e-3)
-    assert f"Rank {ODD_RANK}'s own gradient norm at step {ODD_STEP}" in odd["message"]
+    assert odd["message"].startswith(f"own gradient norm at step {ODD_STEP}, before")
     assert verdict["state"] == "finished"  # a warning, never an incident
     assert verdict["warnings"]["by_kind"]["grad_outlier"] == 1
 
