@@ -6,11 +6,11 @@ a rank whose norm stands out as a ``grad_outlier`` warning."""
 from __future__ import annotations
 
 import contextlib
-import sqlite3
 from collections.abc import Iterator
 
 import httpx
 import pytest
+from sqlalchemy import create_engine, text
 
 from nand.server.outliers import KEEP_STEPS, PRUNE_EVERY, QUIET_STEPS
 from nand.testing import free_port
@@ -18,14 +18,21 @@ from tests.server.agents import FakeAgent
 from tests.server.processes import ServerProcess
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory) -> Iterator[ServerProcess]:
-    db = tmp_path_factory.mktemp("outliers") / "o.db"
-    process = ServerProcess(f"sqlite:///{db}", free_port(), NAND_GRAD_OUTLIER_FACTOR="20")
-    process.start()
-    process.db = db  # type: ignore[attr-defined]
-    yield process
-    process.stop()
+@pytest.fixture(
+    scope="module", params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+)
+def server(request, tmp_path_factory) -> Iterator[ServerProcess]:
+    """A real server on SQLite, then on PostgreSQL (the norms are written with
+    each dialect's own statements)."""
+    with contextlib.ExitStack() as stack:
+        if request.param == "sqlite":
+            url = f"sqlite:///{tmp_path_factory.mktemp('outliers') / 'o.db'}"
+        else:
+            url = stack.enter_context(request.getfixturevalue("postgres").database())
+        process = ServerProcess(url, free_port(), NAND_GRAD_OUTLIER_FACTOR="20").start()
+        process.db_url = url  # type: ignore[attr-defined]
+        yield process
+        process.stop()
 
 
 def norm(rank: int, step: int) -> float:
@@ -130,10 +137,17 @@ def test_the_factor_is_the_servers_setting(server):
 
 
 def _rows_kept(server, run: str) -> list[int]:
-    with contextlib.closing(sqlite3.connect(server.db)) as db:
-        found = db.execute(
-            "SELECT step FROM local_grad_norms JOIN runs ON runs.id = run_id "
-            "WHERE runs.name = ? ORDER BY step, rank",
-            (run,),
-        )
-        return [step for (step,) in found]
+    """The norms still waiting for a run's steps, read from the database."""
+    engine = create_engine(server.db_url)
+    try:
+        with engine.connect() as db:
+            found = db.execute(
+                text(
+                    "SELECT step FROM local_grad_norms JOIN runs ON runs.id = run_id "
+                    "WHERE runs.name = :run ORDER BY step, rank"
+                ),
+                {"run": run},
+            )
+            return [step for (step,) in found]
+    finally:
+        engine.dispose()
