@@ -83,13 +83,12 @@ REASONS = (
 MAX_DROP_REASONS = 32
 DROP_REASON_PATTERN = re.compile(r"[a-z][a-z0-9_]{0,39}")
 MAX_DROP_COUNT = 2**63 - 1
-#: A fingerprint names at most this many parameters, each name this long.
+#: A fingerprint names at most this many parameters, each name this long,
+#: and its replica group at most MAX_MESH_DIMS mesh coordinates.
 MAX_FINGERPRINT_PARAMS = 100_000
 MAX_NAME_CHARS = 512
-#: A fingerprint's replica group: at most this many mesh coordinates.
 MAX_MESH_DIMS = 8
-#: A heartbeat carries at most this many local gradient norms (the agent's
-#: ``recorder.LOCAL_NORMS_KEPT``).
+#: A heartbeat carries at most this many local gradient norms (recorder.LOCAL_NORMS_KEPT).
 MAX_LOCAL_NORMS = 256
 
 
@@ -283,9 +282,7 @@ def _validate_local_norms(pairs: list[Any] | None) -> None:
     if len(pairs) > MAX_LOCAL_NORMS:
         raise WireError("bad_field", f"heartbeat.local_grad_norms: over {MAX_LOCAL_NORMS}")
     for pair in pairs:
-        if not (isinstance(pair, list | tuple) and len(pair) == 2):
-            raise WireError("bad_field", "heartbeat.local_grad_norms: [[step, norm], ...]")
-        step, norm = pair
+        step, norm = pair if isinstance(pair, list | tuple) and len(pair) == 2 else (-1, 0)
         if not (type(step) is int and step >= 0 and type(norm) in (int, float)):
             raise WireError("bad_field", "heartbeat.local_grad_norms: [[step, norm], ...]")
         if not 0 <= norm < float("inf"):
@@ -293,9 +290,8 @@ def _validate_local_norms(pairs: list[Any] | None) -> None:
 
 
 def _validate_fingerprint(message: Mapping[str, Any]) -> None:
-    """``{step, names, values, group?}``: one int64 per parameter
-    (``agent.step.fingerprint``); ``group``: the replica group, at most
-    MAX_MESH_DIMS mesh coordinates (absent or ``[]``: every rank)."""
+    """``{step, names, values, group?}``: one int64 per parameter (``agent.step.fingerprint``);
+    ``group``: the replica group, a few mesh coordinates (absent or ``[]``: every rank)."""
     body = _agent_envelope(message)
     _non_negative(_require(body, "step", _INT, "fingerprint"), "fingerprint.step")
     names = _require(body, "names", (list,), "fingerprint")
