@@ -69,7 +69,9 @@ def test_a_page_of_ten_thousand_events_renders_and_responds_quickly(
 
     # A filter re-renders the big page: the bound holds again.
     root.get_by_label("Rank").select_option("3")
-    expect(root).to_have_attribute("data-rows", "2500", timeout=30_000)
+    # (as long as the first page's wait: on a loaded CI machine the filtered
+    # request once stayed in flight past 30 s; the render bound below is the test)
+    expect(root).to_have_attribute("data-rows", "2500", timeout=60_000)
     record("events_2500_rows_filtered_render_ms", float(root.get_attribute("data-render-ms")))
     assert float(root.get_attribute("data-render-ms")) < RENDER_BOUND_MS
 
