@@ -138,9 +138,13 @@ class Session:
         now = time.monotonic()
         if now - self._last_beat < self.heartbeat_s or not self.per_step:
             return
-        rate = (step - self._last_step) / (now - self._last_beat)
+        rate = self._rate(step, now)
         self._last_beat, self._last_step = now, step
         self._call("heartbeat", summary(rate))
+
+    def _rate(self, step: int, now: float) -> float:
+        """Steps per second since the last heartbeat."""
+        return (step - self._last_step) / max(now - self._last_beat, 1e-9)
 
     def poll(self, step: int, flight: Callable[[], FlightWindow]) -> None:
         """Server commands, at an optimizer step boundary."""
@@ -169,8 +173,7 @@ class Session:
         """Bye, after a last heartbeat if the steps since the previous one
         left DDP local gradient norms unsent (the server compares them)."""
         if summary is not None and self.per_step and step > self._last_step:
-            elapsed = max(time.monotonic() - self._last_beat, 1e-9)
-            last = summary((step - self._last_step) / elapsed)
+            last = summary(self._rate(step, time.monotonic()))
             if last.local_grad_norms:
                 self._call("heartbeat", last)
         self._call("bye", step, reason)
