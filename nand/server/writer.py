@@ -183,11 +183,12 @@ def _store(
     losses.store(conn, by_kind["heartbeat"], run_ids, rank_ids)
     _store_events(conn, by_kind["event"], run_ids, rank_ids)
     _store_flights(conn, by_kind["flight"], run_ids)
-    replicas.store(conn, by_kind["fingerprint"], run_ids)
     alerts.store(conn, by_kind["warning"], run_ids)
     _store_byes(conn, by_kind["bye"], run_ids, rank_ids, now)
     _touch_runs(conn, fresh, run_ids, now)
-    # (after the runs' world sizes, which a hello in this batch may have set)
+    # Both compare the ranks of a step, so they need the run's world size,
+    # which a hello in this very batch may have just set.
+    replicas.store(conn, by_kind["fingerprint"], run_ids)
     outliers.store(conn, by_kind["heartbeat"], run_ids, grad_outlier_factor)
     return len(by_kind["event"])
 

@@ -10,8 +10,13 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from sqlalchemy import select
 
-from nand import exitcodes
+from nand import exitcodes, wire
+from nand.server.db import make_engine
+from nand.server.migrate import upgrade
+from nand.server.models import Run
+from nand.server.writer import write_batch
 from nand.testing import free_port
 from tests.server.agents import FakeAgent
 from tests.server.processes import ServerProcess
@@ -119,3 +124,42 @@ def test_nand_wait_until_mismatch_and_its_exit_code(server):
         for until in ("mismatch", "finished")
     }
     assert until == {"mismatch": 0, "finished": exitcodes.REPLICA_MISMATCH}
+
+
+def test_ranks_whose_hellos_share_the_batch_are_not_taken_for_the_whole_job(tmp_path):
+    """Three of four ranks agree in the batch that also carries the hellos:
+    the job has four ranks, so that step is not yet "every replica agreed".
+    (Before the fix the run's world size was still 0 when the batch's
+    fingerprints were compared: the dashboard then read "between steps 400
+    and 300".)"""
+    engine = make_engine(f"sqlite:///{tmp_path / 'r.db'}")
+    upgrade(engine)
+    agents = [
+        FakeAgent("tcp://127.0.0.1:1", run="one-batch", rank=r, world_size=4) for r in range(4)
+    ]
+    hellos = [
+        a.message("hello", {"world_size": 4, "host": f"h{a.rank}", "pid": a.rank}) for a in agents
+    ]
+    agreeing = [fingerprint(a, 400, [11, 22, 33]) for a in agents[:3]]
+    write_batch(engine, decoded(hellos + agreeing), time.time())
+    assert replica_columns(engine, "one-batch") == (None, None)
+    write_batch(engine, decoded([fingerprint(agents[3], 400, [11, 99, 33])]), time.time())
+    assert replica_columns(engine, "one-batch") == (400, None)
+    for agent in agents:
+        agent.close()
+
+
+def fingerprint(agent: FakeAgent, step: int, values: list[int]) -> dict:
+    return agent.message("fingerprint", {"step": step, "names": NAMES, "values": values})
+
+
+def decoded(messages: list[dict]) -> list[dict]:
+    return [wire.decode(wire.encode(message)) for message in messages]
+
+
+def replica_columns(engine, run: str) -> tuple[int | None, int | None]:
+    with engine.connect() as conn:
+        row = conn.execute(
+            select(Run.replica_step, Run.replica_good_step).where(Run.name == run)
+        ).one()
+    return row.replica_step, row.replica_good_step
