@@ -11,6 +11,7 @@ import sys
 import time
 
 import httpx
+import pytest
 
 from nand.server import embedded
 from nand.server.settings import Settings
@@ -94,6 +95,7 @@ def test_wait_follows_the_stream_and_rides_out_a_server_restart(tmp_path) -> Non
     assert reacted < 10, reacted
 
 
+@pytest.mark.timed
 def test_keep_alive_requests_are_not_held_back_by_nagle(tmp_path) -> None:
     """Nagle's algorithm with delayed ACKs costs ~40 ms a request on a kept-alive
     connection unless the server sets TCP_NODELAY (44 ms → 1.7 ms p50 measured)."""

@@ -19,7 +19,7 @@ from playwright.sync_api import expect
 
 from tests.web.conftest import Dashboard, PageErrors, screenshot
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timed]
 
 RENDER_BOUND_MS = 3000.0
 INTERACTION_BOUND_MS = 1000.0
