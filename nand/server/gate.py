@@ -146,8 +146,12 @@ class Gate:
         if self._listener is not None:
             self._thread.start()
 
-    def stop(self, timeout: float = 2.0) -> None:
+    def stop(self, timeout: float = 2.0, wake: Callable[[], object] | None = None) -> None:
+        """``wake``: ends the monitoring of the ingest socket, which wakes the
+        thread out of its wait on the monitor (a second, without it)."""
         self._stopping.set()
+        if wake is not None:
+            wake()
         if self._thread.is_alive():
             self._thread.join(timeout)
         elif self._accepted is not None:

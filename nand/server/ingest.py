@@ -40,6 +40,10 @@ from nand.server.writer import write_batch
 
 log = logging.getLogger("nand.server.ingest")
 
+#: What the descriptor gate hears of the ingest socket: each accepted
+#: connection, and the end of monitoring (which wakes it at shutdown).
+MONITORED = zmq.EVENT_ACCEPTED | zmq.EVENT_MONITOR_STOPPED
+
 #: What the log says when an agent is refused, by reason.
 _REFUSAL_TEXT = {
     "unauthenticated": "no valid token (NAND_TOKEN differs)",
@@ -106,13 +110,13 @@ class Ingest:
             context.term()
             return
         self._sock = sock
-        listener_gate.watch(self.endpoint, sock.get_monitor_socket(zmq.EVENT_ACCEPTED))
+        listener_gate.watch(self.endpoint, sock.get_monitor_socket(MONITORED))
         self._ready.set()
         try:
             self._loop(sock)
         finally:
+            listener_gate.stop(wake=sock.disable_monitor)
             sock.close(linger=1000)
-            listener_gate.stop()
             context.term()
 
     def _bind(self, context: zmq.Context, backlog: int) -> zmq.Socket:

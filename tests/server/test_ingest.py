@@ -283,3 +283,15 @@ def test_openapi_documents_every_route_with_typed_responses(server) -> None:
     verdict = paths["/api/runs/{run}/verdict"]["get"]["responses"]["200"]
     assert verdict["content"]["application/json"]["schema"]["$ref"].endswith("/Verdict")
     assert "Verdict" in spec["components"]["schemas"]
+
+
+@pytest.mark.timed
+def test_a_server_stops_without_waiting_out_the_descriptor_gate(start_server) -> None:
+    """The gate's thread waits on the ingest socket's monitor for up to a
+    second at a time; stopping ends the monitoring, which wakes it (every
+    test's server took 1.1 s to stop before)."""
+    server = start_server()
+    time.sleep(0.05)  # the gate is waiting
+    started = time.monotonic()
+    server.stop()
+    assert time.monotonic() - started < 0.8
