@@ -20,7 +20,6 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from nand.agent.detect import amp, ddp
-from nand.agent.detect.amp import AmpWatch
 from nand.agent.detect.compiled import CompiledSlots
 from nand.agent.detect.hooks import Hooks
 from nand.agent.detect.modules import described, module_table
@@ -80,7 +79,7 @@ class Watch:
         self._infos = module_table(self._root, wrapped, allow_nonfinite)
         names = [info.name for info in self._infos.values()]
         self.recorder = FlightRecorder(settings.flight_steps, names)
-        self._slots = CompiledSlots.for_model(self._root)
+        self._slots = CompiledSlots.for_model(self._root, self._infos.values())
         state = HookState(self._buf, self._guard, self._slots)
         state.window_full = self._window_full
         self._hooks = Hooks(state)
@@ -90,7 +89,7 @@ class Watch:
         self._boundary = Boundary(self._buf, session.who, self.recorder, len(names), kind, agree)
         self._boundary.slots = self._slots
         self._opt: OptimizerHooks | None = None
-        self._amp: AmpWatch | None = None
+        self._amp: amp.AmpWatch | None = None
         self._unlisten: Callable[[], None] | None = None
         self._looking: RemovableHandle | None = None
         if settings.disabled:
@@ -297,7 +296,7 @@ class Watch:
             if self._amp is not None:
                 self._amp.close()
             assert self._opt is not None
-            self._amp = AmpWatch(scaler, self._opt.optimizer, self._stepped, self._amp_skipped)
+            self._amp = amp.AmpWatch(scaler, self._opt.optimizer, self._stepped, self._amp_skipped)
             self._boundary.amp = self._amp
         except Exception as exc:
             self._guard.failed(exc, "GradScaler adoption")
@@ -306,6 +305,8 @@ class Watch:
         """GradScaler.update without an optimizer step: an iteration whose
         update the scaler skipped (overflow). It counts as a step all the
         same: ``step`` is the loop's iteration, as the frameworks count it."""
+        if self._opt is not None:
+            self._opt.add_skipped()
         self._guarded_check(skipped=True)
         if not self._guard.off:
             self.step += 1

@@ -23,7 +23,9 @@ parameters' gradients, read at the step boundary as always (see
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import itertools
+import weakref
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import Tensor
@@ -43,21 +45,27 @@ class CompiledSlots:
     values dynamo can hand to a trace-time function.
     """
 
-    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self, device: torch.device, dtype: torch.dtype, infos: Iterable[ModuleInfo] = ()
+    ) -> None:
         self.slab = torch.zeros(2 * SLOTS, device=device, dtype=dtype)
         self.sites: list[Site] = []  # by slot
-        self._slot: dict[tuple[int, bool, str], int] = {}
+        self._slot: dict[tuple[str, bool, str], int] = {}
         #: Set once any probe went here: the watch reads the slots from then on.
         self.active = False
+        #: This object's name to :func:`_slot_at_trace_time` (see there).
+        self.key = f"slots-{next(_keys)}"
+        _live[self.key] = self
+        self.infos = {info.name: info for info in infos}
 
     @classmethod
-    def for_model(cls, root: torch.nn.Module) -> CompiledSlots:
+    def for_model(cls, root: torch.nn.Module, infos: Iterable[ModuleInfo]) -> CompiledSlots:
         """Slots on the model's device, in a dtype that holds every parameter
-        dtype's range (float64 models: float64)."""
+        dtype's range (float64 models: float64), for the sites of ``infos``."""
         params = [p for p in root.parameters() if p.is_floating_point()]
         device = params[0].device if params else torch.device("cpu")
         wide = any(p.dtype == torch.float64 for p in params)
-        return cls(device, torch.float64 if wide else torch.float32)
+        return cls(device, torch.float64 if wide else torch.float32, infos)
 
     def slot(self, info: ModuleInfo, is_input: bool, name: str, dtype: torch.dtype) -> int:
         """The offset of a site's pair in the slab, given out on first use.
@@ -65,7 +73,7 @@ class CompiledSlots:
         Called at trace time in compiled code (see :func:`_slot_at_trace_time`),
         directly in eager code.
         """
-        key = (id(info), is_input, name)
+        key = (info.name, is_input, name)
         k = self._slot.get(key)
         if k is None:
             site = info.input_site(name) if is_input else info.output_site(name)
@@ -84,7 +92,7 @@ class CompiledSlots:
         if t.device != self.slab.device or not t.is_floating_point() or not t.numel():
             return
         if torch.compiler.is_dynamo_compiling():
-            k = _slot_at_trace_time(self, info, is_input, name, t.dtype)
+            k = _slot_at_trace_time(self.key, info.name, is_input, name, t.dtype)
         else:
             k = self.slot(info, is_input, name, t.dtype)
         lo, hi = torch.aminmax(t.detach())
@@ -102,13 +110,20 @@ class CompiledSlots:
         return [MICRO, *self.sites], values
 
 
-def _slot(
-    slots: CompiledSlots, info: ModuleInfo, is_input: bool, name: str, dtype: torch.dtype
-) -> int:
-    return slots.slot(info, is_input, name, dtype)
+#: Every live slot vector by its key. A function dynamo runs at trace time
+#: gets constants only on every torch version (2.11 refuses an object:
+#: "UserDefinedObjectVariable(CompiledSlots) is not a constant"), so the
+#: slots and the module are named by strings, which are never made symbolic.
+_live: weakref.WeakValueDictionary[str, CompiledSlots] = weakref.WeakValueDictionary()
+_keys = itertools.count()
 
 
-SlotOf = Callable[[CompiledSlots, ModuleInfo, bool, str, torch.dtype], int]
+def _slot(slots_key: str, module: str, is_input: bool, name: str, dtype: torch.dtype) -> int:
+    slots = _live[slots_key]
+    return slots.slot(slots.infos[module], is_input, name, dtype)
+
+
+SlotOf = Callable[[str, str, bool, str, torch.dtype], int]
 _assume_constant_result: Callable[[SlotOf], SlotOf] = torch._dynamo.assume_constant_result
 
 #: :meth:`CompiledSlots.slot`, run once by dynamo when it traces a probe; the

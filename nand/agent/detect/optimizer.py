@@ -338,6 +338,22 @@ class OptimizerHooks:
             cache.grads_plain = False  # a sparse gradient: filter them from now on
             self.add_norms(with_params, force)
 
+    def add_skipped(self) -> None:
+        """A GradScaler skipped this step's update, so no pre-hook ran: what the
+        last update wrote joins this window all the same, when due (a small
+        model's would have ridden the pre-hook's launch). Without it a
+        deferred read, which has no tensors left to look behind a forward
+        finding with, would blame the layer that a bad weight made non-finite."""
+        if self.guard.off or not self.stepped_once or self._queued:
+            return
+        try:
+            self._params_due |= self.read_params_every_step
+            if self._params_due or self._state_due:
+                self._refresh()
+                self._add_params_and_state()
+        except Exception as exc:
+            self.guard.failed(exc, "GradScaler-skipped step")
+
     def _add_params_and_state(self) -> None:
         tensors: list[Tensor] = []
         sites: list[Site] = []
