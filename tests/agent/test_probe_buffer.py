@@ -37,16 +37,43 @@ def test_float32_probes_and_norms_are_read_from_the_slab_in_order():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
-def test_other_dtypes_spill_and_are_stacked_in_execution_order(dtype):
+def test_other_dtypes_go_to_slabs_of_their_own_and_are_read_in_execution_order(dtype):
     buf = ProbeBuffer()
-    buf.probe(torch.tensor([1.0, 2.0]), site("a"))  # slab
-    buf.probe(torch.tensor([-4.0, 8.0], dtype=dtype), site("b"))  # its own results
-    buf.probe(torch.tensor([0.5, float("inf")]), site("c"))  # slab again, after b's
+    buf.probe(torch.tensor([1.0, 2.0]), site("a"))  # float32 slab
+    buf.probe(torch.tensor([-4.0, 8.0], dtype=dtype), site("b"))  # its dtype's slab
+    buf.probe(torch.tensor([0.5, float("inf")]), site("c"))  # float32 slab, after b's
     buf.add_norms([torch.tensor([3.0, 4.0], dtype=dtype)], [site("n")])
-    assert buf.spilled
-    assert read(buf) == [1.0, 2.0, -4.0, 8.0, 0.5, math.inf, 5.0]
+    assert not buf.spilled and buf.pairs[2]._base is buf.others.slabs[dtype][0]
+    gathered = buf.gather()
+    assert gathered is not None
+    wide = torch.float64 if dtype is torch.float64 else torch.float32
+    assert gathered.dtype is wide and gathered.tolist() == [1.0, 2.0, -4.0, 8.0, 0.5, math.inf, 5.0]
     buf.clear()
-    assert not buf.spilled  # the next window starts on the slab again
+    # The next window has another layout: nothing of the last one's is read.
+    buf.probe(torch.tensor([-4.0, 8.0], dtype=dtype), site("b"))
+    buf.probe(torch.tensor([7.0]), site("a"))
+    assert read(buf) == [-4.0, 8.0, 7.0, 7.0]
+
+
+def test_a_window_of_many_dtypes_with_a_nan_in_each_reads_every_nan_where_it_was():
+    buf = ProbeBuffer()
+    for i, dtype in enumerate([torch.bfloat16, torch.float32, torch.float16, torch.float64] * 2):
+        value = float("nan") if i % 3 == 0 else float(i)
+        buf.probe(torch.tensor([value, -1.0], dtype=dtype), site(str(i)))
+    values = read(buf)
+    for i in range(8):
+        lo, hi = values[2 * i : 2 * i + 2]
+        if i % 3 == 0:
+            assert math.isnan(lo) and math.isnan(hi)
+        else:
+            assert (lo, hi) == (-1.0, float(i))
+
+
+def test_the_extras_ride_after_the_slabs_without_a_stack_of_the_probes():
+    buf = ProbeBuffer()
+    buf.probe(torch.tensor([1.0, 2.0], dtype=torch.bfloat16), site("a"))
+    buf.extras.append(torch.tensor(65536.0))  # a GradScaler's scale
+    assert not buf.spilled and read(buf) == [1.0, 2.0, 65536.0]
 
 
 def test_a_window_larger_than_the_slab_spills_once_and_the_slab_grows():
@@ -71,7 +98,7 @@ def test_float64_norms_are_not_rounded_into_the_slab():
     assert read(buf) == [1.0, 1.0, 1e300]
 
 
-def test_a_bfloat16_model_is_checked_through_the_stacked_path():
+def test_a_bfloat16_model_is_checked_from_its_own_slab():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)).to(torch.bfloat16)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -82,7 +109,7 @@ def test_a_bfloat16_model_is_checked_through_the_stacked_path():
                 with torch.no_grad():
                     model[2].bias[1] = float("nan")  # written by user code
             model(x).float().sum().backward()
-            assert w._buf.spilled
+            assert not w._buf.spilled
             opt.step()
             opt.zero_grad()
     # Written between steps 1 and 2: labelled with step 1, like the optimizer's writes.

@@ -54,7 +54,97 @@ class Site:
 
 #: Values the slab holds at first, and at most (a window with more is stacked).
 SLAB_START, SLAB_MAX = 64, 4096
-_FLOAT32, _aminmax = torch.float32, torch.aminmax
+_FLOAT32, _FLOAT64, _aminmax = torch.float32, torch.float64, torch.aminmax
+#: Dtypes that get a slab of their own beside the float32 one: autocast's and
+#: pure half-precision outputs, and float64 (which float32 would round).
+NARROW_AND_WIDE = (torch.bfloat16, torch.float16, torch.float64)
+Positions = tuple[int, ...]
+
+
+class OtherSlabs:
+    """Slabs in the dtypes of :data:`NARROW_AND_WIDE`, indexed like the float32 one.
+
+    Under autocast most activations are bfloat16 or float16, which
+    ``aminmax(out=...)`` cannot write into float32. Such a probe writes its
+    pair at its own position in the slab of its dtype instead, and the read
+    takes each position from the slab that holds it: one ``torch.where`` per
+    dtype, with masks made once per layout (a window's layout is the same
+    every step). Stacking the 0-d results instead costs a conversion kernel
+    for each, which on a GPU cost more than the probes themselves.
+    """
+
+    def __init__(self, size: int, device: torch.device) -> None:
+        self.size, self.device = size, device
+        self.slabs: dict[torch.dtype, tuple[Tensor, list[Tensor]]] = {}
+        #: This window's pair positions, by dtype.
+        self.positions: dict[torch.dtype, list[int]] = {}
+        self._masks: dict[tuple[Any, ...], list[tuple[Tensor, Tensor]]] = {}
+
+    def slots(self, dtype: torch.dtype) -> list[Tensor]:
+        """The 0-d views of ``dtype``'s slab (made on first use)."""
+        made = self.slabs.get(dtype)
+        if made is None:
+            slab = torch.zeros(self.size, device=self.device, dtype=dtype)
+            made = self.slabs[dtype] = (slab, list(slab.unbind()))
+        return made[1]
+
+    def take(self, dtype: torch.dtype, k: int) -> list[Tensor] | None:
+        """The pair of views at position ``k`` for a probe of ``dtype``, or None."""
+        if dtype not in NARROW_AND_WIDE:
+            return None
+        self.positions.setdefault(dtype, []).append(k)
+        return self.slots(dtype)[k : k + 2]
+
+    def combine(self, main: Tensor, n_pairs: int, wide_norms: bool) -> Tensor:
+        """``main`` (the float32 slab's first values) with every position held
+        by another slab taken from there; norms at ``n_pairs`` on (float64 if
+        ``wide_norms``). Promotes to the widest dtype used."""
+        used = [(d, tuple(p)) for d, p in self.positions.items() if p]
+        key = (len(main), n_pairs if wide_norms else -1, *used)
+        masks = self._masks.get(key)
+        if masks is None:
+            if len(self._masks) > 64:  # layouts that keep changing: keep a few
+                self._masks.clear()
+            masks = self._masks[key] = self._make_masks(len(main), n_pairs, wide_norms, used)
+        result = main
+        for mask, slab in masks:
+            result = torch.where(mask, slab[: len(main)], result)
+        return result
+
+    def clear(self) -> None:
+        for positions in self.positions.values():
+            positions.clear()
+
+    def _make_masks(
+        self, n: int, n_pairs: int, wide_norms: bool, used: list[tuple[torch.dtype, Positions]]
+    ) -> list[tuple[Tensor, Tensor]]:
+        """A mask per dtype, made on the device by ``fill_`` of runs of positions:
+        a copy from the host would be a synchronising call."""
+        masks = []
+        dtypes = {d for d, _ in used} | ({_FLOAT64} if wide_norms else set())
+        for dtype in sorted(dtypes, key=lambda d: d.itemsize):  # float64 last: it wins
+            mask = torch.zeros(n, dtype=torch.bool, device=self.device)
+            for start, stop in _runs(dict(used).get(dtype, ())):
+                mask[start:stop].fill_(True)
+            if dtype is _FLOAT64 and wide_norms:
+                mask[n_pairs:].fill_(True)
+            masks.append((mask, self.slabs[dtype][0]))
+        return masks
+
+
+def _runs(pair_positions: Positions) -> list[tuple[int, int]]:
+    """The (start, stop) runs that pairs at these ascending positions cover.
+
+    >>> _runs((0, 2, 6, 8, 12))
+    [(0, 4), (6, 10), (12, 14)]
+    """
+    runs: list[tuple[int, int]] = []
+    for k in pair_positions:
+        if runs and runs[-1][1] == k:
+            runs[-1] = (runs[-1][0], k + 2)
+        else:
+            runs.append((k, k + 2))
+    return runs
 
 
 class ProbeBuffer:
@@ -69,16 +159,17 @@ class ProbeBuffer:
     two new tensors per probe, and the step's read is one slice of the slab
     rather than a ``stack`` of every result (on CPU, stacking an MLP's 20
     results costs about what two of its probes do). ``pairs`` then holds those
-    views. A probe the slab cannot take (another dtype or device, no room
-    left, under ``torch.compile``) appends results of its own; that window is
-    stacked, and the slab is refitted for the next one: moved to the device of
-    the window's first probe, grown to the window's size (up to
-    :data:`SLAB_MAX`).
+    views. Half-precision and float64 values go to slabs of their own at the
+    same positions (:class:`OtherSlabs`). A probe no slab can take (another
+    device, no room left, under ``torch.compile``) appends results of its
+    own; that window is stacked, and the slab is refitted for the next one:
+    moved to the device of the window's first probe, grown to the window's
+    size (up to :data:`SLAB_MAX`).
     """
 
     __slots__ = (
-        "device", "exact_norms", "extras", "norm_sites", "norms", "pairs", "room", "sites",
-        "slab", "slots", "slotted", "spans", "spilled",
+        "device", "exact_norms", "extras", "norm_sites", "norms", "others", "pairs", "room",
+        "sites", "slab", "slots", "slotted", "spans", "spilled", "wide_norms",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -95,6 +186,8 @@ class ProbeBuffer:
         self._make_slab(SLAB_START, torch.device("cpu"))
         #: Some result of this window is not in the slab: it is stacked.
         self.spilled = False
+        #: A norm of this window is float64: the norms go to the float64 slab.
+        self.wide_norms = False
         #: Norms accumulated in float64 (the deferred read): the squares of any
         #: float32/16 values fit, so a norm is non-finite exactly when its tensor
         #: is, and needs no check against a tensor that has moved on since.
@@ -104,18 +197,15 @@ class ProbeBuffer:
         """Launch one aminmax of ``t`` (detached, float, non-empty) for ``site``. No sync."""
         pairs = self.pairs
         # (is_compiling first: dynamo would guard on the length read after it)
-        if (
-            not is_compiling()
-            and (k := len(pairs)) < self.room
-            and t.dtype is _FLOAT32
-            and t.device == self.device
-        ):
-            out = self.slots[k : k + 2]
-            _aminmax(t, out=out)
-            pairs += out
-        else:
-            pairs.extend(_aminmax(t))
-            self.spilled = True
+        if not is_compiling() and (k := len(pairs)) < self.room and t.device == self.device:
+            out = self.slots[k : k + 2] if t.dtype is _FLOAT32 else self.others.take(t.dtype, k)
+            if out is not None:
+                _aminmax(t, out=out)
+                pairs += out
+                self.sites.append(site)
+                return
+        pairs.extend(_aminmax(t))
+        self.spilled = True
         self.sites.append(site)
 
     def probe_max(self, t: Tensor, site: Site) -> None:
@@ -138,6 +228,8 @@ class ProbeBuffer:
         if self.spans:
             self.spans.clear()
         self.slotted = None
+        self.others.clear()
+        self.wide_norms = False
 
     def _refit(self) -> None:
         """After a window that spilled: a slab where and as large as it needed."""
@@ -152,6 +244,7 @@ class ProbeBuffer:
         self.slots: list[Tensor] = list(self.slab.unbind())  # its elements as 0-d views
         self.room = size - 1  # a probe at pairs index < room fits in the slab
         self.device = device
+        self.others = OtherSlabs(size, device)
 
     def __len__(self) -> int:
         return len(self.sites) + len(self.norm_sites)
@@ -163,8 +256,8 @@ class ProbeBuffer:
                 norms = torch._foreach_norm(tensors, 2, dtype=torch.float64)
             else:
                 norms = torch._foreach_norm(tensors)
-            if norms[0].dtype is torch.float64:
-                self.spilled = True  # (the float32 slab would round them)
+            if not self.wide_norms and any(n.dtype is _FLOAT64 for n in norms):
+                self.wide_norms = True  # (the float32 slab would round them)
             self.norms.extend(norms)
             self.norm_sites.extend(sites)
 
@@ -172,10 +265,12 @@ class ProbeBuffer:
         """All results as one 1-d tensor: pairs, then norms, then extras."""
         n, m = len(self.pairs), len(self.norms)
         slotted = self.slotted
-        if not self.spilled and not self.extras and slotted is None and n + m <= len(self.slots):
-            if m:  # float32 holds float16/bfloat16 norms exactly (float64 ones spill)
-                torch._foreach_copy_(self.slots[n : n + m], self.norms)
-            return self.slab[: n + m] if n + m else None
+        if not self.spilled and slotted is None and n + m <= len(self.slots):
+            main = self._from_slabs(n, m)
+            if not self.extras:
+                return main
+            extras = torch.stack(self.extras)  # (a loss, a scale: a few values)
+            return extras if main is None else torch.cat([main, extras])
         if slotted is None:
             everything = self.pairs + self.norms + self.extras
             # One launch; mixed dtypes promote, NaN and inf survive the promotion.
@@ -184,6 +279,18 @@ class ProbeBuffer:
         parts = [torch.stack(self.pairs)] if self.pairs else []
         parts += [slotted, torch.stack(rest)] if rest else [slotted]
         return torch.cat(parts)
+
+    def _from_slabs(self, n: int, m: int) -> Tensor | None:
+        """The window's pairs and norms, read from the slabs in place."""
+        if m:  # float32 holds float16/bfloat16 norms exactly, float64 ones go wide
+            slots = self.others.slots(_FLOAT64) if self.wide_norms else self.slots
+            torch._foreach_copy_(slots[n : n + m], self.norms)
+        if not n + m:
+            return None
+        main = self.slab[: n + m]
+        if self.wide_norms or any(self.others.positions.values()):
+            return self.others.combine(main, n, self.wide_norms)
+        return main
 
 
 def local(t: Tensor) -> Tensor:
