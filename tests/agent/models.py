@@ -24,7 +24,7 @@ class Plant(nn.Module):
         if self.value is None:
             return x
         x = x.clone()
-        x.view(-1)[0] = self.value
+        x.view(-1)[:1].fill_(self.value)  # (a kernel: no copy from the host)
         return x
 
 
@@ -39,7 +39,7 @@ class BadBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
         grad = grad.clone()
-        grad.view(-1)[0] = ctx.value
+        grad.view(-1)[:1].fill_(ctx.value)
         return grad, None
 
 

@@ -14,6 +14,12 @@ pytest.register_assert_rewrite("tests.integrations.check")
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# With NAND_TEST_DEVICE=cuda (loops.DEVICE) twin runs must still compute the
+# same losses bit for bit: cuBLAS needs a fixed workspace for that, set
+# before CUDA starts, and torch its deterministic kernels (below).
+ON_CUDA = os.environ.get("NAND_TEST_DEVICE", "cpu").startswith("cuda")
+if ON_CUDA:
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 
 @pytest.fixture(autouse=True)
@@ -21,4 +27,6 @@ def _one_thread_and_a_fixed_seed() -> None:
     import torch
 
     torch.set_num_threads(1)
-    torch.manual_seed(0)
+    torch.manual_seed(0)  # CUDA's generators too
+    if ON_CUDA:  # warn_only: an op without a deterministic kernel still runs
+        torch.use_deterministic_algorithms(True, warn_only=True)

@@ -99,8 +99,9 @@ class Planted:
     def __init__(self, fault: Fault | None, model: nn.Module) -> None:
         self.fault = fault
         self.armed = False
-        self._value = torch.zeros(())  # the fault's value while armed, else 0
-        self._factor = torch.ones(())  # the loss factor: the value while armed, else 1
+        device = next(model.parameters()).device  # a framework may move the model later
+        self._value = torch.zeros((), device=device)  # the fault's value while armed, else 0
+        self._factor = torch.ones((), device=device)  # the loss factor: the value while armed
         self._handle = None
         if fault is not None and fault.kind in ("forward", "backward"):
             module = model.get_submodule(fault.where)
@@ -121,7 +122,7 @@ class Planted:
         return {**batch, self.fault.where: poison(batch[self.fault.where], self._value)}
 
     def loss(self, loss: Tensor) -> Tensor:
-        return loss * self._factor.to(loss.dtype) if self._is("loss") else loss
+        return loss * self._factor.to(loss.device, loss.dtype) if self._is("loss") else loss
 
     def before_update(self, optimizer: torch.optim.Optimizer, step: int) -> None:
         """Before ``optimizer.step()`` of ``step``: the lr fault's group gets its learning rate."""
@@ -148,8 +149,8 @@ class Planted:
     def _forward_hook(self, module: nn.Module, args: Any, output: Any) -> Any:
         value = self._value
         if self._is("forward"):
-            return map_first(output, lambda t: poison(t, value.to(t.dtype)))
-        return map_first(output, lambda t: BadGradient.apply(t, value.to(t.dtype)))
+            return map_first(output, lambda t: poison(t, value.to(t.device, t.dtype)))
+        return map_first(output, lambda t: BadGradient.apply(t, value.to(t.device, t.dtype)))
 
 
 def param_groups(model: nn.Module, isolate: str | None = None) -> list[dict[str, Any]]:

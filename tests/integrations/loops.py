@@ -18,6 +18,7 @@ what nand says of the same run::
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +32,9 @@ from tests.integrations.truth import Finding, Truth
 from tests.integrations.zoo import Case, case, float_input_needed
 
 LR = 1e-3
+#: Where every twin run trains: ``NAND_TEST_DEVICE=cuda`` runs the suite on a
+#: GPU (nand then reads one boundary late, without a sync), CPU by default.
+DEVICE = torch.device(os.environ.get("NAND_TEST_DEVICE", "cpu"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,14 +79,14 @@ class Loop:
         self.mode = mode
         self.fault = fault
         self.float_input = fault is not None and float_input_needed(self.case, fault.kind)
-        self.model = self.case.build()
+        self.model = self.case.build().to(DEVICE)
         if mode.checkpointing:
             enable = getattr(self.model, "activation_checkpointing_enable", None)
             (enable or self.model.gradient_checkpointing_enable)()  # renamed in transformers 5
         isolate = fault.where if fault is not None and fault.kind == "lr" else None
         self.optimizer = torch.optim.AdamW(param_groups(self.model, isolate), lr=LR)
         self.scaler = (
-            torch.amp.GradScaler("cpu", init_scale=mode.init_scale) if mode.scaler else None
+            torch.amp.GradScaler(DEVICE.type, init_scale=mode.init_scale) if mode.scaler else None
         )
         self.planted = Planted(fault, self.model)  # before any observer: see faults.py
         if prepare is not None:  # the user's changes to the model come before nand's hooks
@@ -132,7 +136,7 @@ class Loop:
     def _forward_backward(self, micro: int) -> Tensor:
         self.planted.arm(self.step, micro)
         index = self.step * self.mode.accum + micro
-        batch = self.planted.batch(self.case.batch(index, self.float_input))
+        batch = self.planted.batch(on_device(self.case.batch(index, self.float_input)))
         with self._autocast():
             loss = self.planted.loss(self.case.loss(self.run, batch))
         self.losses.append(loss.detach().float().item())
@@ -142,7 +146,7 @@ class Loop:
 
     def _autocast(self) -> torch.autocast:
         dtype = self.mode.autocast
-        return torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None)
+        return torch.autocast(DEVICE.type, dtype=dtype or torch.float32, enabled=dtype is not None)
 
     def _update(self, closure: Any) -> None:
         self.planted.before_update(self.optimizer, self.step)
@@ -151,6 +155,10 @@ class Loop:
         else:  # GradScaler takes no closure
             self.scaler.step(self.optimizer)
             self.scaler.update()
+
+
+def on_device(batch: dict[str, Tensor]) -> dict[str, Tensor]:
+    return {key: value.to(DEVICE) for key, value in batch.items()}
 
 
 def where(event: Event | None) -> Finding | None:

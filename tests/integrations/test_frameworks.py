@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 
 import nand
 from tests.integrations.faults import KINDS
-from tests.integrations.loops import FP16_SCALER_NOT_PASSED, where
+from tests.integrations.loops import DEVICE, FP16_SCALER_NOT_PASSED, where
 from tests.integrations.scenario import Scenario, healthy, scenario
 from tests.integrations.truth import Finding
 
@@ -35,6 +35,7 @@ pytest.importorskip("accelerate")
 
 MODEL = "gpt2"
 STEPS = 4
+ON_CPU = DEVICE.type == "cpu"  # else NAND_TEST_DEVICE=cuda: each framework trains on the GPU
 
 
 @dataclasses.dataclass
@@ -93,10 +94,10 @@ def run_lightning(s: Scenario, steps: int, fp16: bool = False, **options: Any) -
     module = Module()
     trainer = pl.Trainer(
         max_steps=steps,
-        accelerator="cpu",
+        accelerator="cpu" if ON_CPU else "gpu",
         devices=1,
         # Lightning's precision="16-mixed" is for GPUs; on CPU its plugin is named.
-        plugins=[MixedPrecision("16-mixed", "cpu")] if fp16 else None,
+        plugins=[MixedPrecision("16-mixed", DEVICE.type)] if fp16 else None,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -140,7 +141,7 @@ def run_hf_trainer(
         train_sampling_strategy="sequential",  # the plain loop's order
         lr_scheduler_type="constant",
         fp16=fp16,
-        use_cpu=True,
+        use_cpu=ON_CPU,
         report_to=[],
         save_strategy="no",
         logging_strategy="no",
@@ -167,10 +168,14 @@ def run_hf_trainer(
 # --- accelerate ----------------------------------------------------------------
 
 
-def run_accelerate(s: Scenario, steps: int, **options: Any) -> Trained:
+def run_accelerate(s: Scenario, steps: int, fp16: bool = False, **options: Any) -> Trained:
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
 
-    accelerator = Accelerator(cpu=True)
+    # accelerate keeps one process-wide state: a run of another precision in
+    # this process (a test before this one) must not be taken for this run's.
+    AcceleratorState._reset_state(reset_partial_state=True)
+    accelerator = Accelerator(cpu=ON_CPU, mixed_precision="fp16" if fp16 else "no")
     model = s.build()
     planted = s.plant(model)
     model, optimizer = accelerator.prepare(model, s.optimizer(model))
@@ -179,6 +184,7 @@ def run_accelerate(s: Scenario, steps: int, **options: Any) -> Trained:
         try:
             for step, batch in enumerate(DataLoader(s.dataset(steps), batch_size=None)):
                 planted.arm(step)
+                batch = {key: value.to(accelerator.device) for key, value in batch.items()}
                 loss = planted.loss(s.case.loss(model, planted.batch(batch)))
                 accelerator.backward(loss)
                 planted.before_update(optimizer, step)
@@ -239,7 +245,7 @@ def test_stop_skips_the_bad_update_and_ends_the_loop(framework):
 # --- fp16: the framework holds the GradScaler ---------------------------------
 # Lightning's "16-mixed" makes a GradScaler the user never sees (on CPU too).
 # HF Trainer and accelerate make theirs on accelerators only: on CPU,
-# fp16=True trains without one, so only Lightning's can be tested here.
+# fp16=True trains without one, so theirs are tested with NAND_TEST_DEVICE=cuda.
 
 FP16_STEPS = 6
 
@@ -259,3 +265,19 @@ def test_lightning_16_mixed_reports_nothing_on_a_healthy_run():
     assert trained.watch is not None and trained.watch.events == []
     assert trained.watch._amp is not None
     assert trained.watch.step == trained.steps == FP16_STEPS
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(ON_CPU, reason="HF Trainer and accelerate make a GradScaler on GPUs only")
+@pytest.mark.parametrize("runner", ["hf-trainer", "accelerate"])
+@pytest.mark.parametrize("kind", ["forward", "lr"])
+def test_the_fp16_scaler_hf_trainer_or_accelerate_makes_is_found_and_the_answer_holds(
+    runner, kind, tmp_path
+):
+    s = scenario(MODEL, kind, step=4, mode=FP16_SCALER_NOT_PASSED, steps=FP16_STEPS)
+    if runner == "hf-trainer":
+        trained = run_hf_trainer(s, FP16_STEPS, tmp_path, fp16=True)
+    else:
+        trained = run_accelerate(s, FP16_STEPS, fp16=True)
+    assert trained.said() == s.answer
+    assert trained.watch is not None and trained.watch._amp is not None  # the scaler, found
