@@ -4,7 +4,7 @@
     python benchmarks/overhead.py --quick    # a smoke run
     python benchmarks/overhead.py --only transformer --detectors none nand --repeats 9
     python benchmarks/overhead.py --only gpt resnet18 custom-mlp --detectors none nand
-    python benchmarks/overhead.py --device cuda --detectors none nand nand-sync
+    python benchmarks/overhead.py --device cuda --detectors none nand nand-sync naive anomaly
 
 One process, one CPU thread, interleaved repeats (the machine is shared):
 each repeat times a few steps of every detector in turn, and the figure is the
@@ -35,7 +35,11 @@ calls per step, counted with CUDA's sync debug mode).
 ``--device cuda`` builds every model and input on the GPU (``torch.device``
 as the default device), times wall clock between two ``torch.cuda.synchronize``
 calls per repeat (the benchmark's, outside the timed steps' own work), and
-prints wall-clock ratios only; it exits with a message when CUDA is not there.
+exits with a message when CUDA is not there; read its wall-clock ratios (the
+CPU column is the host's share). It adds two GPU shapes under bf16 autocast
+(``--only`` takes them on CPU too, at about a minute a step): GPT-2 small
+(``gpt2-124m``: 12 layers, d768, seq 1024, batch 8, AdamW) and the ResNet-18
+at batch 256 (``resnet18-b256``, SGD with momentum).
 """
 
 from __future__ import annotations
@@ -70,6 +74,8 @@ class Bench:
     optimizer: str  # sgd | momentum | adamw
     repeats: int  # interleaved repeats by default (--quick: a few)
     steps: int  # timed steps per repeat
+    autocast: torch.dtype | None = None  # the forward's autocast dtype, if any
+    gpu_shape: bool = False  # run by default with --device cuda only
 
 
 MLP = "MLP 64-256-256-10"
@@ -84,6 +90,24 @@ BENCHES = {
     "gpt": Bench("GPT-2-style decoder d256 x4, seq 128, batch 8, AdamW", shapes.gpt, "adamw", 9, 3),
     "resnet18": Bench(
         "ResNet-18 (32x32), batch 8, SGD momentum", shapes.resnet18, "momentum", 9, 3
+    ),
+    "gpt2-124m": Bench(
+        "GPT-2 124M (d768 x12), seq 1024, batch 8, bf16 autocast, AdamW",
+        shapes.gpt2_124m,
+        "adamw",
+        9,
+        5,
+        autocast=torch.bfloat16,
+        gpu_shape=True,
+    ),
+    "resnet18-b256": Bench(
+        "ResNet-18 (32x32), batch 256, bf16 autocast, SGD momentum",
+        shapes.resnet18_b256,
+        "momentum",
+        9,
+        5,
+        autocast=torch.bfloat16,
+        gpu_shape=True,
     ),
 }
 
@@ -110,7 +134,9 @@ def make_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9 if name == "momentum" else 0)
 
 
-def make_step(kind: str, case: shapes.Case, optimizer: str) -> Step:
+def make_step(
+    kind: str, case: shapes.Case, optimizer: str, autocast: torch.dtype | None = None
+) -> Step:
     model = copy.deepcopy(case[0])
     opt = make_optimizer(optimizer, model)
     _, inputs, loss_fn = case
@@ -118,10 +144,14 @@ def make_step(kind: str, case: shapes.Case, optimizer: str) -> Step:
         nand.watch(model, opt, read=READS[kind])
     elif kind == "naive":
         naive_hooks(model)
+    device = next(model.parameters()).device.type
+    mixed = torch.autocast(device, dtype=autocast or torch.float32, enabled=autocast is not None)
 
     def step() -> None:
         with torch.autograd.set_detect_anomaly(kind == "anomaly", check_nan=True):
-            loss_fn(model(inputs())).backward()
+            with mixed:
+                out = model(inputs())
+            loss_fn(out).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -138,7 +168,7 @@ def bench(b: Bench, reps: int, steps: int, kinds: list[str], device: str = "cpu"
         case = b.make()
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     kinds = ["none"] + [k for k in kinds if k != "none"]
-    fns = {k: make_step(k, case, b.optimizer) for k in kinds}
+    fns = {k: make_step(k, case, b.optimizer, b.autocast) for k in kinds}
     for fn in fns.values():  # warm up
         for _ in range(3):
             fn()
@@ -201,13 +231,14 @@ def host_reads(steps: int = 20) -> None:
     )
 
 
-def cuda_syncs(steps: int = 20) -> None:
-    """Synchronising CUDA calls per step of the MLP, bare and under nand."""
+def cuda_syncs(b: Bench, steps: int = 20) -> None:
+    """Synchronising CUDA calls per step of one model, bare and under nand."""
     torch.manual_seed(0)
     with torch.device("cuda"):
-        case = shapes.sequential_mlp()
+        case = b.make()
+    print(f"\n{b.title}:")
     for kind in ("none", "nand", "nand-sync"):
-        step = make_step(kind, case, "sgd")
+        step = make_step(kind, case, b.optimizer, b.autocast)
         for _ in range(WARM_STEPS):
             step()
         torch.cuda.set_sync_debug_mode("warn")
@@ -219,7 +250,7 @@ def cuda_syncs(steps: int = 20) -> None:
         finally:
             torch.cuda.set_sync_debug_mode("default")
         n = sum("synchronizing" in str(w.message) for w in caught)
-        print(f"CUDA syncs, {kind}: {n} in {steps} steps ({n / steps:.2f} per step)")
+        print(f"  CUDA syncs, {kind}: {n} in {steps} steps ({n / steps:.2f} per step)")
 
 
 def main() -> None:
@@ -237,14 +268,16 @@ def main() -> None:
     torch.set_num_threads(1)
     logging.getLogger("nand").setLevel(logging.ERROR)
     print(f"torch {torch.__version__}, 1 thread")
-    for name in args.only or list(BENCHES):
+    default = [name for name, b in BENCHES.items() if args.device == "cuda" or not b.gpu_shape]
+    for name in args.only or default:
         b = BENCHES[name]
         reps = args.repeats or (min(b.repeats, 3) if args.quick else b.repeats)
         steps = max(1, b.steps // 5) if args.quick else b.steps
         bench(b, reps, steps=steps, kinds=args.detectors, device=args.device)
     host_reads()
     if args.device == "cuda":
-        cuda_syncs()
+        for name in ("mlp", "gpt"):  # SGD, and AdamW with tied embeddings
+            cuda_syncs(BENCHES[name])
 
 
 if __name__ == "__main__":

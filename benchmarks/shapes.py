@@ -3,7 +3,7 @@
 A case is ``(model, inputs, loss_fn)``: ``inputs()`` gives the batch,
 ``loss_fn(output)`` the loss. Shapes are realistic for one CPU thread:
 large enough that a step is kernels, not Python, small enough for
-interleaved repeats.
+interleaved repeats; ``gpt2_124m`` and ``resnet18_b256`` are a GPU's.
 """
 
 from __future__ import annotations
@@ -109,6 +109,17 @@ def gpt() -> Case:
     return model, lambda: x, lambda out: F.cross_entropy(out.flatten(0, 1), y.flatten())
 
 
+def gpt2_124m() -> Case:
+    """GPT-2 small's shape (12 layers, d768, 12 heads, vocab 50304); seq 1024, batch 8.
+
+    A GPU's shape, as nanoGPT-style code trains it: on one CPU thread a step
+    takes about a minute."""
+    ids = torch.randint(0, 50304, (8, 1025))
+    x, y = ids[:, :-1], ids[:, 1:]
+    model = GPT(vocab=50304, dim=768, layers=12, heads=12, context=1024)
+    return model, lambda: x, lambda out: F.cross_entropy(out.flatten(0, 1).float(), y.flatten())
+
+
 class BasicBlock(nn.Module):
     def __init__(self, inputs: int, channels: int, stride: int) -> None:
         super().__init__()
@@ -150,3 +161,9 @@ def resnet18() -> Case:
     """Batch 8 of 3x32x32."""
     x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
     return ResNet18(), lambda: x, lambda out: F.cross_entropy(out, y)
+
+
+def resnet18_b256() -> Case:
+    """The same ResNet-18, batch 256 of 3x32x32: CIFAR training on a GPU."""
+    x, y = torch.randn(256, 3, 32, 32), torch.randint(0, 10, (256,))
+    return ResNet18(), lambda: x, lambda out: F.cross_entropy(out.float(), y)
