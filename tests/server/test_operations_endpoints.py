@@ -44,6 +44,7 @@ def test_metrics_have_process_metrics_and_latency_histograms(tmp_path) -> None:
     ), text
 
 
+@pytest.mark.timed  # reacts within 10 s: beside two busy workers it once took 12
 def test_wait_follows_the_stream_and_rides_out_a_server_restart(tmp_path) -> None:
     db, zmq_port, http_port = f"sqlite:///{tmp_path / 'w.db'}", free_port(), free_port()
 
