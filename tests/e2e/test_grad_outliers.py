@@ -5,13 +5,14 @@
 units). After the all-reduce every rank holds the same gradients; only each
 rank's own, before it, tell which one was fed the odd batch.
 
-The ground truth comes from the same job run without nand: a plain DDP
-communication hook records each rank's own gradient norm before the
-all-reduce, and the test checks there that the planted step on rank 2 is the
-only place where one rank's norm is 100 times every other's (elsewhere the
-ranks' norms differ by up to 5 times: batches of four samples). Then the job
-runs under nand, reporting to a real server, whose verdict must carry one
-``grad_outlier`` warning, naming that rank and step, and no other.
+The ground truth comes from the same job run without nand (first, in the
+same processes): a plain DDP communication hook records each rank's own
+gradient norm before the all-reduce, and the test checks there that the
+planted step on rank 2 is the only place where one rank's norm is 100 times
+every other's (elsewhere the ranks' norms differ by up to 5 times: batches of
+four samples). Then the job runs under nand, reporting to a real server,
+whose verdict must carry one ``grad_outlier`` warning, naming that rank and
+step, and no other.
 """
 
 from __future__ import annotations
@@ -73,23 +74,30 @@ class _NormRecorder:
         return norm
 
 
-def _rank_main(rank: int, port: int, endpoint: str | None, results: dict) -> None:
+def _rank_main(rank: int, port: int, endpoint: str, results: dict) -> None:
+    """The job twice in the same processes (half the start-ups): first the
+    ground truth without nand, then the same training under nand."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    if endpoint:
-        os.environ.update(
-            NAND_SERVER=endpoint, NAND_RUN="outlier", NAND_TOKEN=TOKEN, NAND_HEARTBEAT_S="0.5"
-        )
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    results[rank] = _job(rank, watched=False)
+    os.environ.update(
+        NAND_SERVER=endpoint, NAND_RUN="outlier", NAND_TOKEN=TOKEN, NAND_HEARTBEAT_S="0.5"
+    )
+    _job(rank, watched=True)
+    dist.destroy_process_group()
+
+
+def _job(rank: int, watched: bool) -> list[float]:
+    """One training run from the same seed; without nand, each step's own
+    gradient norm before the all-reduce (the ground truth)."""
     torch.manual_seed(0)
     model = DistributedDataParallel(_bert_regressor())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    recorder = None if endpoint else _NormRecorder()
+    recorder = None if watched else _NormRecorder()
     if recorder is not None:
         model.register_comm_hook(None, recorder.hook)
-    norms = _train(model, opt, rank, recorder, watched=bool(endpoint))
-    results[rank] = norms
-    dist.destroy_process_group()
+    return _train(model, opt, rank, recorder, watched)
 
 
 def _train(model: nn.Module, opt: Any, rank: int, recorder: Any, watched: bool) -> list[float]:
@@ -108,7 +116,8 @@ def _train(model: nn.Module, opt: Any, rank: int, recorder: Any, watched: bool) 
     return norms
 
 
-def _run(endpoint: str | None) -> dict[int, list[float]]:
+def _run(endpoint: str) -> dict[int, list[float]]:
+    """The ground truth's norms by rank; the watched run reports to ``endpoint``."""
     results = mp.Manager().dict()
     mp.spawn(_rank_main, args=(free_port(), endpoint, results), nprocs=WORLD, join=True)
     return dict(results)
@@ -126,14 +135,13 @@ def _lone_standouts(norms: dict[int, list[float]], factor: float) -> list[tuple[
 
 
 def test_the_rank_fed_a_batch_scaled_by_1000_is_named_at_its_step(nand_server):
-    truth = _run(endpoint=None)
+    truth = _run(nand_server.zmq_endpoint)
     assert _lone_standouts(truth, 100.0) == [(ODD_RANK, ODD_STEP)]
     healthy = [s for s in range(STEPS) if s != ODD_STEP]
     for step in healthy:  # the other steps: batches of 4 differ, but not by 10x
         at_step = [truth[rank][step] for rank in range(WORLD)]
         assert max(at_step) < 10 * min(at_step), (step, at_step)
 
-    _run(endpoint=nand_server.zmq_endpoint)
     verdict = settled_verdict(nand_server.http_url, "outlier", WORLD)
     outliers = [w for w in _warnings(nand_server.http_url) if w["kind"] == "grad_outlier"]
     assert [(w["rank"], w["step"]) for w in outliers] == [(ODD_RANK, ODD_STEP)], outliers
