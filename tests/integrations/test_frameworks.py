@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 
 import nand
 from tests.integrations.faults import KINDS
-from tests.integrations.loops import DEVICE, FP16_SCALER_NOT_PASSED, where
+from tests.integrations.loops import DEVICE, FP16_SCALER_NOT_PASSED, on_device, where
 from tests.integrations.scenario import Scenario, healthy, scenario
 from tests.integrations.truth import Finding
 
@@ -184,8 +184,7 @@ def run_accelerate(s: Scenario, steps: int, fp16: bool = False, **options: Any) 
         try:
             for step, batch in enumerate(DataLoader(s.dataset(steps), batch_size=None)):
                 planted.arm(step)
-                batch = {key: value.to(accelerator.device) for key, value in batch.items()}
-                loss = planted.loss(s.case.loss(model, planted.batch(batch)))
+                loss = planted.loss(s.case.loss(model, planted.batch(on_device(batch))))
                 accelerator.backward(loss)
                 planted.before_update(optimizer, step)
                 optimizer.step()

@@ -46,7 +46,7 @@ class CompiledSlots:
     """
 
     def __init__(
-        self, device: torch.device, dtype: torch.dtype, infos: Iterable[ModuleInfo] = ()
+        self, device: torch.device, dtype: torch.dtype, infos: Iterable[ModuleInfo]
     ) -> None:
         self.slab = torch.zeros(2 * SLOTS, device=device, dtype=dtype)
         self.sites: list[Site] = []  # by slot

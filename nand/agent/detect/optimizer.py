@@ -323,12 +323,9 @@ class OptimizerHooks:
             grads, sites = cache.usable_grads()
         buf = self.buf
         buf.spans["grad"] = (len(buf.norms), len(grads))
-        if with_params and not self._queued:
-            self._params_due |= force or self.read_params_every_step
-            if self._params_due or self._state_due:
-                self._refresh()
-                sites = list(sites)  # not the cached list
-                self._take_params_and_state(grads, sites)
+        if with_params and not self._queued and self._written_due(force):
+            sites = list(sites)  # not the cached list
+            self._take_params_and_state(grads, sites)
         self._queued = False
         try:
             buf.add_norms(grads, sites)
@@ -347,12 +344,19 @@ class OptimizerHooks:
         if self.guard.off or not self.stepped_once or self._queued:
             return
         try:
-            self._params_due |= self.read_params_every_step
-            if self._params_due or self._state_due:
-                self._refresh()
+            if self._written_due():
                 self._add_params_and_state()
         except Exception as exc:
             self.guard.failed(exc, "GradScaler-skipped step")
+
+    def _written_due(self, force: bool = False) -> bool:
+        """Whether this window must read the parameters or state the last
+        update wrote (``force``: the parameters even if implied finite)."""
+        self._params_due |= force or self.read_params_every_step
+        if not (self._params_due or self._state_due):
+            return False
+        self._refresh()
+        return True
 
     def _add_params_and_state(self) -> None:
         tensors: list[Tensor] = []

@@ -197,15 +197,15 @@ class ProbeBuffer:
         """Launch one aminmax of ``t`` (detached, float, non-empty) for ``site``. No sync."""
         pairs = self.pairs
         # (is_compiling first: dynamo would guard on the length read after it)
+        out = None
         if not is_compiling() and (k := len(pairs)) < self.room and t.device == self.device:
             out = self.slots[k : k + 2] if t.dtype is _FLOAT32 else self.others.take(t.dtype, k)
-            if out is not None:
-                _aminmax(t, out=out)
-                pairs += out
-                self.sites.append(site)
-                return
-        pairs.extend(_aminmax(t))
-        self.spilled = True
+        if out is not None:
+            _aminmax(t, out=out)
+            pairs += out
+        else:
+            pairs.extend(_aminmax(t))
+            self.spilled = True
         self.sites.append(site)
 
     def probe_max(self, t: Tensor, site: Site) -> None:
