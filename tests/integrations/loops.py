@@ -49,6 +49,9 @@ class Mode:
     checkpointing: bool = False
     closure: bool = False  # forward and backward inside optimizer.step(closure)
     compile: str = ""  # a torch.compile backend, compiled after nand.watch
+    #: A gradient penalty's weight: the loss gets the squared norm of its own
+    #: gradients, taken with ``create_graph`` (a second backward through them).
+    penalty: float = 0.0
 
     def __str__(self) -> str:
         return self.name
@@ -61,6 +64,7 @@ FP16_SCALER_NOT_PASSED = Mode("fp16-scaler-not-passed", autocast=torch.float16, 
 CHECKPOINTING = Mode("checkpointing", checkpointing=True)
 ACCUMULATION = Mode("accumulation", accum=3)
 CLOSURE = Mode("closure", closure=True)
+GRADIENT_PENALTY = Mode("gradient-penalty", penalty=1e-3)
 
 
 class Loop:
@@ -140,9 +144,16 @@ class Loop:
         with self._autocast():
             loss = self.planted.loss(self.case.loss(self.run, batch))
         self.losses.append(loss.detach().float().item())
+        if self.mode.penalty:
+            loss = loss + self.mode.penalty * self._squared_grad_norm(loss)
         loss = loss / self.mode.accum
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
         return loss
+
+    def _squared_grad_norm(self, loss: Tensor) -> Tensor:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grads = torch.autograd.grad(loss, params, create_graph=True, allow_unused=True)
+        return sum((g.pow(2).sum() for g in grads if g is not None), loss.new_zeros(()))
 
     def _autocast(self) -> torch.autocast:
         dtype = self.mode.autocast

@@ -25,6 +25,7 @@ from tests.integrations.loops import (
     FP16_SCALER_NOT_PASSED,
     FP16_SCALER_PASSED,
     FP32,
+    GRADIENT_PENALTY,
     Loop,
     Mode,
 )
@@ -177,6 +178,20 @@ def test_a_backward_nan_in_a_layer_on_a_branch_is_blamed_on_that_layer(model, wh
     assert_reported_as_the_truth_says(model, FP32, Fault("backward", 2, where))
 
 
+#: The models whose every op has a double backward on CPU (llama's and ViT's
+#: CPU flash attention has none).
+TWICE_DIFFERENTIABLE = ["gpt2", "bert", "resnet18"]
+
+
+@pytest.mark.parametrize("model,kind", cells(TWICE_DIFFERENTIABLE, ("forward", "backward", "lr")))
+def test_a_fault_under_a_gradient_penalty_is_reported_where_the_truth_saw_it(model, kind):
+    # The penalty's backward runs with create_graph: the gradients nand probes
+    # are recorded by autograd, which aminmax(out=...) refuses outside no_grad.
+    # Before this was handled, the first backward switched nand off.
+    run = assert_reported_as_the_truth_says(model, GRADIENT_PENALTY, fault(model, kind))
+    assert run.watch is not None and not run.watch._guard.off
+
+
 # --- healthy runs -----------------------------------------------------------
 
 FP16_SKIPS_PASSED = dataclasses.replace(FP16_SCALER_PASSED, init_scale=SKIPPING)
@@ -189,6 +204,7 @@ HEALTHY_MODES = [
     ACCUMULATION,
     CHECKPOINTING,
     CLOSURE,
+    GRADIENT_PENALTY,
 ]
 
 
@@ -202,12 +218,14 @@ def healthy_cells() -> list:
         for m in MODELS
         for mode in HEALTHY_MODES
         if not (mode.checkpointing and m not in CHECKPOINTED)
+        and not (mode.penalty and m not in TWICE_DIFFERENTIABLE)
     ]
 
 
 @pytest.mark.parametrize("model,mode", healthy_cells())
 def test_a_healthy_run_reports_nothing_and_trains_exactly_as_without_nand(model, mode: Mode):
     truth_run, run = assert_healthy(model, mode, steps=6)
+    assert run.watch is not None and not run.watch._guard.off  # nand stayed on
     if mode.scaler:  # the scaler's skips are counted, whether or not it was passed
         assert truth_run.truth is not None and truth_run.truth.skipped
         assert run.watch is not None and run.watch.amp_skipped == len(truth_run.truth.skipped)

@@ -369,9 +369,7 @@ class Hooks:
                 self._grad_hook(site.backward).attach(t)
 
     def _probe(self, site: Site, t: Tensor) -> None:
-        buf = self.state.buf
-        # An allow-listed module may emit -inf on purpose: only its max is watched.
-        (buf.probe_max if site.allow_neginf else buf.probe)(t.detach(), site)
+        self.state.buf.probe(t, site)
         site.shape, site.dtype = t.shape, t.dtype
 
     def _probe_input(self, info: ModuleInfo, slot: str, t: Tensor) -> None:

@@ -55,6 +55,7 @@ class Site:
 #: Values the slab holds at first, and at most (a window with more is stacked).
 SLAB_START, SLAB_MAX = 64, 4096
 _FLOAT32, _FLOAT64, _aminmax = torch.float32, torch.float64, torch.aminmax
+_grad_enabled, _set_grad_enabled = torch.is_grad_enabled, torch._C._set_grad_enabled
 #: Dtypes that get a slab of their own beside the float32 one: autocast's and
 #: pure half-precision outputs, and float64 (which float32 would round).
 NARROW_AND_WIDE = (torch.bfloat16, torch.float16, torch.float64)
@@ -194,8 +195,32 @@ class ProbeBuffer:
         self.exact_norms = False
 
     def probe(self, t: Tensor, site: Site) -> None:
-        """Launch one aminmax of ``t`` (detached, float, non-empty) for ``site``. No sync."""
+        """Launch one aminmax of ``t`` (float, non-empty) for ``site``. No sync.
+
+        A tensor autograd records (a forward output; a gradient under
+        ``create_graph``, as a gradient penalty makes) is probed with grad
+        mode off: ``aminmax(out=...)`` refuses it otherwise, and a detached
+        alias would be a new tensor per probe.
+        """
+        if t.requires_grad and _grad_enabled():
+            _set_grad_enabled(False)
+            try:
+                self._launch(t, site)
+            finally:
+                _set_grad_enabled(True)
+        else:
+            self._launch(t, site)
+
+    def _launch(self, t: Tensor, site: Site) -> None:
         pairs = self.pairs
+        if site.allow_neginf:
+            # A module allow-listed to emit -inf on purpose: only its max is
+            # watched (NaN and +inf still reach it), as both figures. Not in the slab.
+            hi = _aminmax(t)[1]
+            pairs += (hi, hi)
+            self.spilled = True
+            self.sites.append(site)
+            return
         # (is_compiling first: dynamo would guard on the length read after it)
         out = None
         if not is_compiling() and (k := len(pairs)) < self.room and t.device == self.device:
@@ -206,14 +231,6 @@ class ProbeBuffer:
         else:
             pairs.extend(_aminmax(t))
             self.spilled = True
-        self.sites.append(site)
-
-    def probe_max(self, t: Tensor, site: Site) -> None:
-        """Only the max of ``t``, as both figures: for a module allow-listed to
-        emit -inf on purpose (NaN and +inf still reach its max). Not in the slab."""
-        hi = _aminmax(t)[1]
-        self.pairs += (hi, hi)
-        self.spilled = True
         self.sites.append(site)
 
     def clear(self) -> None:
