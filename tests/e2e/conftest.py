@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -13,10 +15,19 @@ from nand.server.settings import Settings
 TOKEN = "e2e-token"
 
 
-@pytest.fixture
-def nand_server(tmp_path) -> Iterator[EmbeddedServer]:
-    db_url = f"sqlite:///{tmp_path / 'nand.db'}"
+@contextlib.contextmanager
+def embedded_test_server(folder: Path) -> Iterator[EmbeddedServer]:
+    """A real embedded server on a SQLite file in ``folder``, with short heartbeats."""
+    db_url = f"sqlite:///{folder / 'nand.db'}"
     settings = Settings(db_url=db_url, token=TOKEN, heartbeat_s=0.5, lost_after_s=3.0)
     server = embedded.start(db_url, settings=settings)
-    yield server
-    server.stop()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def nand_server(tmp_path: Path) -> Iterator[EmbeddedServer]:
+    with embedded_test_server(tmp_path) as server:
+        yield server

@@ -11,6 +11,7 @@ around the write; a healthy run stays consistent."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nand.testing import free_port
-from tests.e2e.conftest import TOKEN
+from tests.e2e.conftest import TOKEN, embedded_test_server
 from tests.e2e.jobs import settled_verdict
 from tests.integrations.zoo import case
 
@@ -27,6 +28,7 @@ pytestmark = pytest.mark.slow
 WORLD, STEPS = 4, 8
 ODD_RANK, WRITTEN_AFTER = 3, 4  # (the loop's step index: nand's step)
 PARAM = "transformer.h.1.mlp.c_fc.weight"
+RUNS = {"hsdp-drift": True, "hsdp-healthy": False}  # run name: planted
 
 
 def _hsdp_gpt2() -> torch.nn.Module:
@@ -54,39 +56,48 @@ def _plant(model, opt, rank: int, clock: list[int]) -> None:
     opt.register_step_post_hook(corrupt)
 
 
-def _rank_main(rank: int, port: int, endpoint: str, run: str, planted: bool) -> None:
+def _rank_main(rank: int, port: int, endpoint: str) -> None:
+    """Both jobs in the same processes, one after the other (half the
+    start-ups): the planted one, then the healthy one, each its own run."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-        NAND_SERVER=endpoint, NAND_RUN=run, NAND_TOKEN=TOKEN, NAND_HEARTBEAT_S="0.5",
+        NAND_SERVER=endpoint, NAND_TOKEN=TOKEN, NAND_HEARTBEAT_S="0.5",
         NAND_FINGERPRINT_STEPS="1",
     )  # fmt: skip
-    import nand
-
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    for run, planted in RUNS.items():
+        _job(rank, run, planted)
+    dist.destroy_process_group()
+
+
+def _job(rank: int, run: str, planted: bool) -> None:
+    import nand
+
     model = _hsdp_gpt2()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     clock = [0]
     if planted:
         _plant(model, opt, rank, clock)
     gpt2 = case("gpt2")
-    with nand.watch(model, opt, log_events=False):
+    with nand.watch(model, opt, run=run, log_events=False):
         for step in range(STEPS):
             clock[0] = step
             gpt2.loss(model, gpt2.batch(10 * step + rank)).backward()
             opt.step()
             opt.zero_grad()
-    dist.destroy_process_group()
 
 
-def _run(server, run: str, planted: bool) -> dict:
-    args = (free_port(), server.zmq_endpoint, run, planted)
-    mp.spawn(_rank_main, args=args, nprocs=WORLD, join=True)
-    return settled_verdict(server.http_url, run, WORLD)
+@pytest.fixture(scope="module")
+def verdicts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, dict]]:
+    """Both runs' verdicts, from one server and one set of four processes."""
+    with embedded_test_server(tmp_path_factory.mktemp("hsdp")) as server:
+        mp.spawn(_rank_main, args=(free_port(), server.zmq_endpoint), nprocs=WORLD, join=True)
+        yield {run: settled_verdict(server.http_url, run, WORLD) for run in RUNS}
 
 
-def test_a_shard_written_off_on_one_rank_is_named_within_its_replica_group(nand_server):
-    verdict = _run(nand_server, "hsdp-drift", planted=True)
+def test_a_shard_written_off_on_one_rank_is_named_within_its_replica_group(verdicts):
+    verdict = verdicts["hsdp-drift"]
     assert verdict["state"] == "replica_mismatch", verdict["summary"]
     replica = verdict["replica"]
     # Fingerprint S holds the weights after S updates: the write after the
@@ -99,8 +110,8 @@ def test_a_shard_written_off_on_one_rank_is_named_within_its_replica_group(nand_
     assert replica["params"] == [PARAM]  # (its AdamW moments differ only after the next update)
 
 
-def test_a_healthy_hsdp_run_stays_consistent(nand_server):
-    verdict = _run(nand_server, "hsdp-healthy", planted=False)
+def test_a_healthy_hsdp_run_stays_consistent(verdicts):
+    verdict = verdicts["hsdp-healthy"]
     assert verdict["state"] == "finished", verdict["summary"]
     assert verdict["replica"]["state"] == "consistent"
     assert verdict["replica"]["last_good_step"] == STEPS - 1
