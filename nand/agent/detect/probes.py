@@ -202,36 +202,36 @@ class ProbeBuffer:
         mode off: ``aminmax(out=...)`` refuses it otherwise, and a detached
         alias would be a new tensor per probe.
         """
-        if t.requires_grad and _grad_enabled():
+        recorded = t.requires_grad and _grad_enabled()
+        if recorded:
             _set_grad_enabled(False)
-            try:
-                self._launch(t, site)
-            finally:
-                _set_grad_enabled(True)
-        else:
-            self._launch(t, site)
-
-    def _launch(self, t: Tensor, site: Site) -> None:
         pairs = self.pairs
-        if site.allow_neginf:
-            # A module allow-listed to emit -inf on purpose: only its max is
-            # watched (NaN and +inf still reach it), as both figures. Not in the slab.
-            hi = _aminmax(t)[1]
-            pairs += (hi, hi)
-            self.spilled = True
+        try:
+            # (is_compiling first: dynamo would guard on the length read after it)
+            out = None
+            fits = not is_compiling() and (k := len(pairs)) < self.room and t.device == self.device
+            if fits and not site.allow_neginf:
+                out = self.slots[k : k + 2] if t.dtype is _FLOAT32 else self.others.take(t.dtype, k)
+            if out is not None:
+                _aminmax(t, out=out)
+                pairs += out
+            else:
+                self._spill(t, site.allow_neginf)
             self.sites.append(site)
-            return
-        # (is_compiling first: dynamo would guard on the length read after it)
-        out = None
-        if not is_compiling() and (k := len(pairs)) < self.room and t.device == self.device:
-            out = self.slots[k : k + 2] if t.dtype is _FLOAT32 else self.others.take(t.dtype, k)
-        if out is not None:
-            _aminmax(t, out=out)
-            pairs += out
+        finally:
+            if recorded:
+                _set_grad_enabled(True)
+
+    def _spill(self, t: Tensor, max_only: bool) -> None:
+        """Results of their own, stacked at the read: a probe no slab takes, or
+        a module allow-listed to emit -inf on purpose, whose max alone is
+        watched (NaN and +inf still reach it), as both figures."""
+        if max_only:
+            hi = _aminmax(t)[1]
+            self.pairs += (hi, hi)
         else:
-            pairs.extend(_aminmax(t))
-            self.spilled = True
-        self.sites.append(site)
+            self.pairs.extend(_aminmax(t))
+        self.spilled = True
 
     def clear(self) -> None:
         if self.spilled:
