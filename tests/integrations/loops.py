@@ -52,6 +52,9 @@ class Mode:
     #: A gradient penalty's weight: the loss gets the squared norm of its own
     #: gradients, taken with ``create_graph`` (a second backward through them).
     penalty: float = 0.0
+    #: ``backward(create_graph=True)``, as Hessian-based optimizers train:
+    #: every ``.grad`` is then a tensor autograd records.
+    create_graph: bool = False
 
     def __str__(self) -> str:
         return self.name
@@ -65,6 +68,7 @@ CHECKPOINTING = Mode("checkpointing", checkpointing=True)
 ACCUMULATION = Mode("accumulation", accum=3)
 CLOSURE = Mode("closure", closure=True)
 GRADIENT_PENALTY = Mode("gradient-penalty", penalty=1e-3)
+CREATE_GRAPH = Mode("create-graph", create_graph=True)
 
 
 class Loop:
@@ -147,7 +151,8 @@ class Loop:
         if self.mode.penalty:
             loss = loss + self.mode.penalty * self._squared_grad_norm(loss)
         loss = loss / self.mode.accum
-        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        scaled = self.scaler.scale(loss) if self.scaler is not None else loss
+        scaled.backward(create_graph=self.mode.create_graph)
         return loss
 
     def _squared_grad_norm(self, loss: Tensor) -> Tensor:

@@ -22,6 +22,7 @@ from tests.integrations.loops import (
     BF16,
     CHECKPOINTING,
     CLOSURE,
+    CREATE_GRAPH,
     FP16_SCALER_NOT_PASSED,
     FP16_SCALER_PASSED,
     FP32,
@@ -183,12 +184,16 @@ def test_a_backward_nan_in_a_layer_on_a_branch_is_blamed_on_that_layer(model, wh
 TWICE_DIFFERENTIABLE = ["gpt2", "bert", "resnet18"]
 
 
+@pytest.mark.parametrize("mode", [GRADIENT_PENALTY, CREATE_GRAPH], ids=str)
 @pytest.mark.parametrize("model,kind", cells(TWICE_DIFFERENTIABLE, ("forward", "backward", "lr")))
-def test_a_fault_under_a_gradient_penalty_is_reported_where_the_truth_saw_it(model, kind):
-    # The penalty's backward runs with create_graph: the gradients nand probes
-    # are recorded by autograd, which aminmax(out=...) refuses outside no_grad.
-    # Before this was handled, the first backward switched nand off.
-    run = assert_reported_as_the_truth_says(model, GRADIENT_PENALTY, fault(model, kind))
+def test_a_fault_in_a_backward_with_create_graph_is_reported_where_the_truth_saw_it(
+    model, kind, mode
+):
+    # The gradients nand probes, and with backward(create_graph=True) every
+    # .grad it takes the norm of, are tensors autograd records: aminmax(out=...)
+    # and a copy into the slab refuse them outside no_grad. Before this was
+    # handled, the first backward (or boundary) switched nand off.
+    run = assert_reported_as_the_truth_says(model, mode, fault(model, kind))
     assert run.watch is not None and not run.watch._guard.off
 
 
@@ -205,6 +210,7 @@ HEALTHY_MODES = [
     CHECKPOINTING,
     CLOSURE,
     GRADIENT_PENALTY,
+    CREATE_GRAPH,
 ]
 
 
@@ -218,7 +224,7 @@ def healthy_cells() -> list:
         for m in MODELS
         for mode in HEALTHY_MODES
         if not (mode.checkpointing and m not in CHECKPOINTED)
-        and not (mode.penalty and m not in TWICE_DIFFERENTIABLE)
+        and not ((mode.penalty or mode.create_graph) and m not in TWICE_DIFFERENTIABLE)
     ]
 
 

@@ -365,16 +365,12 @@ class OptimizerHooks:
         self.buf.add_norms(tensors, sites)
 
     def _take_params_and_state(self, tensors: list[Tensor], sites: list[Site]) -> None:
-        """Append the parameters and the state, each unless implied finite.
-
-        Parameters are detached: the optimizer's hooks run outside its
-        ``no_grad``, and a parameter's norm would otherwise record a graph node.
-        """
+        """Append the parameters and the state, each unless implied finite."""
         cache = self.cache
         if self._params_due:
             params, param_sites = cache.params_only
             self.buf.spans["param"] = (len(self.buf.norms) + len(tensors), len(params))
-            tensors += [(t if cache.plain else local(t)).detach() for t in params]
+            tensors += params if cache.plain else [local(t) for t in params]
             sites += param_sites
         if self._state_due:
             state, state_sites = cache.state

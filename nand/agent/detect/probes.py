@@ -267,12 +267,23 @@ class ProbeBuffer:
         return len(self.sites) + len(self.norm_sites)
 
     def add_norms(self, tensors: list[Tensor], sites: list[Site]) -> None:
-        """One ``_foreach_norm`` launch over ``tensors`` (floating, dense, not requiring grad)."""
+        """One ``_foreach_norm`` launch over ``tensors`` (floating, dense).
+
+        With grad mode off: the optimizer's hooks run outside its ``no_grad``,
+        and parameters, like the gradients ``backward(create_graph=True)``
+        leaves, are tensors autograd would record (a norm recorded as a graph
+        node cannot be copied into the slab).
+        """
         if tensors:
-            if self.exact_norms:
-                norms = torch._foreach_norm(tensors, 2, dtype=torch.float64)
-            else:
-                norms = torch._foreach_norm(tensors)
+            enabled = _grad_enabled()
+            _set_grad_enabled(False)
+            try:
+                if self.exact_norms:
+                    norms = torch._foreach_norm(tensors, 2, dtype=torch.float64)
+                else:
+                    norms = torch._foreach_norm(tensors)
+            finally:
+                _set_grad_enabled(enabled)
             if not self.wide_norms and any(n.dtype is _FLOAT64 for n in norms):
                 self.wide_norms = True  # (the float32 slab would round them)
             self.norms.extend(norms)
