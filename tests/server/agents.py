@@ -30,6 +30,8 @@ class FakeAgent:
         self.context = zmq.Context.instance()
         self.sock = self.context.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        # A send with no peer to queue for fails in 30 s instead of hanging the test.
+        self.sock.setsockopt(zmq.SNDTIMEO, 30_000)
         if curve is not None:
             server_public, public, secret = curve
             self.sock.curve_serverkey = server_public.encode()
