@@ -5,11 +5,20 @@ Every hook and step-boundary routine runs under :func:`Guard.run` or checks
 its traceback, and the agent switches itself off (a half-recorded step would
 give wrong answers later). Exceptions nand raises on purpose
 (:class:`~nand.errors.NandError`: ``NonFiniteError``, ``StopRequested``) pass.
+
+One place is not looked into, and an error there is not nand's: a
+``torch.func`` transform (``vmap``, ``grad``: per-sample gradients). The
+values inside are batched wrappers that no probe can reduce into the step's
+buffer; a hook that fails there leaves them unchecked, says so once, and
+the agent stays on (the gradients the transform's result is turned into
+are checked at the optimizer step like any others).
 """
 
 from __future__ import annotations
 
 import logging
+
+from torch._C._functorch import peek_interpreter_stack
 
 from nand.errors import NandError
 
@@ -19,16 +28,20 @@ log = logging.getLogger("nand")
 class Guard:
     """Shared on/off switch of one ``Watch``; ``off`` is read by every hook."""
 
-    __slots__ = ("error", "off")
+    __slots__ = ("error", "off", "transform_seen")
 
     def __init__(self) -> None:
         self.off = False
         self.error: BaseException | None = None
+        self.transform_seen = False
 
     def failed(self, exc: BaseException, where: str) -> None:
         """Record an internal error: log it once, turn the agent off."""
         if isinstance(exc, NandError):
             raise exc
+        if peek_interpreter_stack() is not None:  # inside a torch.func transform
+            self._in_transform(where)
+            return
         if self.error is None:
             self.error = exc
             log.error(
@@ -37,3 +50,12 @@ class Guard:
                 exc_info=exc,
             )
         self.off = True
+
+    def _in_transform(self, where: str) -> None:
+        if not self.transform_seen:
+            self.transform_seen = True
+            log.warning(
+                "nand: the %s ran inside a torch.func transform (vmap, grad); nand does not "
+                "look inside those: the gradients made from them are checked at the optimizer step",
+                where,
+            )
