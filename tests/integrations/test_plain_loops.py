@@ -6,7 +6,8 @@ fp32 takes every model and fault kind, with NaN, +inf and -inf in turn (the
 agent's own tests hold every check to all three); each other mode takes the fault
 kinds whose code path it changes (autocast dtypes for forward/backward/loss,
 the GradScaler for forward/input/lr, the micro-step label for accumulation,
-the recomputed forward for checkpointing), with NaN.
+the recomputed forward for checkpointing, the gradients autograd records
+under a gradient penalty and ``backward(create_graph=True)``), with NaN.
 """
 
 from __future__ import annotations
