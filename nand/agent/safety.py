@@ -1,10 +1,11 @@
 """The agent's own bugs never reach the training loop.
 
-Every hook and step-boundary routine runs under :func:`Guard.run` or checks
-:attr:`Guard.off`: an unexpected exception inside nand is logged once, with
-its traceback, and the agent switches itself off (a half-recorded step would
-give wrong answers later). Exceptions nand raises on purpose
-(:class:`~nand.errors.NandError`: ``NonFiniteError``, ``StopRequested``) pass.
+Every hook and step-boundary routine checks :attr:`Guard.off` first and
+hands what it catches to :meth:`Guard.failed`: an unexpected exception
+inside nand is logged once, with its traceback, and the agent switches
+itself off (a half-recorded step would give wrong answers later).
+Exceptions nand raises on purpose (:class:`~nand.errors.NandError`:
+``NonFiniteError``, ``StopRequested``) pass.
 
 One place is not looked into, and an error there is not nand's: a
 ``torch.func`` transform (``vmap``, ``grad``: per-sample gradients). The
@@ -36,7 +37,8 @@ class Guard:
         self.transform_seen = False
 
     def failed(self, exc: BaseException, where: str) -> None:
-        """Record an internal error: log it once, turn the agent off."""
+        """Record an internal error: log it once, turn the agent off (unless
+        it was raised inside a ``torch.func`` transform: see the module)."""
         if isinstance(exc, NandError):
             raise exc
         if peek_interpreter_stack() is not None:  # inside a torch.func transform
