@@ -16,10 +16,14 @@ TOKEN = "e2e-token"
 
 
 @contextlib.contextmanager
-def embedded_test_server(folder: Path) -> Iterator[EmbeddedServer]:
+def embedded_test_server(
+    folder: Path, heartbeat_s: float = 0.5, lost_after_s: float = 3.0
+) -> Iterator[EmbeddedServer]:
     """A real embedded server on a SQLite file in ``folder``, with short heartbeats."""
     db_url = f"sqlite:///{folder / 'nand.db'}"
-    settings = Settings(db_url=db_url, token=TOKEN, heartbeat_s=0.5, lost_after_s=3.0)
+    settings = Settings(
+        db_url=db_url, token=TOKEN, heartbeat_s=heartbeat_s, lost_after_s=lost_after_s
+    )
     server = embedded.start(db_url, settings=settings)
     try:
         yield server

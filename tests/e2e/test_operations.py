@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from nand.client import request_json, run_url
-from tests.e2e.conftest import TOKEN
+from nand.server.embedded import EmbeddedServer
+from tests.e2e.conftest import TOKEN, embedded_test_server
 from tests.e2e.jobs import TRAINER, agent_env, api, launch, torchrun, wait_for
 
 pytestmark = pytest.mark.slow
@@ -27,7 +28,17 @@ def ranks_at_step(base: str, run: str, count: int, step: int):
     return check
 
 
-def test_rest_stop_stops_every_rank_at_the_same_step(nand_server, tmp_path):
+def test_rest_stop_stops_every_rank_at_the_same_step(tmp_path):
+    # The stop step lies two of the server's heartbeat periods of training
+    # ahead (stoprule.py): with the tests' 0.5 s that is 1 s for the command
+    # to reach every rank, which a loaded CI machine once exceeded (one rank
+    # stopped at 14, the other went on into a dead all-reduce). 2 s gives 4 s;
+    # the agents still report every 0.5 s.
+    with embedded_test_server(tmp_path, heartbeat_s=2.0, lost_after_s=10.0) as server:
+        _stop_every_rank(server, tmp_path)
+
+
+def _stop_every_rank(nand_server: EmbeddedServer, tmp_path: Path) -> None:
     run = "stopped"
     env = agent_env(nand_server.zmq_endpoint, run, TOKEN)
     args = ["--steps", "2000", "--step-time", "0.05", "--policy", "warn"]
