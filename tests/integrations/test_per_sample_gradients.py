@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
 import nand
-from tests.integrations.faults import INF_LR, param_groups
+from tests.integrations.faults import Fault, Planted, param_groups
 from tests.integrations.loops import where
 from tests.integrations.truth import Finding
 from tests.integrations.zoo import case
@@ -41,8 +41,10 @@ class PerSampleLoop:
     def __init__(self, name: str, watched: bool, lr_fault: bool) -> None:
         self.case = case(name)
         self.model = self.case.build()
-        self.faulty = self.case.sites["lr"] if lr_fault else None
-        self.optimizer = torch.optim.AdamW(param_groups(self.model, self.faulty), lr=1e-3)
+        fault = Fault("lr", FAULT_STEP, self.case.sites["lr"]) if lr_fault else None
+        self.planted = Planted(fault, self.model)  # an lr fault: no hook in the model
+        isolate = fault.where if fault is not None else None
+        self.optimizer = torch.optim.AdamW(param_groups(self.model, isolate), lr=1e-3)
         self.watch = nand.watch(self.model, self.optimizer) if watched else None
         self.losses: list[float] = []
         self.first_bad_param: Finding | None = None  # the ground truth, read without nand
@@ -66,10 +68,7 @@ class PerSampleLoop:
         self.losses.append(float(losses.mean()))
         for name, p in self.model.named_parameters():
             p.grad = grads[name].mean(0)
-        if self.faulty is not None and step == FAULT_STEP:
-            for group in self.optimizer.param_groups:
-                if group.get("name") == self.faulty:
-                    group["lr"] = INF_LR
+        self.planted.before_update(self.optimizer, step)
         self.optimizer.step()
         self.optimizer.zero_grad()
         if self.first_bad_param is None:

@@ -275,15 +275,11 @@ class ProbeBuffer:
         node cannot be copied into the slab).
         """
         if tensors:
-            enabled = _grad_enabled()
-            _set_grad_enabled(False)
-            try:
+            with torch.no_grad():  # (once or twice a step: the hot path is probe's)
                 if self.exact_norms:
                     norms = torch._foreach_norm(tensors, 2, dtype=torch.float64)
                 else:
                     norms = torch._foreach_norm(tensors)
-            finally:
-                _set_grad_enabled(enabled)
             if not self.wide_norms and any(n.dtype is _FLOAT64 for n in norms):
                 self.wide_norms = True  # (the float32 slab would round them)
             self.norms.extend(norms)
