@@ -20,10 +20,12 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import nand
 from nand.events import Event
@@ -145,7 +147,7 @@ class Loop:
         self.planted.arm(self.step, micro)
         index = self.step * self.mode.accum + micro
         batch = self.planted.batch(on_device(self.case.batch(index, self.float_input)))
-        with self._autocast():
+        with self._autocast(), self._attention_kernels():
             loss = self.planted.loss(self.case.loss(self.run, batch))
         self.losses.append(loss.detach().float().item())
         if self.mode.penalty:
@@ -159,6 +161,13 @@ class Loop:
         params = [p for p in self.model.parameters() if p.requires_grad]
         grads = torch.autograd.grad(loss, params, create_graph=True, allow_unused=True)
         return sum((g.pow(2).sum() for g in grads if g is not None), loss.new_zeros(()))
+
+    def _attention_kernels(self) -> AbstractContextManager[None]:
+        # A penalty differentiates the backward, and CUDA's fused attention
+        # kernels have no double backward: the math kernel has (on CPU too).
+        if not self.mode.penalty:
+            return nullcontext()
+        return sdpa_kernel([SDPBackend.MATH])
 
     def _autocast(self) -> torch.autocast:
         dtype = self.mode.autocast
