@@ -1,0 +1,133 @@
+"""What each part of nand costs a small model's step, found by leaving it out.
+
+    python benchmarks/parts.py                      # the custom MLP, 41 repeats
+    python benchmarks/parts.py mlp custom-mlp --repeats 61
+
+Every variant is a watched copy of the model with one part of nand patched
+out around its own timed block (``hooks only``: nand installed and switched
+off, so torch still calls every hook and each returns at once). Variants run
+in a shuffled order in every repeat, on one thread; the figure is the median
+of CPU time per step, with its difference from the full watch. A part's
+figure is what leaving it out saves *in situ*, between the model's own
+kernels, where a small op costs several times its micro-benchmark.
+
+The patches name nand's internals: a rename fails here loudly (``mock``
+refuses to patch a missing attribute) rather than timing nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import logging
+import random
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+from unittest import mock
+
+import overhead  # (benchmarks/overhead.py, beside this script)
+import torch
+
+import nand
+from nand.agent.detect.hooks import Hooks
+from nand.agent.detect.optimizer import OptimizerHooks
+from nand.agent.step.blowup import BlowUpWatch
+from nand.agent.step.boundary import Boundary
+from nand.agent.step.window import HEALTHY
+
+Patch = tuple[type, str, Callable[..., Any]]
+
+
+def _nothing(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+#: Variant -> the patches that leave its part out (None: no nand at all).
+VARIANTS: dict[str, list[Patch] | None] = {
+    "none": None,
+    "nand": [],
+    "hooks only": [],  # switched off after install: see _switched_off
+    "- early warnings": [(BlowUpWatch, "look", lambda *a, **k: ())],
+    "- analysis": [(Boundary, "_analyse", lambda *a, **k: HEALTHY)],
+    "- update plan": [(OptimizerHooks, "_plan", _nothing)],  # params read every step instead
+    "- bias-gradient probes": [(Hooks, "_watch_gradient", _nothing)],
+    "- input probe": [(Hooks, "_probe_input", _nothing)],
+    "- forward probes": [(Hooks, "_probe", _nothing)],
+}
+
+
+def make_step(b: overhead.Bench, watched: bool) -> tuple[Callable[[], None], Any]:
+    """A training step of a fresh copy of ``b``'s model, and its watch."""
+    model, inputs, loss_fn = b.make()
+    model = copy.deepcopy(model)
+    opt = overhead.make_optimizer(b.optimizer, model)
+    watch = nand.watch(model, opt, log_events=False) if watched else None
+
+    def step() -> None:
+        loss_fn(model(inputs())).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step, watch
+
+
+@contextlib.contextmanager
+def _switched_off(watch: Any) -> Any:
+    watch._guard.off = True
+    try:
+        yield
+    finally:
+        watch._guard.off = False
+
+
+def time_variant(name: str, step: Callable[[], None], watch: Any, steps: int) -> float:
+    """CPU µs per step of ``steps`` steps with ``name``'s part left out."""
+    with contextlib.ExitStack() as stack:
+        for owner, attribute, replacement in VARIANTS[name] or []:
+            stack.enter_context(mock.patch.object(owner, attribute, replacement))
+        if name == "hooks only":
+            stack.enter_context(_switched_off(watch))
+        for _ in range(overhead.WARM_STEPS):
+            step()
+        start = time.process_time()
+        for _ in range(steps):
+            step()
+        return (time.process_time() - start) / steps * 1e6
+
+
+def run(which: str, repeats: int) -> None:
+    b = overhead.BENCHES[which]
+    steps = {name: make_step(b, watched=patches is not None) for name, patches in VARIANTS.items()}
+    times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    order = list(VARIANTS)
+    for _ in range(repeats):
+        random.shuffle(order)  # no variant always runs right after the same one
+        for name in order:
+            times[name].append(time_variant(name, *steps[name], b.steps))
+    bare, full = statistics.median(times["none"]), statistics.median(times["nand"])
+    print(f"\n{b.title}: median CPU µs/step over {repeats} shuffled repeats of {b.steps} steps")
+    for name, samples in times.items():
+        us = statistics.median(samples)
+        print(f"  {name:24s} {us:8.1f}   {us / bare:5.3f}x   {us - full:+7.1f} against nand")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("models", nargs="*", help=f"of {', '.join(overhead.BENCHES)}")
+    parser.add_argument("--repeats", type=int, default=41)
+    args = parser.parse_args()
+    unknown = set(args.models) - set(overhead.BENCHES)
+    if unknown:
+        parser.error(f"no such model: {', '.join(sorted(unknown))}")
+    torch.set_num_threads(1)
+    logging.getLogger("nand").setLevel(logging.WARNING)  # (the "watching run" line, per copy)
+    print(f"torch {torch.__version__}, 1 thread")
+    for which in args.models or ["custom-mlp"]:
+        run(which, args.repeats)
+
+
+if __name__ == "__main__":
+    main()
