@@ -33,6 +33,7 @@ import torch
 
 import nand
 from nand.agent.detect.hooks import Hooks
+from nand.agent.detect.inline import InlineCheck
 from nand.agent.detect.optimizer import OptimizerHooks
 from nand.agent.step.blowup import BlowUpWatch
 from nand.agent.step.boundary import Boundary
@@ -56,6 +57,8 @@ VARIANTS: dict[str, list[Patch] | None] = {
     "- bias-gradient probes": [(Hooks, "_watch_gradient", _nothing)],
     "- input probe": [(Hooks, "_probe_input", _nothing)],
     "- forward probes": [(Hooks, "_probe", _nothing)],
+    "- inline checks": [(InlineCheck, "check_inputs", _nothing)],
+    "- gradient norms": [(OptimizerHooks, "add_norms", _nothing)],  # and params, state
 }
 
 
