@@ -24,7 +24,7 @@ import logging
 import random
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 from unittest import mock
 
@@ -39,26 +39,41 @@ from nand.agent.step.blowup import BlowUpWatch
 from nand.agent.step.boundary import Boundary
 from nand.agent.step.window import HEALTHY
 
-Patch = tuple[type, str, Callable[..., Any]]
+#: How a variant leaves its part out, given the variant's watch.
+LeaveOut = Callable[[Any], contextlib.AbstractContextManager[Any]]
 
 
 def _nothing(*args: Any, **kwargs: Any) -> None:
     return None
 
 
-#: Variant -> the patches that leave its part out (None: no nand at all).
-VARIANTS: dict[str, list[Patch] | None] = {
+def _patched(owner: type, attribute: str, replacement: Callable[..., Any]) -> LeaveOut:
+    return lambda watch: mock.patch.object(owner, attribute, replacement)
+
+
+@contextlib.contextmanager
+def _switched_off(watch: Any) -> Iterator[None]:
+    """nand installed but off: torch still calls every hook, each returns at once."""
+    watch._guard.off = True
+    try:
+        yield
+    finally:
+        watch._guard.off = False
+
+
+#: Variant -> how it leaves its part out (None: no nand at all).
+VARIANTS: dict[str, LeaveOut | None] = {
     "none": None,
-    "nand": [],
-    "hooks only": [],  # switched off after install: see _switched_off
-    "- early warnings": [(BlowUpWatch, "look", lambda *a, **k: ())],
-    "- analysis": [(Boundary, "_analyse", lambda *a, **k: HEALTHY)],
-    "- update plan": [(OptimizerHooks, "_plan", _nothing)],  # params read every step instead
-    "- bias-gradient probes": [(Hooks, "_watch_gradient", _nothing)],
-    "- input probe": [(Hooks, "_probe_input", _nothing)],
-    "- forward probes": [(Hooks, "_probe", _nothing)],
-    "- inline checks": [(InlineCheck, "check_inputs", _nothing)],
-    "- gradient norms": [(OptimizerHooks, "add_norms", _nothing)],  # and params, state
+    "nand": lambda watch: contextlib.nullcontext(),
+    "hooks only": _switched_off,
+    "- early warnings": _patched(BlowUpWatch, "look", lambda *a, **k: ()),
+    "- analysis": _patched(Boundary, "_analyse", lambda *a, **k: HEALTHY),
+    "- update plan": _patched(OptimizerHooks, "_plan", _nothing),  # params read every step
+    "- bias-gradient probes": _patched(Hooks, "_watch_gradient", _nothing),
+    "- input probe": _patched(Hooks, "_probe_input", _nothing),
+    "- forward probes": _patched(Hooks, "_probe", _nothing),
+    "- inline checks": _patched(InlineCheck, "check_inputs", _nothing),
+    "- gradient norms": _patched(OptimizerHooks, "add_norms", _nothing),  # and params, state
 }
 
 
@@ -77,22 +92,10 @@ def make_step(b: overhead.Bench, watched: bool) -> tuple[Callable[[], None], Any
     return step, watch
 
 
-@contextlib.contextmanager
-def _switched_off(watch: Any) -> Any:
-    watch._guard.off = True
-    try:
-        yield
-    finally:
-        watch._guard.off = False
-
-
 def time_variant(name: str, step: Callable[[], None], watch: Any, steps: int) -> float:
     """CPU µs per step of ``steps`` steps with ``name``'s part left out."""
-    with contextlib.ExitStack() as stack:
-        for owner, attribute, replacement in VARIANTS[name] or []:
-            stack.enter_context(mock.patch.object(owner, attribute, replacement))
-        if name == "hooks only":
-            stack.enter_context(_switched_off(watch))
+    leave_out = VARIANTS[name]
+    with leave_out(watch) if leave_out is not None else contextlib.nullcontext():
         for _ in range(overhead.WARM_STEPS):
             step()
         start = time.process_time()
@@ -103,7 +106,7 @@ def time_variant(name: str, step: Callable[[], None], watch: Any, steps: int) ->
 
 def run(which: str, repeats: int) -> None:
     b = overhead.BENCHES[which]
-    steps = {name: make_step(b, watched=patches is not None) for name, patches in VARIANTS.items()}
+    steps = {name: make_step(b, watched=leave is not None) for name, leave in VARIANTS.items()}
     times: dict[str, list[float]] = {name: [] for name in VARIANTS}
     order = list(VARIANTS)
     for _ in range(repeats):
