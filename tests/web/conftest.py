@@ -38,6 +38,7 @@ ARGS = [
 TOKEN = "web-test-token"
 SCREENSHOTS = Path(__file__).resolve().parents[2] / "artifacts" / "screenshots"
 VIEWPORT = {"width": 1366, "height": 860}  # a laptop screen
+PAGE_TIMEOUT_MS = 20_000  # actions and assertions alike
 
 
 @dataclass
@@ -111,8 +112,12 @@ def browser() -> Iterator[object]:
             f"{CHROMIUM} is missing: the browser tests need Debian's Chromium. "
             "Install it with `apt-get install -y chromium` (scripts/test does)."
         )
-    from playwright.sync_api import sync_playwright
+    from playwright.sync_api import expect, sync_playwright
 
+    # Assertions wait as long as actions do (Playwright's own default is 5 s):
+    # on a loaded 2-core CI machine the first render of a run page took longer
+    # (reproduced beside six busy processes: open_run's verdict check failed).
+    expect.set_options(timeout=PAGE_TIMEOUT_MS)
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
         try:
@@ -126,7 +131,7 @@ def _open(browser, scheme: str, errors: PageErrors):
     page = context.new_page()
     page.on("console", lambda m: m.type == "error" and errors.console.append(m.text))
     page.on("pageerror", lambda exc: errors.uncaught.append(str(exc)))
-    page.set_default_timeout(20_000)
+    page.set_default_timeout(PAGE_TIMEOUT_MS)
     return page
 
 
