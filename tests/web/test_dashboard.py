@@ -188,7 +188,7 @@ def test_live_stream_adds_a_new_run_without_a_reload(page, dashboard: Dashboard)
     late = scenario.diverged_run(run="late-arrival", world_size=2, origin_rank=1, bad_step=6)
     scenario.replay(dashboard.server.zmq_endpoint, late, token=dashboard.token)
     row = page.locator('tr[data-run="late-arrival"]')
-    expect(row).to_be_visible(timeout=10_000)
+    expect(row).to_be_visible()
     expect(row.locator(".badge")).to_have_text("diverged")
     assert page.evaluate("window.__notReloaded") is True
 

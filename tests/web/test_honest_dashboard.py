@@ -46,7 +46,7 @@ def test_the_live_stream_comes_back_after_refusals_and_catches_up(
     expect(page.locator("#live")).to_have_text("reconnecting…")
     replay(dashboard, scenario.short_run("arrived-while-away", bad_step=7))
     expect(page.locator("#live")).to_have_text("live")
-    expect(page.locator('tr[data-run="arrived-while-away"]')).to_be_visible(timeout=10_000)
+    expect(page.locator('tr[data-run="arrived-while-away"]')).to_be_visible()
     assert len(refused) == 2
 
 
