@@ -19,8 +19,11 @@ import pytest
 from nand.agent.identity import Identity
 from nand.agent.transport import spool as sp
 from nand.agent.transport.backlog import Backlog
+from nand.agent.transport.frames import Frame
 from nand.agent.transport.mailbox import Mailbox
+from nand.agent.transport.outbox import Outbox
 from nand.agent.transport.server_sink import ServerSink
+from nand.config import TransportConfig
 from nand.events import Event, StepSummary
 from nand.testing import Receiver, free_endpoint
 
@@ -267,3 +270,28 @@ def test_errno_of_a_full_disk_is_told_apart_from_other_failures(tmp_path):
     assert backlog.refusal == "spool_error"
     backlog._refused(OSError(errno.EDQUOT, "quota"))
     assert backlog.refusal == "disk_full"
+
+
+def test_a_frame_the_spool_cannot_take_waits_in_memory_with_those_after_it_all_counted(tmp_path):
+    """Any failure to spool one frame (here a kind without a spool code) is a
+    refusal: it and the frames after it stay in memory, in order, what the
+    memory bound drops is counted, and so is what is left at exit."""
+    mailbox = Mailbox(100)
+    warned: list[str] = []
+    path = tmp_path / "rank-0.spool"
+    backlog = Backlog(path, "a1", 1 << 20, mailbox, lambda key, text: warned.append(text))
+    settings = TransportConfig.resolve(queue_max=4, spool_dir=tmp_path)
+    outbox = Outbox("a1", settings, backlog, mailbox, {"spooled": 0})
+    outbox.mode = "spool"  # the server is away
+    frames = [Frame("a1", seq, "heartbeat", False, b"beat%d" % seq) for seq in range(1, 9)]
+    frames[1] = Frame("a1", 2, "novel", True, b"novel")
+    for frame in frames:
+        outbox.add(frame)
+    assert [payload for _, payload in sp.read_records(path)] == [b"beat1"]
+    held = [frame.seq for frame in outbox.queue]
+    assert held[0] == 2 and held == sorted(held) and len(held) == 4  # in order, bounded
+    assert mailbox.dropped_counts() == {"spool_error": 3}
+    assert len(warned) == 1 and "ValueError" in warned[0]
+    outbox.lose_memory()
+    assert mailbox.dropped_counts() == {"spool_error": 3 + 4}
+    backlog.close()

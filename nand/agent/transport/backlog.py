@@ -16,7 +16,10 @@ record lost that way is counted as dropped ``spool_full``.
 When the disk refuses (full, over quota, failing, or the spool cannot be
 opened) the frame is *refused*: the sender keeps it in memory instead, within
 its own bound, and counts what that bound drops as ``disk_full`` (or
-``spool_error``). The disk is tried again after :data:`DISK_RETRY_S`.
+``spool_error``). The disk is tried again after :data:`DISK_RETRY_S`. Any
+other failure to spool a frame (a bug of nand's) is refused the same way, as
+``spool_error``: the frame and those after it wait in memory, never dropped
+uncounted.
 """
 
 from __future__ import annotations
@@ -78,6 +81,9 @@ class Backlog:
             stored = self._append(spool, data, kind, keep)
         except OSError as exc:
             self._refused(exc)
+            return "refused"
+        except Exception as exc:  # not the disk: nand's own bug, e.g. a kind without a code
+            self._refused(OSError(errno.EIO, f"{type(exc).__name__}: {exc}"))
             return "refused"
         self.refusal = None
         return stored
