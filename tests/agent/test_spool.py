@@ -218,3 +218,10 @@ def test_compaction_drops_heartbeats_first_events_last_and_never_marked_records(
         left = [sp.KIND_NAMES[t & 0x0F] for _, t, _ in s.read_from(sp.HEADER_SIZE)]
         assert left == ["hello", *reversed(sp.DROP_ORDER[gone:]), "bye"]
     s.close()
+
+
+def test_the_readme_tells_the_drop_order_of_a_full_spool():
+    readme = " ".join((Path(__file__).parents[2] / "README.md").read_text().split())
+    kinds = [f"{kind}s" for kind in sp.DROP_ORDER]
+    said = f"a full spool drops {kinds[0]} first, then {', '.join(kinds[1:-1])} and {kinds[-1]}"
+    assert said in readme

@@ -9,8 +9,9 @@ spools that dead agents of the rank left behind are adopted: the primary file
 is simply kept, others are appended to it and deleted.
 
 When the spool is full, it is compacted to half its limit: records the server
-already acknowledged go first (they are not losses), then heartbeats, flights
-and events; the marked records stay (hello, the first incident, bye). Every
+already acknowledged go first (they are not losses), then unmarked records in
+:data:`~nand.agent.transport.spool.DROP_ORDER` (heartbeats first, events
+last); the marked records stay (hello, the first incident, bye). Every
 record lost that way is counted as dropped ``spool_full``.
 
 When the disk refuses (full, over quota, failing, or the spool cannot be
