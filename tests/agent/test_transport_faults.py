@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from nand import wire
 from nand.agent.identity import Identity
 from nand.agent.transport import spool as sp
 from nand.agent.transport.backlog import Backlog
@@ -295,3 +296,34 @@ def test_a_frame_the_spool_cannot_take_waits_in_memory_with_those_after_it_all_c
     outbox.lose_memory()
     assert mailbox.dropped_counts() == {"spool_error": 3 + 4}
     backlog.close()
+
+
+def test_a_bug_that_loses_one_frame_counts_it_keeps_the_rest_and_exit_still_tells_the_spool(
+    caplog, monkeypatch
+):
+    """Faults planted in the sender's own code (nand's bugs, not the user's):
+    keeping one frame fails, and so does a step of the shutdown."""
+    caplog.set_level(logging.WARNING, logger="nand.agent.transport")
+    keep = Outbox.add
+
+    def add_failing_for_seq_2(self: Outbox, frame: Frame) -> None:
+        if frame.seq == 2:
+            raise RuntimeError("planted")
+        keep(self, frame)
+
+    def lose_memory_failing(self: Outbox) -> None:
+        raise RuntimeError("planted at exit")
+
+    monkeypatch.setattr(Outbox, "add", add_failing_for_seq_2)
+    monkeypatch.setattr(Outbox, "lose_memory", lose_memory_failing)
+    sink = ServerSink(free_endpoint(), ME, **FAST)  # nothing listens: all goes to the spool
+    sink.hello({})
+    for step in range(4):  # seqs 2..5, in one batch with the hello
+        sink.heartbeat(StepSummary(step=step))
+    sink.close(0.5)
+    path = sp.spool_path(sink.settings.spool_dir, "run-f", 0)
+    assert [wire.decode(p)["seq"] for _, p in sp.read_records(path)] == [1, 3, 4, 5]
+    assert sink.dropped() == {"spool_error": 1}
+    said = "\n".join(r.getMessage() for r in caplog.records)
+    assert "cannot keep a heartbeat" in said and "planted at exit" in said
+    assert f"did not reach the server at {sink.endpoint}" in said and str(path) in said
