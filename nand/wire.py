@@ -61,7 +61,8 @@ PROTOCOL_VERSION = 1
 #: by 64 steps is about 1.2 MB).
 DEFAULT_MAX_BYTES = DEFAULT_MAX_FRAME_BYTES
 
-AGENT_KINDS = frozenset({"hello", "event", "heartbeat", "flight", "fingerprint", "warning", "bye"})
+#: What an agent sends. Also the spool's kind codes (position + 1, on disk): append, never reorder.
+AGENT_KINDS = ("hello", "event", "heartbeat", "flight", "bye", "fingerprint", "warning")
 SERVER_KINDS = frozenset({"ack", "command", "reject"})
 COMMANDS = frozenset({"stop", "send_flight"})
 
@@ -76,7 +77,6 @@ REASONS = (
     "bad_field",
     "unauthenticated",
 )
-
 
 #: A heartbeat's ``dropped`` map: at most this many reasons (the agent has 8),
 #: each a short identifier, each count a non-negative 64-bit integer.

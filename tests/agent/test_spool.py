@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import fcntl
+import re
 import struct
 import zlib
 from pathlib import Path
 
 import pytest
 
+from nand import cli, wire
 from nand.agent.transport import spool as sp
 from nand.errors import SpoolCorruptError
 
@@ -163,3 +165,63 @@ def test_an_empty_spool_keeps_its_lock_until_closed(tmp_path):
 def test_spool_path_is_per_run_and_rank_and_safe():
     assert sp.spool_path("/s", "my run/../x", 3) == Path("/s/my_run_.._x/rank-3.spool")
     assert sp.spool_path("/s", "r", 0, "abc").name == "rank-0.abc.spool"
+
+
+def test_every_kind_an_agent_sends_is_spooled_and_listed_by_nand_spool_show(tmp_path, capsys):
+    """The wire's list of agent kinds is the spool's: a new kind joins here by itself."""
+    path = tmp_path / "rank-0.spool"
+    s = sp.Spool(path, max_bytes=1 << 20)
+    for seq, kind in enumerate(wire.AGENT_KINDS, start=1):
+        message = wire.agent_message(kind, agent="a1", seq=seq, run="r", rank=0, body={})
+        assert s.append(wire.encode(message), kind=kind)
+    s.close()
+    tags = [tag for tag, _ in sp.read_records(path)]
+    assert [sp.KIND_NAMES[tag & 0x0F] for tag in tags] == list(wire.AGENT_KINDS)
+    assert all(0 < tag <= 0x0F for tag in tags)  # a kind code fits the tag's low 4 bits
+    assert cli.main(["spool", "show", str(path)]) == 0
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()[1:]]
+    assert listed == list(wire.AGENT_KINDS)
+
+
+def test_a_kind_without_a_code_is_a_value_error_that_writes_nothing(tmp_path):
+    s = sp.Spool(tmp_path / "rank-0.spool", max_bytes=1 << 20)
+    with pytest.raises(ValueError, match="no spool code for a message of kind 'novel'"):
+        s.append(b"x", kind="novel")
+    assert len(s) == 0
+    s.close()
+
+
+def test_the_kind_codes_on_disk_are_the_documented_ones_and_older_spools_read_the_same(tmp_path):
+    grammar = re.search(r"kind-code = (.+)", sp.__doc__ or "")
+    assert grammar is not None
+    documented = {name: int(code) for code, name in re.findall(r"(\d+) (\w+)", grammar.group(1))}
+    assert documented == sp.KIND_CODES
+    # A spool written before fingerprints and warnings existed (codes 1..5):
+    # kinds may only be appended to the wire's list, never reordered.
+    older = {1: "hello", 2: "event", 3: "heartbeat", 4: "flight", 5: "bye"}
+    path = tmp_path / "rank-0.spool"
+    path.write_bytes(sp.HEADER + b"".join(sp.encode_record(b"m", code) for code in older))
+    assert [sp.KIND_NAMES[tag] for tag, _ in sp.read_records(path)] == list(older.values())
+
+
+def test_compaction_drops_heartbeats_first_events_last_and_never_marked_records(tmp_path):
+    s = sp.Spool(tmp_path / "rank-0.spool", max_bytes=1 << 20)
+    unmarked = [kind for kind in wire.AGENT_KINDS if kind not in ("hello", "bye")]
+    assert sorted(unmarked) == sorted(sp.DROP_ORDER)  # every kind has its place
+    s.append(b"hello", kind="hello", keep=True)
+    for kind in reversed(sp.DROP_ORDER):  # written in the reverse of the drop order
+        s.append(kind.encode().ljust(16), kind=kind)
+    s.append(b"bye", kind="bye", keep=True)
+    record = sp.RECORD_OVERHEAD + 16
+    for gone in range(1, len(sp.DROP_ORDER) + 1):
+        s.compact(s.size - record)  # room for one record less
+        left = [sp.KIND_NAMES[t & 0x0F] for _, t, _ in s.read_from(sp.HEADER_SIZE)]
+        assert left == ["hello", *reversed(sp.DROP_ORDER[gone:]), "bye"]
+    s.close()
+
+
+def test_the_readme_tells_the_drop_order_of_a_full_spool():
+    readme = " ".join((Path(__file__).parents[2] / "README.md").read_text().split())
+    kinds = [f"{kind}s" for kind in sp.DROP_ORDER]
+    said = f"a full spool drops {kinds[0]} first, then {', '.join(kinds[1:-1])} and {kinds[-1]}"
+    assert said in readme

@@ -16,11 +16,15 @@ from pathlib import Path
 
 import pytest
 
+from nand import wire
 from nand.agent.identity import Identity
 from nand.agent.transport import spool as sp
 from nand.agent.transport.backlog import Backlog
+from nand.agent.transport.frames import Frame
 from nand.agent.transport.mailbox import Mailbox
+from nand.agent.transport.outbox import Outbox
 from nand.agent.transport.server_sink import ServerSink
+from nand.config import TransportConfig
 from nand.events import Event, StepSummary
 from nand.testing import Receiver, free_endpoint
 
@@ -267,3 +271,59 @@ def test_errno_of_a_full_disk_is_told_apart_from_other_failures(tmp_path):
     assert backlog.refusal == "spool_error"
     backlog._refused(OSError(errno.EDQUOT, "quota"))
     assert backlog.refusal == "disk_full"
+
+
+def test_a_frame_the_spool_cannot_take_waits_in_memory_with_those_after_it_all_counted(tmp_path):
+    """Any failure to spool one frame (here a kind without a spool code) is a
+    refusal: it and the frames after it stay in memory, in order, what the
+    memory bound drops is counted, and so is what is left at exit."""
+    mailbox = Mailbox(100)
+    warned: list[str] = []
+    path = tmp_path / "rank-0.spool"
+    backlog = Backlog(path, "a1", 1 << 20, mailbox, lambda key, text: warned.append(text))
+    settings = TransportConfig.resolve(queue_max=4, spool_dir=tmp_path)
+    outbox = Outbox("a1", settings, backlog, mailbox, {"spooled": 0})
+    outbox.mode = "spool"  # the server is away
+    frames = [Frame("a1", seq, "heartbeat", False, b"beat%d" % seq) for seq in range(1, 9)]
+    frames[1] = Frame("a1", 2, "novel", True, b"novel")
+    for frame in frames:
+        outbox.add(frame)
+    assert [payload for _, payload in sp.read_records(path)] == [b"beat1"]
+    held = [frame.seq for frame in outbox.queue]
+    assert held[0] == 2 and held == sorted(held) and len(held) == 4  # in order, bounded
+    assert mailbox.dropped_counts() == {"spool_error": 3}
+    assert len(warned) == 1 and "ValueError" in warned[0]
+    outbox.lose_memory()
+    assert mailbox.dropped_counts() == {"spool_error": 3 + 4}
+    backlog.close()
+
+
+def test_a_bug_that_loses_one_frame_counts_it_keeps_the_rest_and_exit_still_tells_the_spool(
+    caplog, monkeypatch
+):
+    """Faults planted in the sender's own code (nand's bugs, not the user's):
+    keeping one frame fails, and so does a step of the shutdown."""
+    caplog.set_level(logging.WARNING, logger="nand.agent.transport")
+    keep = Outbox.add
+
+    def add_failing_for_seq_2(self: Outbox, frame: Frame) -> None:
+        if frame.seq == 2:
+            raise RuntimeError("planted")
+        keep(self, frame)
+
+    def lose_memory_failing(self: Outbox) -> None:
+        raise RuntimeError("planted at exit")
+
+    monkeypatch.setattr(Outbox, "add", add_failing_for_seq_2)
+    monkeypatch.setattr(Outbox, "lose_memory", lose_memory_failing)
+    sink = ServerSink(free_endpoint(), ME, **FAST)  # nothing listens: all goes to the spool
+    sink.hello({})
+    for step in range(4):  # seqs 2..5, in one batch with the hello
+        sink.heartbeat(StepSummary(step=step))
+    sink.close(0.5)
+    path = sp.spool_path(sink.settings.spool_dir, "run-f", 0)
+    assert [wire.decode(p)["seq"] for _, p in sp.read_records(path)] == [1, 3, 4, 5]
+    assert sink.dropped() == {"spool_error": 1}
+    said = "\n".join(r.getMessage() for r in caplog.records)
+    assert "cannot keep a heartbeat" in said and "planted at exit" in said
+    assert f"did not reach the server at {sink.endpoint}" in said and str(path) in said

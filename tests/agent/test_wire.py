@@ -245,7 +245,7 @@ def test_decoding_random_bytes_raises_nothing_but_wire_error(frame):
 
 @settings(max_examples=300, deadline=None)
 @given(
-    st.sampled_from(sorted(wire.AGENT_KINDS | wire.SERVER_KINDS)),
+    st.sampled_from(sorted({*wire.AGENT_KINDS, *wire.SERVER_KINDS})),
     st.dictionaries(
         st.sampled_from(["agent", "seq", "run", "rank", "time", "body", "seqs", "command", "step"]),
         _values,

@@ -9,14 +9,18 @@ spools that dead agents of the rank left behind are adopted: the primary file
 is simply kept, others are appended to it and deleted.
 
 When the spool is full, it is compacted to half its limit: records the server
-already acknowledged go first (they are not losses), then heartbeats, flights
-and events; the marked records stay (hello, the first incident, bye). Every
+already acknowledged go first (they are not losses), then unmarked records in
+:data:`~nand.agent.transport.spool.DROP_ORDER` (heartbeats first, events
+last); the marked records stay (hello, the first incident, bye). Every
 record lost that way is counted as dropped ``spool_full``.
 
 When the disk refuses (full, over quota, failing, or the spool cannot be
 opened) the frame is *refused*: the sender keeps it in memory instead, within
 its own bound, and counts what that bound drops as ``disk_full`` (or
-``spool_error``). The disk is tried again after :data:`DISK_RETRY_S`.
+``spool_error``). The disk is tried again after :data:`DISK_RETRY_S`. Any
+other failure to spool a frame (a bug of nand's) is refused the same way, as
+``spool_error``: the frame and those after it wait in memory, never dropped
+uncounted.
 """
 
 from __future__ import annotations
@@ -78,6 +82,9 @@ class Backlog:
             stored = self._append(spool, data, kind, keep)
         except OSError as exc:
             self._refused(exc)
+            return "refused"
+        except Exception as exc:  # not the disk: nand's own bug, e.g. a kind without a code
+            self._refused(OSError(errno.EIO, f"{type(exc).__name__}: {exc}"))
             return "refused"
         self.refusal = None
         return stored

@@ -222,8 +222,17 @@ class Sender(threading.Thread):
             if self.rejected is not None:
                 self.mailbox.drop("rejected")
             else:
-                self.outbox.add(frame)
+                self._add(frame)
         self.stats["routed"] += len(batch)
+
+    def _add(self, frame: Frame) -> None:
+        """Hand one frame to the outbox; a failure loses that frame, counted,
+        and never the rest of the batch."""
+        try:
+            self.outbox.add(frame)
+        except Exception as exc:
+            self._warn("add", f"nand: cannot keep a {frame.kind} for sending: {exc!r}")
+            self.mailbox.drop("spool_error")
 
     def _encode(self, out: Outgoing) -> Frame | None:
         env = self.envelope
@@ -268,13 +277,25 @@ class Sender(threading.Thread):
                 self._pump()
             if not self.connected or self.rejected is not None:
                 break
-        with contextlib.suppress(Exception):
-            self._route(self.mailbox.take_all())
-            if self.outbox.mode == "direct" and self.outbox.has_unacked():
-                self.outbox.to_spool()
-            self.outbox.lose_memory()
-            self.silence.at_exit(len(self.backlog), self.mailbox.dropped_counts())
+        # Each last step on its own: what is left is said even if one fails.
+        self._guarded(lambda: self._route(self.mailbox.take_all()))
+        self._guarded(self._spool_the_rest)
+        self._guarded(self.outbox.lose_memory)
+        self._guarded(self._say_what_is_left)
         self._release()
+
+    def _spool_the_rest(self) -> None:
+        if self.outbox.mode == "direct" and self.outbox.has_unacked():
+            self.outbox.to_spool()
+
+    def _say_what_is_left(self) -> None:
+        self.silence.at_exit(len(self.backlog), self.mailbox.dropped_counts())
+
+    def _guarded(self, step: Callable[[], None]) -> None:
+        try:
+            step()
+        except Exception as exc:
+            self._warn(type(exc).__name__, f"nand: sender error at exit: {exc!r}")
 
     def _release(self) -> None:
         self.backlog.close()

@@ -72,7 +72,7 @@ _ENDPOINT = re.compile(r"^(tcp|ipc|inproc|ws|wss)://.+")
 
 
 class ServerSink:
-    """Sends this rank's hello, events, heartbeats, flights and bye to a server."""
+    """Sends this rank's messages (``nand.wire.AGENT_KINDS``) to a server."""
 
     per_step = True  # heartbeats, and the server's commands
 

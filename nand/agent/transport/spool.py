@@ -11,7 +11,8 @@ agent's sender thread. Its grammar (integers big-endian)::
     record  = length:u32 crc:u32 tag:u8 payload:length*u8
     crc     = crc32(tag || payload)
     tag     = kind-code (low 4 bits) | 0x80 when the record must survive compaction
-    kind-code = 1 hello | 2 event | 3 heartbeat | 4 flight | 5 bye
+    kind-code = 1 hello | 2 event | 3 heartbeat | 4 flight | 5 bye | 6 fingerprint | 7 warning
+                ; the position in nand.wire.AGENT_KINDS, from 1
     payload = one nand.wire frame, byte for byte as it is (re)sent, so a replay
               keeps the original (agent, seq) and the server drops duplicates
 
@@ -27,7 +28,7 @@ The file is locked (``flock``) while an agent owns it; an unlocked spool in the
 directory belongs to a dead agent, and the next agent of the same run and rank
 adopts it (:func:`orphans`). Compaction (when ``max_bytes`` is hit) rewrites the
 file keeping the marked records (hello, the first incident, bye), then the
-newest of the rest, heartbeats going first.
+newest of the rest, heartbeats going first, events last (:data:`DROP_ORDER`).
 
 >>> import tempfile, pathlib
 >>> s = Spool(pathlib.Path(tempfile.mkdtemp()) / "rank-0.spool", max_bytes=1 << 20)
@@ -51,6 +52,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from nand.errors import SpoolCorruptError
+from nand.wire import AGENT_KINDS
 
 MAGIC = b"NANDSPOL"
 VERSION = 1
@@ -61,10 +63,13 @@ RECORD_OVERHEAD = _RECORD.size
 #: A length above this is not a record the agent could have written.
 MAX_RECORD = 64 * 1024 * 1024
 KEEP = 0x80
-KIND_CODES = {"hello": 1, "event": 2, "heartbeat": 3, "flight": 4, "bye": 5}
+#: Every kind of message an agent sends has a code (the tag's low 4 bits): the
+#: wire's list is the one list, so a new kind is spooled like the others.
+KIND_CODES = {kind: code for code, kind in enumerate(AGENT_KINDS, start=1)}
 KIND_NAMES = {code: name for name, code in KIND_CODES.items()}
-# Which records go first when the spool is full: heartbeats, then flights, events.
-_DROP_ORDER = {3: 0, 4: 1, 2: 2}
+#: Which unmarked records go first when the spool is full; kinds not named go last.
+DROP_ORDER = ("heartbeat", "fingerprint", "flight", "warning", "event")
+_DROP_RANK = {KIND_CODES[kind]: rank for rank, kind in enumerate(DROP_ORDER)}
 
 
 def spool_path(spool_dir: str | os.PathLike[str], run: str, rank: int, suffix: str = "") -> Path:
@@ -192,8 +197,11 @@ class Spool:
 
         Raises ``OSError`` when the disk refuses the write (full, over quota,
         failing); the file is then cut back to its last whole record, so a
-        later append does not follow a torn one.
+        later append does not follow a torn one. ``ValueError`` for a kind
+        that is not in :data:`KIND_CODES`.
         """
+        if kind not in KIND_CODES:
+            raise ValueError(f"no spool code for a message of kind {kind!r}")
         tag = KIND_CODES[kind] | (KEEP if keep else 0)
         record = encode_record(payload, tag)
         if self.size + len(record) > self.max_bytes:
@@ -240,7 +248,7 @@ class Spool:
         size = HEADER_SIZE + sum(RECORD_OVERHEAD + len(p) for _, p in records)
         victims = sorted(
             (i for i, (tag, _) in enumerate(records) if not tag & KEEP),
-            key=lambda i: (_DROP_ORDER.get(records[i][0] & 0x0F, 3), i),
+            key=lambda i: (_DROP_RANK.get(records[i][0] & 0x0F, len(DROP_ORDER)), i),
         )
         dropped: dict[str, int] = {}
         gone = set()
