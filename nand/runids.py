@@ -7,7 +7,8 @@ value of the database's ``runs.name`` column, so it is
 - without ``/``, and neither ``.`` nor ``..`` (a path step, never addressable).
 
 Anything else is allowed (``a b``, ``é-run``, ``50%``, ``a?b#c``: clients
-encode the segment). :func:`run_problem` says why a string breaks the rule;
+encode the segment). :func:`run_problem` says why a string breaks the rule
+(:func:`run_flaw`, the flaw alone, for the CLI's own sentence);
 the agent's settings (``run=``, ``NAND_RUN``), the server's admission
 (``bad_run``), its REST routes and the CLI all ask it, so they cannot disagree.
 
@@ -26,6 +27,8 @@ MAX_RUN_CHARS = 256
 PATH_STEPS = (".", "..")
 #: What :func:`run_id_from` puts in place of a character a run id cannot have.
 REPLACEMENT = "-"
+#: The rule in words, for messages.
+RULE = f"1 to {MAX_RUN_CHARS} characters, no '/' or NUL, neither '.' nor '..'"
 
 
 def run_problem(run: str) -> str | None:
@@ -36,16 +39,36 @@ def run_problem(run: str) -> str | None:
     >>> run_problem("team/exp3")
     "run id 'team/exp3' contains '/'; use another character, e.g. 'team-exp3'"
     """
+    flaw = run_flaw(run)
+    if flaw is None:
+        return None
+    shown = shown_id(run)
+    if flaw.startswith("contains"):
+        return f"run id {shown} {flaw}; use another character, e.g. {run_id_from(run)!r}"
+    if flaw.startswith("has"):
+        return f"run id {shown} {flaw}; shorten it"
+    return f"run id {shown} {flaw}; name the run"
+
+
+def run_flaw(run: str) -> str | None:
+    """What keeps ``run`` from being a run id, to follow "it" or the id; None if nothing.
+
+    >>> run_flaw("lightning_logs/0"), run_flaw(".."), run_flaw("ok")
+    ("contains '/'", "is a path step ('.' or '..')", None)
+    """
     if not run:
-        return "run id is empty; name the run"
+        return "is empty"
     if len(run) > MAX_RUN_CHARS:
-        return f"run id {run[:40]!r}... has {len(run)} characters; at most {MAX_RUN_CHARS}"
+        return f"has {len(run)} characters, more than {MAX_RUN_CHARS}"
     if run in PATH_STEPS:
-        return f"run id {run!r} is a path step ('.' or '..'); name the run"
+        return "is a path step ('.' or '..')"
     bad = next((ch for ch in run if not _allowed(ch)), None)
-    if bad is not None:
-        return f"run id {run!r} contains {bad!r}; use another character, e.g. {run_id_from(run)!r}"
-    return None
+    return None if bad is None else f"contains {bad!r}"
+
+
+def shown_id(run: str) -> str:
+    """``run`` quoted for a message, cut if long."""
+    return repr(run) if len(run) <= 80 else f"{run[:40]!r}..."
 
 
 def run_id_from(name: str) -> str | None:
