@@ -14,7 +14,6 @@ from __future__ import annotations
 import time
 import urllib.parse
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -29,12 +28,16 @@ from nand.integrations import with_run
 from nand.runids import run_problem
 from nand.server import embedded
 from nand.testing import free_port
+from tests.integrations.named_runs import (
+    NAN_AT,
+    STEPS,
+    batches,
+    fit_lightning_with_its_default_logger,
+)
 from tests.server.agents import FakeAgent
 from tests.server.processes import ServerProcess
 
 LAUNCHER_VARS = ("NAND_RUN", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "NAND_SERVER")
-STEPS = 4
-NAN_AT = 2  # the batch (and optimizer step) whose input holds a NaN
 
 
 @pytest.fixture(autouse=True)
@@ -50,15 +53,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     process = ServerProcess(f"sqlite:///{db}", free_port(), module="nand").start()
     yield process
     process.stop()
-
-
-def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(0)
-    data = [(torch.randn(8, 4, generator=generator), torch.randn(8, 1, generator=generator))]
-    data *= STEPS
-    x, y = data[NAN_AT]
-    data[NAN_AT] = (x.clone().index_fill_(0, torch.tensor([3]), float("nan")), y)
-    return data
 
 
 def stored_events(server: ServerProcess, run: str, timeout: float = 20.0) -> list[dict[str, Any]]:
@@ -81,42 +75,6 @@ def assert_planted_nan_stored(server: ServerProcess, run: str) -> None:
 
 
 # --- Lightning's default logger -------------------------------------------------
-
-
-def fit_lightning_with_its_default_logger(root: Path, **options: Any) -> str | None:
-    """``Trainer(default_root_dir=root, callbacks=[NandCallback(**options)])``, the
-    logger left as Lightning makes it; the run id nand used."""
-    import lightning.pytorch as pl
-    from torch.utils.data import DataLoader
-
-    from nand.integrations.lightning import NandCallback
-
-    class Regression(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.fc = nn.Linear(4, 1)
-
-        def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], _: int) -> torch.Tensor:
-            x, y = batch
-            return nn.functional.mse_loss(self.fc(x), y)
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    callback = NandCallback(**options)
-    trainer = pl.Trainer(
-        default_root_dir=str(root),
-        max_steps=STEPS,
-        accelerator="cpu",
-        devices=1,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[callback],
-    )
-    trainer.fit(Regression(), DataLoader(batches(), batch_size=None))
-    assert (trainer.logger.name, trainer.logger.version) == ("lightning_logs", 0)
-    return callback.watch.first.run if callback.watch and callback.watch.first else None
 
 
 def test_lightning_with_its_default_logger_is_stored_as_lightning_logs_0(server, tmp_path):
