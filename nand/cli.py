@@ -7,7 +7,9 @@ Each group of subcommands lives next to the code it drives and exposes
 module is missing (an extra not installed) is left out of the help.
 
 A failure is one line on stderr, ``nand: <what was wrong>; <what to do>``,
-and an exit code from :mod:`nand.exitcodes`; ``-v`` adds the traceback.
+and an exit code from :mod:`nand.exitcodes`; ``-v`` adds the traceback. A
+command's ``run`` argument that no run can have (:mod:`nand.runids`) is such a
+failure (``USAGE``), said before any request.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 
 from nand import __version__, exitcodes
 from nand.errors import CommandError
+from nand.runids import RULE, run_flaw, run_id_from, shown_id
 
 #: Modules that add subcommands, in the order their commands are listed.
 COMMAND_GROUPS = (
@@ -67,10 +70,29 @@ def configure_logging(verbose: bool) -> None:
     logging.getLogger("nand").setLevel(logging.DEBUG if verbose else logging.INFO)
 
 
+def check_run_id(args: argparse.Namespace) -> None:
+    """Refuse a ``run`` argument no run can have (``nand verdict lightning_logs/0``):
+    the server could only answer 404 for it, which reads as a wrong ``--url``."""
+    run = getattr(args, "run", None)
+    if not isinstance(run, str):
+        return
+    flaw = run_flaw(run)
+    if flaw is None:
+        return
+    hint = "see `nand runs` for the runs there are"
+    if flaw.startswith("contains"):  # e.g. Lightning's "name/version", as nand reports it
+        hint = f"a framework's run name like it is reported as {run_id_from(run)!r}"
+    raise CommandError(
+        f"no run can have the id {shown_id(run)}: it {flaw} (a run id has {RULE}); {hint}",
+        exitcodes.USAGE,
+    )
+
+
 def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse.Namespace) -> int:
     """Run one command; a failure becomes one line on stderr and its exit code."""
     verbose = bool(getattr(args, "verbose", False))
     try:
+        check_run_id(args)
         return int(func(args) or 0)
     except CommandError as exc:
         if verbose:

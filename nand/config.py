@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from nand.errors import ConfigError
+from nand.runids import run_problem
 
 # --- agent ------------------------------------------------------------------
 
@@ -28,7 +29,8 @@ agent works alone (log + optional JSONL file)."""
 
 NAND_RUN = "NAND_RUN"
 """Run id shared by all ranks of a job. Default: ``TORCHELASTIC_RUN_ID``, then
-``SLURM_JOB_ID``, then an id agreed through the process group's store."""
+``SLURM_JOB_ID``, then an id agreed through the process group's store. One
+without ``/``, not ``.`` or ``..``, at most 256 characters (:mod:`nand.runids`)."""
 
 NAND_LAUNCH = "NAND_LAUNCH"
 """Launch identity: the same for every rank of one launch, new each time the job
@@ -364,3 +366,6 @@ class AgentConfig:
             raise ConfigError(
                 "heartbeat_s, close_timeout_s and fingerprint_steps must not be negative"
             )
+        problem = run_problem(self.run) if self.run else None  # ("": not given)
+        if problem is not None:  # the server would refuse every message of the run
+            raise ConfigError(f"run={self.run!r} (or NAND_RUN): {problem}")

@@ -27,9 +27,9 @@ Every message is one msgpack map (one ZeroMQ frame)::
                  {"command": "send_flight"}
       reject     {"reason": str}                 e.g. a bad token; the agent stops sending
 
-``run`` is one path segment of the server's REST API (``/api/runs/{run}``), so
-the server refuses a run id with a ``/`` or that is ``.`` or ``..``
-(:func:`run_problem`): it could be stored but never read back.
+``run`` is one path segment of the server's REST API (``/api/runs/{run}``):
+:mod:`nand.runids` says which strings can be one (``run_problem``); the
+server refuses the others (``bad_run``), which could be stored but never read back.
 
 ``agent`` is a random id per agent process; ``(agent, seq)`` identifies a
 message for deduplication (delivery is at-least-once). ``seq`` starts at 1.
@@ -54,6 +54,7 @@ import msgpack
 from nand.config import DEFAULT_MAX_FRAME_BYTES
 from nand.errors import WireError
 from nand.events import CAUSES, PHASES, WARNING_KINDS
+from nand.runids import MAX_RUN_CHARS
 
 PROTOCOL_VERSION = 1
 
@@ -129,22 +130,6 @@ def agent_message(
     }
 
 
-def run_problem(run: str) -> str | None:
-    """Why ``run`` cannot be a run id the REST API can address, or None if it can.
-
-    >>> run_problem("llama-7b.exp3"), run_problem("a<b c")
-    (None, None)
-    >>> run_problem("team/exp3")
-    "run id 'team/exp3' contains '/'; use another character, e.g. 'team-exp3'"
-    """
-    if run in (".", ".."):
-        return f"run id {run!r} is a path step ('.' or '..'); name the run"
-    if "/" in run:
-        suggestion = run.replace("/", "-")
-        return f"run id {run!r} contains '/'; use another character, e.g. {suggestion!r}"
-    return None
-
-
 def decode(frame: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES) -> dict[str, Any]:
     """Unpack and validate one frame; raise WireError with a reason if it is bad."""
     if len(frame) > max_bytes:
@@ -201,8 +186,8 @@ def _agent_envelope(message: Mapping[str, Any]) -> Mapping[str, Any]:
         raise WireError("bad_field", "message.agent must be 1..128 characters")
     _non_negative(_require(message, "seq", _INT, "message"), "message.seq")
     run = _require(message, "run", _STR, "message")
-    if not run or len(run) > 256:
-        raise WireError("bad_field", "message.run must be 1..256 characters")
+    if not run or len(run) > MAX_RUN_CHARS:
+        raise WireError("bad_field", f"message.run must be 1..{MAX_RUN_CHARS} characters")
     _non_negative(_require(message, "rank", _INT, "message"), "message.rank")
     _require(message, "time", _NUM, "message")
     body: Mapping[str, Any] = _require(message, "body", (dict,), "message")

@@ -149,6 +149,42 @@ def _commands(parser, prefix: str = ""):
                 yield from _commands(sub, f"{prefix}{name} ")
 
 
+def commands_taking_a_run() -> list[str]:
+    from nand.cli import build_parser
+
+    return [
+        name
+        for name, command in _commands(build_parser())
+        if any(action.dest == "run" for action in command._actions)
+    ]
+
+
+def test_verbs_that_take_a_run_id_are_verdict_stop_and_wait() -> None:
+    # (the test below covers each; a new verb taking a run joins it here)
+    assert sorted(commands_taking_a_run()) == ["stop", "verdict", "wait"]
+
+
+@pytest.mark.parametrize("command", commands_taking_a_run())
+@pytest.mark.parametrize(
+    ("run", "words"),
+    [
+        ("lightning_logs/0", ["contains '/'", "reported as 'lightning_logs-0'"]),
+        ("..", ["is a path step"]),
+        ("x" * 300, ["has 300 characters, more than 256"]),
+    ],
+)
+def test_a_run_id_no_run_can_have_is_said_in_one_line_before_any_request(
+    server, command, run, words
+) -> None:
+    extra = ["--timeout", "5"] if command == "wait" else []  # (only wait has --timeout)
+    done = nand(command, run, "--url", server.http_url, *extra)
+    assert_one_line(done, exitcodes.USAGE, "no run can have the id", *words)
+    assert "no nand API" not in done.stderr
+    # A request would have met no server here: the id was refused before any.
+    nowhere = nand(command, run, "--url", f"http://127.0.0.1:{free_port()}", *extra)
+    assert_one_line(nowhere, exitcodes.USAGE, "no run can have the id")
+
+
 def test_server_logs_agents_and_refusals_and_warns_when_open(tmp_path) -> None:
     from tests.server.agents import FakeAgent
 

@@ -9,7 +9,9 @@ The run id must be the same on every rank without configuration:
 ``NAND_RUN``, else ``TORCHELASTIC_RUN_ID`` (unless torchrun's placeholder
 ``none``), else ``SLURM_JOB_ID``, else an id made up by the first rank to ask and shared
 through the process group's key-value store (or torchrun's agent store before
-the process group exists), else (single process) a fresh one.
+the process group exists), else (single process) a fresh one. ``NAND_RUN`` must
+keep the rule of :mod:`nand.runids` (``AgentConfig`` says so); a launcher's id,
+not chosen for nand, is made one by :func:`nand.runids.run_id_from`.
 
 >>> ident = resolve_identity(run="demo")
 >>> (ident.run, ident.rank, ident.world_size) if "RANK" not in os.environ else ("demo", 0, 1)
@@ -24,6 +26,8 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from nand.runids import run_id_from
 
 _STORE_KEY = "nand/run_id"
 
@@ -90,11 +94,12 @@ def distributed_up() -> bool:
 
 
 def launcher_run_id() -> str | None:
-    """The run id the launcher gives (torchrun's, Slurm's), if any."""
+    """The run id the launcher gives (torchrun's ``--rdzv-id``, Slurm's), made a
+    valid run id (the same on every rank: it depends on the name only), if any."""
     elastic = os.environ.get("TORCHELASTIC_RUN_ID", "")
     if elastic and elastic.lower() != "none":
-        return elastic
-    return os.environ.get("SLURM_JOB_ID") or None
+        return run_id_from(elastic)
+    return run_id_from(os.environ.get("SLURM_JOB_ID", ""))
 
 
 def _new_run_id() -> str:

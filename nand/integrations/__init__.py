@@ -15,7 +15,8 @@ module names as written. ``on_nonfinite="raise"`` raises
 :class:`nand.NonFiniteError` out of the framework's ``fit``/``train`` before
 the update; ``"stop"`` skips that update and stops the framework's loop the
 way its own callbacks do. The run id is, in this order: ``run=``,
-``NAND_RUN``, torchrun's or Slurm's id, the framework's run name. Each
+``NAND_RUN``, torchrun's or Slurm's id, the framework's run name (each ``/``
+made ``-``: :func:`nand.runids.run_id_from`). Each
 framework is imported only by its module here: the agent depends on none.
 """
 
@@ -46,13 +47,16 @@ def watch_options(options: dict[str, Any]) -> dict[str, Any]:
 
 
 def with_run(options: dict[str, Any], framework_run: str | None) -> dict[str, Any]:
-    """``options`` with the framework's run name as the run id, unless one
-    was given or the environment names one (``NAND_RUN``, torchrun's,
-    Slurm's: a scheduler waits on those)."""
+    """``options`` with the framework's run name made a run id
+    (:func:`nand.runids.run_id_from`: ``lightning_logs/0`` → ``lightning_logs-0``),
+    unless one was given or the environment names one (``NAND_RUN``,
+    torchrun's, Slurm's: a scheduler waits on those)."""
     from nand.agent.identity import launcher_run_id
     from nand.config import AgentConfig
+    from nand.runids import run_id_from
 
     chosen = AgentConfig.resolve(run=options.get("run")).run  # (or NAND_RUN)
-    if chosen or launcher_run_id() or not framework_run:
+    made = run_id_from(framework_run or "")
+    if chosen or launcher_run_id() or made is None:
         return options
-    return {**options, "run": framework_run}
+    return {**options, "run": made}

@@ -10,7 +10,8 @@ checked as the input data: Lightning hands it to ``training_step``, not to
 ``forward``. ``step`` is ``trainer.global_step``. With
 ``on_nonfinite="stop"`` the bad update is skipped and ``trainer.should_stop``
 ends ``fit`` cleanly; ``"raise"`` lets :class:`nand.NonFiniteError` out of
-``trainer.fit``. The framework's run name is the logger's ``name/version``.
+``trainer.fit``. The framework's run name is the logger's ``name/version``,
+reported as ``name-version`` (the default logger's first run: ``lightning_logs-0``).
 """
 
 from __future__ import annotations

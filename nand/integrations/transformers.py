@@ -13,7 +13,8 @@ the first forward). ``step`` is ``state.global_step``. With
 ``on_nonfinite="stop"`` the bad update is skipped and
 ``control.should_training_stop`` ends ``train`` after that step; ``"raise"``
 lets :class:`nand.NonFiniteError` out of ``trainer.train()``. The framework's
-run name is ``args.run_name``, else the name of ``args.output_dir``.
+run name is ``args.run_name``, else the name of ``args.output_dir`` (of the
+directory it names: ``"."`` is the working directory's name), each ``/`` made ``-``.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class NandCallback(TrainerCallback):
         optimizer: Any = None,
         **kwargs: Any,
     ) -> None:
-        name = args.run_name or os.path.basename(os.path.normpath(args.output_dir or ""))
+        name = args.run_name or os.path.basename(os.path.abspath(args.output_dir or ""))
         options = with_run(self.options, name)
         self._stop = False
         self.watch = nand.watch(model, optimizer, on_stop=self._request_stop, **options)

@@ -16,7 +16,7 @@ to that (run, rank) and to the ZeroMQ connection it came on. After that:
   the rank.
 
 A run id the REST API could not address (``a/b``, ``..``: see
-:func:`nand.wire.run_problem`) is refused first (``bad_run``).
+:func:`nand.runids.run_problem`) is refused first (``bad_run``).
 
 With a token (``NAND_TOKEN``), only a ``hello`` carrying it binds a new agent
 id (anything else is ``unauthenticated``); an id that said such a hello is in
@@ -47,7 +47,7 @@ from typing import Any
 from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
 
-from nand import wire
+from nand.runids import run_problem
 from nand.server.models import Agent, Run
 
 #: Reasons this module refuses a message for (besides "unauthenticated").
@@ -123,7 +123,7 @@ class Admission:
 
     def refusal(self, ident: bytes, message: dict[str, Any]) -> str | None:
         """Why ``message`` from connection ``ident`` is refused, or None to accept it."""
-        if wire.run_problem(message["run"]) is not None:
+        if run_problem(message["run"]) is not None:
             return "bad_run"
         agent = message["agent"]
         binding = self.bindings.get(agent)

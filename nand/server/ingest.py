@@ -30,6 +30,7 @@ from sqlalchemy import Engine, text
 
 from nand import wire
 from nand.errors import WireError
+from nand.runids import run_problem
 from nand.server import announce, gate
 from nand.server.admission import Admission
 from nand.server.commander import Commander
@@ -49,7 +50,7 @@ _REFUSAL_TEXT = {
     "unauthenticated": "no valid token (NAND_TOKEN differs)",
     "identity_mismatch": "its run or rank differs from the one its agent id said hello with",
     "agent_in_use": "its agent id is in use on another live connection",
-    "bad_run": "its run id cannot be addressed by the REST API ('/', '.' or '..')",
+    "bad_run": "its run id is not one a run can have (nand.runids: '/', '.' or '..')",
 }
 
 
@@ -217,7 +218,7 @@ class Ingest:
             if reason == "unauthenticated":
                 replies[ident] = "unauthenticated: a valid token is required"
             elif reason == "bad_run":
-                replies[ident] = f"bad_run: {wire.run_problem(message['run'])}"
+                replies[ident] = f"bad_run: {run_problem(message['run'])}"
         # Only these two are answered: the agent can do nothing but stop (and says
         # why). Identity refusals are not: see nand.server.admission.
         for ident, reason in replies.items():

@@ -43,6 +43,8 @@ def test_arguments_win_over_the_environment_and_the_environment_over_defaults(mo
         ("NAND_DISABLE", "perhaps", "NAND_DISABLE='perhaps' is not a boolean"),
         ("NAND_ON_NONFINITE", "explode", "on_nonfinite='explode'"),
         ("NAND_MAX_EVENTS", "0", "max_events must be at least 1"),
+        ("NAND_RUN", "team/exp3", "contains '/'; use another character, e.g. 'team-exp3'"),
+        ("NAND_RUN", "..", "is a path step"),
     ],
 )
 def test_a_bad_value_is_refused_naming_it(monkeypatch, variable, value, named):

@@ -55,6 +55,18 @@ def test_run_id_precedence_argument_nand_run_torchelastic_slurm(monkeypatch):
     assert resolve_identity(AgentConfig.resolve(run="explicit").run).run == "explicit"
 
 
+@pytest.mark.parametrize(
+    ("variable", "value", "run"),
+    [("TORCHELASTIC_RUN_ID", "team/exp3", "team-exp3"), ("SLURM_JOB_ID", "a\udcffb", "a-b")],
+)
+def test_a_launcher_id_no_run_can_have_is_made_one_the_server_accepts(
+    monkeypatch, variable, value, run
+):
+    # torchrun --rdzv-id team/exp3; an environment variable of bytes that are not UTF-8
+    monkeypatch.setenv(variable, value)
+    assert resolve_identity().run == run
+
+
 def test_rank_and_world_from_the_torchrun_environment(monkeypatch):
     monkeypatch.setenv("RANK", "5")
     monkeypatch.setenv("LOCAL_RANK", "1")

@@ -36,10 +36,10 @@ def test_other_ranks_and_quiet_watches_print_nothing(capsys, monkeypatch):
 
 
 def test_with_a_server_and_its_url_the_line_links_the_run_page():
-    who = Identity(run="job/7", rank=0, local_rank=0, world_size=4, host="h", pid=1)
-    settings = AgentConfig(server="tcp://head:5557", url="http://head:8080/", run="job/7")
+    who = Identity(run="job#7", rank=0, local_rank=0, world_size=4, host="h", pid=1)
+    settings = AgentConfig(server="tcp://head:5557", url="http://head:8080/", run="job#7")
     line = Session(who, [], settings).start_line("stop")
     assert line == (
-        "nand: watching run job/7 (4 ranks, on_nonfinite=stop); server tcp://head:5557; "
-        "dashboard http://head:8080/#/runs/job%2F7"
+        "nand: watching run job#7 (4 ranks, on_nonfinite=stop); server tcp://head:5557; "
+        "dashboard http://head:8080/#/runs/job%237"
     )

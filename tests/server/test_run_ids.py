@@ -10,6 +10,8 @@ import httpx
 import pytest
 
 from nand.events import FlightWindow
+from nand.runids import MAX_RUN_CHARS, run_problem
+from nand.server.models import Run
 from tests.server.agents import FakeAgent
 
 REST_PATHS = ("", "/verdict", "/ranks", "/events", "/series", "/flight")
@@ -48,3 +50,14 @@ def test_every_other_run_id_answers_on_every_rest_path(server, run: str) -> None
         assert response.status_code == 200, (suffix, response.text)
     assert httpx.get(f"{server.http_url}{path_of(run)}/verdict").json()["run"] == run
     agent.close()
+
+
+@pytest.mark.parametrize("run", ["a\x00b", "x" * (MAX_RUN_CHARS + 1)])
+def test_a_rest_call_for_an_id_no_run_can_have_says_why(server, run: str) -> None:
+    response = httpx.get(f"{server.http_url}{path_of(run)}/verdict")
+    assert response.status_code == 404
+    assert response.json()["detail"] == run_problem(run)
+
+
+def test_the_longest_run_id_is_the_longest_the_runs_table_holds() -> None:
+    assert Run.__table__.c.name.type.length == MAX_RUN_CHARS

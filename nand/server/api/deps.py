@@ -11,6 +11,7 @@ from fastapi import Depends, HTTPException, Path, Query, Request
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
+from nand.runids import run_problem
 from nand.server import store
 from nand.server.hub import StreamHub
 from nand.server.ingest import Ingest
@@ -64,9 +65,10 @@ Attempt = Annotated[
 
 
 def get_run(run: RunName, session: SessionDep, attempt: Attempt = None) -> Run:
-    found = None
-    if 0 < len(run) <= 256 and "\x00" not in run:
-        found = store.run_by_name(session, run, attempt)
+    problem = run_problem(run)
+    if problem is not None:  # no agent can report it: say why, not just "unknown"
+        raise HTTPException(status_code=404, detail=problem)
+    found = store.run_by_name(session, run, attempt)
     if found is None:
         which = f"attempt {attempt} of run {run!r}" if attempt else f"run {run!r}"
         raise HTTPException(status_code=404, detail=f"unknown {which}: no agent has reported it")
