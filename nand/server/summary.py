@@ -185,7 +185,7 @@ def failures_summary(
     >>> killed = Failure("lost", (1,), 100.0, 5)
     >>> raised = Failure("crashed", (0,), 104.2, 5, "RuntimeError")
     >>> print(failures_summary([killed, raised], "", 60, 300))
-    rank 1 lost: no message for more than 60 s (at step 5). Then, as a consequence:
+    rank 1 lost: no message for more than 60 s (last heard at step 5). Then, as a consequence:
     rank 0 crashed 4.2 s later (left with an exception: RuntimeError, at step 5). No
     non-finite value seen.
     """
@@ -214,7 +214,8 @@ def _who(ranks: Sequence[int]) -> str:
 def _failure_opening(failure: Failure, lost_s: float, stall_s: float) -> str:
     who, step = _who(failure.ranks), f"(at step {failure.step})"
     if failure.state == "lost":
-        return f"{who} lost: no message for more than {lost_s:g} s {step}"
+        heard = f"(last heard at step {failure.step})"
+        return f"{who} lost: no message for more than {lost_s:g} s {heard}"
     if failure.state == "stalled":
         return f"{who} stalled: heartbeats but no step progress for more than {stall_s:g} s {step}"
     exception = f" ({failure.detail})" if failure.detail else ""
@@ -226,8 +227,10 @@ def _consequence(failure: Failure, after_s: float) -> str:
     if failure.state == "crashed":
         exception = f": {failure.detail}" if failure.detail else ""
         return f"{who} crashed {when} (left with an exception{exception}, {step})"
-    verb = {"lost": "went silent (lost)", "stalled": "stalled", "diverged": "went non-finite"}
-    return f"{who} {verb[failure.state]} {when} ({step})"
+    if failure.state == "lost":
+        return f"{who} went silent (lost) {when} (last heard at step {failure.step})"
+    verb = "stalled" if failure.state == "stalled" else "went non-finite"
+    return f"{who} {verb} {when} ({step})"
 
 
 def _later(seconds: float) -> str:

@@ -74,3 +74,34 @@ def test_a_rank_killed_with_sigkill_is_named_first_and_the_survivors_exception_a
     assert text.startswith("rank 1 lost"), text
     assert "Then, as a consequence: rank 0 crashed" in text, text
     assert f"left with an exception: {truth[0]['raised']}" in text, text
+
+
+def test_a_killed_rank_under_the_stop_policy_with_fingerprints_is_lost_and_no_rank_hangs(
+    tmp_path,
+):
+    """The crossing: ``on_nonfinite="stop"`` (an agreed flag all-reduced at every
+    step boundary), replica fingerprints every step, and rank 1 killed between
+    its backward and its optimizer step, so the survivor's next collective is
+    nand's own. Every value stayed finite and the replicas agreed while both
+    lived: the kill came first, so the run is ``lost`` (not ``crashed``, not
+    ``replica_mismatch``), and the survivor raises within a bound instead of
+    waiting for ever."""
+    with embedded_test_server(tmp_path, lost_after_s=3.0) as server:
+        extra = {"NAND_FINGERPRINT_STEPS": "1"}
+        job = start_job(server, tmp_path, "crossing", "after_backward", POLICY="stop", **extra)
+        codes = job.wait(120)
+        truth = ground_truth(tmp_path)
+        assert truth[1].get("killed") and codes[1] == -9, job.output()
+        assert codes[0] != 0 and truth[0]["raised"], job.output()
+        # Two collectives may each wait out the timeout: nand's agreed flag, then DDP's.
+        assert truth[0]["time"] - truth[1]["time"] < 2 * GLOO_TIMEOUT_S + 10, job.output()
+        verdict = settled(server, "crossing")
+    assert verdict["state"] == "lost", verdict["summary"]
+    assert [(f["state"], f["ranks"]) for f in verdict["failures"]] == [
+        ("lost", [1]),
+        ("crashed", [0]),
+    ]
+    assert verdict["origin"] is None  # nothing went non-finite
+    assert verdict["replica"] is not None and verdict["replica"]["state"] == "consistent"
+    assert 0 < verdict["replica"]["last_good_step"] <= KILL_STEP  # compared while both lived
+    assert verdict["summary"].startswith("rank 1 lost"), verdict["summary"]
