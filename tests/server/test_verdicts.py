@@ -199,11 +199,11 @@ def test_the_verdict_names_the_first_failure_in_time_and_the_later_ones_as_conse
     run = "-".join(order)
     plant_failures(server, clock, run, when)
     found = httpx.get(f"{server.http_url}/api/runs/{run}/verdict").json()
+    assert found["state"] == order[0], found["summary"]
     ranks = {"diverged": [2], "lost": [1], "crashed": [0], "stalled": [3]}
     assert [(f["state"], f["ranks"]) for f in found["failures"]] == [
         (state, ranks[state]) for state in order
     ], found["summary"]
-    assert found["state"] == order[0]
     listed = httpx.get(f"{server.http_url}/api/runs").json()
     assert next(r for r in listed if r["run"] == run)["state"] == order[0]
     text = found["summary"]
