@@ -8,11 +8,13 @@ raised, when (tests/e2e/killed_job.py): the ground truth, without nand."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from nand import exitcodes
 from nand.testing import free_port
 from tests.e2e.conftest import TOKEN, embedded_test_server
 from tests.e2e.jobs import Job, agent_env, api, launch, wait_for
@@ -36,6 +38,12 @@ def start_job(server, tmp_path: Path, run: str, kill_at: str, **extra: str) -> J
         tmp_path / f"{run}.log",
         copies=2,
         per_copy_env=lambda i: {"RANK": str(i), "LOCAL_RANK": str(i)},
+    )
+
+
+def nand(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "nand", *args], capture_output=True, text=True, timeout=60
     )
 
 
@@ -63,6 +71,10 @@ def test_a_rank_killed_with_sigkill_is_named_first_and_the_survivors_exception_a
         assert truth[1].get("killed") and truth[1]["step"] == KILL_STEP, job.output()
         assert codes[1] == -9 and codes[0] != 0 and truth[0]["raised"], job.output()
         verdict = settled(server, "sigkill")
+        printed = nand("verdict", "sigkill", "--url", server.http_url)
+        waited = nand("wait", "sigkill", "--url", server.http_url, "--timeout", "30")
+    assert printed.stdout.startswith("sigkill: lost\nrank 1 lost"), printed.stdout + printed.stderr
+    assert waited.returncode == exitcodes.LOST, waited.stdout + waited.stderr
     assert verdict["state"] == "lost", verdict["summary"]
     lost, crashed = verdict["failures"]
     assert (lost["state"], lost["ranks"]) == ("lost", [1])
