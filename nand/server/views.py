@@ -31,7 +31,8 @@ from nand.server.settings import Settings
 
 
 def rank_states(ranks: RankRows, settings: Settings, now: float) -> dict[int, RankState]:
-    return runsummary.rank_states(runsummary.of_rows(ranks), settings, now)
+    facts = runsummary.RunFacts([runsummary.rank_facts(r, e is not None) for r, e in ranks])
+    return runsummary.rank_states(facts, settings, now)
 
 
 def run_summary(run: Run, ranks: RankRows, settings: Settings, now: float) -> RunSummary:
@@ -61,7 +62,7 @@ def verdict(session: Session, run: Run, ranks: RankRows, settings: Settings, now
     found = runsummary.failures_of(facts, states, settings)
     state = runsummary.run_state(run, found, states)
     # An earlier attempt's ranks are gone or belong to history: never stop them.
-    stoppable = run.superseded_at is None and bool(live_ranks(ranks, settings, now))
+    stoppable = run.superseded_at is None and bool(_live(ranks, states))
     common: dict[str, Any] = {
         "run": run.name,
         **_attempt_fields(run),
@@ -144,7 +145,10 @@ LIVE_STATES = ("running", "stalled", "diverged")
 
 def live_ranks(ranks: RankRows, settings: Settings, now: float) -> list[int]:
     """Ranks a stop can still reach: not gone (bye, crash) and not lost."""
-    states = rank_states(ranks, settings, now)
+    return _live(ranks, rank_states(ranks, settings, now))
+
+
+def _live(ranks: RankRows, states: dict[int, RankState]) -> list[int]:
     return sorted(
         rank.rank
         for rank, _ in ranks
