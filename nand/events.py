@@ -47,8 +47,8 @@ PHASE_RANK: dict[str, int] = {name: i for i, name in enumerate(PHASES)}
 Cause = Literal["data", "produced", "propagated", "received"]
 CAUSES: tuple[Cause, ...] = get_args(Cause)
 
-#: A run's state on the server, worst first where several apply (see
-#: ``nand.server.correlate.run_state``). ``replica_mismatch``: everything is
+#: A run's state on the server: that of its first failure in time (see
+#: ``nand.server.failures``). ``replica_mismatch``: everything is
 #: finite, but one DDP rank's parameters differ from the other replicas'
 #: (``nand.server.replicas``).
 RunState = Literal[

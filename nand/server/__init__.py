@@ -8,7 +8,10 @@ The data path, one module each::
     commander.py  stop / send_flight commands to agents
     models.py     tables (SQLAlchemy 2.0)   migrations/ + migrate.py  Alembic, run at start
     store.py      queries                   views.py     rows → REST bodies (schemas.py)
+    origins.py    event rows → events, the non-finite origin as a body
+    runsummary.py the one run summary       rankpage.py  a big run's ranks, by light queries
     correlate.py  origin, per-rank relation, hint, states   evidence.py  flight windows
+    failures.py   a run's failures in time order: the first is the origin
     summary.py    the sentences             stoprule.py  the default stop step
     api/          one router per resource   app.py       create_app() + lifespan
     embedded.py   a whole server in a thread on free ports  commands.py  the CLI

@@ -13,7 +13,8 @@ Given each rank's logically first event (``nand.events.Event``, ordered by
   agent said ``cause="received"``); else ``produced``;
 - a **hint** from the evidence (:func:`hint`; the flight-window evidence is
   :mod:`nand.server.evidence`, the sentences :mod:`nand.server.summary`);
-- rank and run **states** from heartbeats (:func:`rank_state`, :func:`run_state`).
+- a rank's **state** from its heartbeats and bye (:func:`rank_state`; the run's
+  state is its first failure in time, :mod:`nand.server.failures`).
 
 >>> a = Event(rank=3, step=7, phase="forward", module="fc2", module_type="Linear", posinf=1)
 >>> b = Event(rank=0, step=7, phase="grad", module="fc2.weight", nan=4)
@@ -26,7 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from nand.events import PHASE_RANK, Event, RankState, Relation, RunState
+from nand.events import PHASE_RANK, Event, RankState, Relation
 from nand.server.evidence import OVERFLOW_SHARE, FlightEvidence, dtype_limit
 
 
@@ -172,18 +173,6 @@ def rank_state(
     if now - step_changed_at > stalled_after_s:
         return "stalled"
     return "running"
-
-
-def run_state(rank_states: Sequence[RankState]) -> RunState:
-    """diverged if any rank is; else crashed, lost, stalled if any; finished if all; else
-    healthy."""
-    worst: tuple[RunState, ...] = ("diverged", "crashed", "lost", "stalled")
-    for state in worst:
-        if state in rank_states:
-            return state
-    if rank_states and all(s == "finished" for s in rank_states):
-        return "finished"
-    return "healthy"
 
 
 def crashed_bye(reason: str) -> bool:

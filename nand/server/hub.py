@@ -46,8 +46,6 @@ from nand.server.settings import Settings
 
 log = logging.getLogger("nand.server")
 
-#: Runs with more ranks than this are summarised without loading every rank.
-BIG_RUN = 256
 #: A snapshot younger than this is shared with a new subscriber of the same filter.
 SHARE_S = 0.5
 #: Runs a new unfiltered subscriber is sent at once (most recently seen first).
@@ -193,7 +191,7 @@ class StreamHub:
     def _updates(self, session: Session, runs: Sequence[Run], now: float) -> list[Update]:
         """Small runs' summaries from one query of all their ranks; a big run's
         from queries that do not load every rank (a 20,000-rank run: ~1 s less)."""
-        small = [r for r in runs if r.world_size <= BIG_RUN]
+        small = [r for r in runs if r.world_size <= self.settings.big_run_ranks]
         ranks = store.ranks_of(session, [r.id for r in small])
         updates = []
         for run in runs:

@@ -100,9 +100,14 @@ _RANK_DROPPED = (
 
 def of_rank(rank: Rank) -> dict[str, int]:
     """A rank's losses by reason, largest first (``{}``: none)."""
-    raw = rank.dropped if isinstance(rank.dropped, dict) else {}
-    counts = {str(k): v for k, v in raw.items() if isinstance(v, int) and v > 0}
-    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+    return counts(rank.dropped)
+
+
+def counts(raw: object) -> dict[str, int]:
+    """A ``ranks.dropped`` value as losses by reason, largest first (``{}``: none)."""
+    raw = raw if isinstance(raw, dict) else {}
+    found = {str(k): v for k, v in raw.items() if isinstance(v, int) and v > 0}
+    return dict(sorted(found.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 def total(dropped: Mapping[str, int]) -> int:

@@ -18,8 +18,10 @@ from sqlalchemy import and_, select
 from sqlalchemy.orm import Session
 
 from nand.events import RankState, Relation
-from nand.server import correlate, replicas, store, views
+from nand.server import correlate, losses, runsummary, store, views
+from nand.server.failures import RankFacts
 from nand.server.models import EventRow, Rank, Run
+from nand.server.runsummary import RunFacts
 from nand.server.schemas import RankPage, RunSummary
 from nand.server.settings import Settings
 
@@ -62,28 +64,39 @@ def _page_rows(
 def _state_counts(
     session: Session, run_id: int, settings: Settings, now: float
 ) -> dict[RankState, int]:
+    facts = RunFacts(_rank_facts(session, run_id))
+    return dict(Counter(runsummary.rank_states(facts, settings, now).values()))
+
+
+def _rank_facts(session: Session, run_id: int) -> list[RankFacts]:
+    """Every rank's facts from a few columns of its row (no event, no ORM object)."""
     statement = select(
-        Rank.first_event_id.is_not(None),
-        Rank.finished_at.is_not(None),
-        Rank.bye_reason,
+        Rank.rank,
+        Rank.step,
         Rank.last_seen,
         Rank.step_changed_at,
+        Rank.first_event_id.is_not(None),
+        Rank.finished_at,
+        Rank.bye_reason,
+        Rank.steps_per_s,
+        Rank.dropped,
     ).where(Rank.run_id == run_id)
-    counts: Counter[RankState] = Counter()
-    for diverged, finished, bye, last_seen, changed in session.execute(statement):
-        counts[
-            correlate.rank_state(
-                diverged=bool(diverged),
-                finished=bool(finished),
-                crashed=correlate.crashed_bye(bye or ""),
-                last_seen=last_seen,
-                step_changed_at=changed,
-                now=now,
-                lost_after_s=settings.lost_after_s,
-                stalled_after_s=settings.stalled_after_s,
-            )
-        ] += 1
-    return dict(counts)
+    return [
+        RankFacts(
+            rank=rank,
+            step=step,
+            last_seen=last_seen,
+            step_changed_at=changed,
+            diverged=bool(diverged),
+            finished_at=finished_at,
+            bye_reason=bye or "",
+            steps_per_s=steps_per_s,
+            dropped=losses.counts(dropped),
+        )
+        for rank, step, last_seen, changed, diverged, finished_at, bye, steps_per_s, dropped in (
+            session.execute(statement)
+        )
+    ]
 
 
 def _origin(session: Session, run_id: int) -> EventRow | None:
@@ -133,26 +146,13 @@ def _relations(session: Session, run_id: int, firsts: list[EventRow]) -> dict[in
     )
 
 
-def run_summary(session: Session, run: Run, settings: Settings, now: float) -> RunSummary:
-    """``views.run_summary`` without loading every rank and first event."""
-    states = _state_counts(session, run.id, settings, now)
+def run_facts(session: Session, run: Run) -> RunFacts:
+    """A run's facts without loading every rank row and first event."""
     head = _origin(session, run.id)
-    total = sum(states.values())
-    origin = None
-    if head is not None:
-        origin = views.origin_out(head, [], _same_point(session, run.id, head))
-    return RunSummary(
-        run=run.name,
-        attempt=run.attempt,
-        launch=run.launch,
-        live=run.superseded_at is None,
-        state=replicas.run_state(correlate.run_state(list(states)), run),
-        world_size=max(run.world_size, total),
-        ranks_seen=total,
-        latest_step=run.latest_step,
-        started_at=run.started_at,
-        last_seen=run.last_seen,
-        event_count=run.event_count,
-        warnings=run.warning_count,
-        origin=origin,
-    )
+    together = _same_point(session, run.id, head) if head is not None else []
+    return RunFacts(_rank_facts(session, run.id), head, together)
+
+
+def run_summary(session: Session, run: Run, settings: Settings, now: float) -> RunSummary:
+    """The run's summary (``runsummary.build``) from :func:`run_facts`."""
+    return runsummary.build(run, run_facts(session, run), settings, now)

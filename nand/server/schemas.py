@@ -20,6 +20,7 @@ from pydantic import BaseModel, Field
 # point, none first: no rank is then ``origin``), ``received`` (through a
 # collective), ``produced`` (made it itself, after the origin), or null.
 from nand.events import Cause, Phase, RankState, Relation, RunState, WarningKind
+from nand.server.failures import FailureState
 
 
 class EventOut(BaseModel):
@@ -159,6 +160,22 @@ class ReplicaCheck(BaseModel):
     summary: str = ""
 
 
+class FailureOut(BaseModel):
+    """One way a run failed, on one or more ranks together (``nand.server.failures``)."""
+
+    #: ``diverged`` (went non-finite), ``lost`` (silent without a bye),
+    #: ``crashed`` (left with an exception) or ``stalled`` (no step progress).
+    state: FailureState
+    ranks: list[int]
+    #: When it happened (the first of ``ranks``), Unix seconds: the server's
+    #: last message from a lost rank, a crashed rank's bye, a stalled rank's
+    #: missed step, the non-finite origin's event.
+    at: float
+    step: int
+    #: ``crashed``: the exception's type as the agent named it, else "".
+    exception: str = ""
+
+
 class Verdict(BaseModel):
     """The one call a scheduler polls: is this run healthy, and if not, where from."""
 
@@ -182,6 +199,9 @@ class Verdict(BaseModel):
     hint: str = ""
     #: One paragraph a person can read at a glance.
     summary: str = ""
+    #: Every failure in the order it happened: the first is where the run went
+    #: wrong (its ``state`` is the run's), the others its consequences.
+    failures: list[FailureOut] = Field(default_factory=list)
     #: When the run went non-finite (origin's wall clock), else null.
     since: float | None = None
     stop: StopInfo | None = None

@@ -35,6 +35,9 @@ class Settings:
     max_batch: int = 2000
     #: How often the stream endpoint and the stop push look at the database.
     poll_s: float = 0.5
+    #: The event streams summarise a run of more ranks than this without
+    #: loading every rank (``rankpage.run_summary``): same summary, less memory.
+    big_run_ranks: int = 256
     #: Largest accepted frame, in bytes.
     max_frame_bytes: int = 4 * 1024 * 1024
     #: Largest REST request body (a stop request is well under 1 KiB).

@@ -22,6 +22,8 @@ from collections.abc import Mapping, Sequence
 from nand.events import Event, value_kinds
 from nand.server.correlate import origin, relations
 from nand.server.evidence import FlightEvidence
+from nand.server.failures import Failure
+from nand.server.losses import rank_ranges
 
 
 def _ranks(ranks: Sequence[int]) -> str:
@@ -160,30 +162,83 @@ def _followers(
     return parts
 
 
-def calm_summary(
-    state: str, ranks: Sequence[tuple[int, str, int]], lost_s: float, stall_s: float
-) -> str:
-    """The sentence for a run with no non-finite value; ``ranks`` = (rank, state, step)."""
-    latest = max((step for _, _, step in ranks), default=0)
-    n = len(ranks)
-    if state == "crashed":
-        crashed = [r for r, s, _ in ranks if s == "crashed"]
-        return (
-            f"{_ranks(crashed)} crashed: left with an exception, not a normal exit "
-            f"(latest step {latest}); no non-finite value seen."
-        )
-    if state == "lost":
-        lost = [r for r, s, _ in ranks if s == "lost"]
-        return f"{_ranks(lost)} lost: no message for more than {lost_s:g} s (latest step {latest})."
-    if state == "stalled":
-        stalled = [r for r, s, _ in ranks if s == "stalled"]
-        return (
-            f"{_ranks(stalled)} stalled: heartbeats but no step progress for more than "
-            f"{stall_s:g} s (latest step {latest})."
-        )
+def calm_summary(state: str, steps: Sequence[int]) -> str:
+    """The sentence for a run with no failure (see :func:`failures_summary`)."""
+    latest = max(steps, default=0)
+    n = len(steps)
     if state == "finished":
         plural = "s" if n != 1 else ""
         return f"Finished at step {latest} on {n} rank{plural}; no non-finite value seen."
     return (
         f"{n} rank{'s' if n != 1 else ''} running, latest step {latest}; no non-finite value seen."
     )
+
+
+def failures_summary(
+    found: Sequence[Failure], nonfinite: str, lost_s: float, stall_s: float
+) -> str:
+    """The sentence for a run that failed: the first failure in time, then the
+    later ones as its consequences (``found`` in that order, see
+    :mod:`nand.server.failures`); ``nonfinite``: the non-finite origin's
+    sentence (:func:`diverged_summary`) when the run went non-finite.
+
+    >>> killed = Failure("lost", (1,), 100.0, 5)
+    >>> raised = Failure("crashed", (0,), 104.2, 5, "RuntimeError")
+    >>> print(failures_summary([killed, raised], "", 60, 300))
+    rank 1 lost: no message for more than 60 s (last heard at step 5). Then, as a consequence:
+    rank 0 crashed 4.2 s later (left with an exception: RuntimeError, at step 5). No
+    non-finite value seen.
+    """
+    if not found:
+        return ""
+    head, later = found[0], found[1:]
+    if head.state == "diverged":
+        opening = nonfinite.removesuffix(".")
+    else:
+        opening = _failure_opening(head, lost_s, stall_s)
+    text = opening + "."
+    if later:
+        what = "a consequence" if len(later) == 1 else "consequences"
+        clauses = "; ".join(_consequence(f, f.at - head.at) for f in later)
+        text += f" Then, as {what}: {clauses}."
+    if head.state != "diverged":
+        text += f" The non-finite value: {nonfinite}" if nonfinite else " No non-finite value seen."
+    return text
+
+
+def _who(ranks: Sequence[int]) -> str:
+    ordered = sorted(ranks)
+    return f"rank {ordered[0]}" if len(ordered) == 1 else f"ranks {rank_ranges(ordered)}"
+
+
+def _failure_opening(failure: Failure, lost_s: float, stall_s: float) -> str:
+    who, step = _who(failure.ranks), f"(at step {failure.step})"
+    if failure.state == "lost":
+        heard = f"(last heard at step {failure.step})"
+        return f"{who} lost: no message for more than {lost_s:g} s {heard}"
+    if failure.state == "stalled":
+        return f"{who} stalled: heartbeats but no step progress for more than {stall_s:g} s {step}"
+    exception = f" ({failure.detail})" if failure.detail else ""
+    return f"{who} crashed: left with an exception{exception}, not a normal exit {step}"
+
+
+def _consequence(failure: Failure, after_s: float) -> str:
+    who, when, step = _who(failure.ranks), _later(after_s), f"at step {failure.step}"
+    if failure.state == "crashed":
+        exception = f": {failure.detail}" if failure.detail else ""
+        return f"{who} crashed {when} (left with an exception{exception}, {step})"
+    if failure.state == "lost":
+        return f"{who} went silent (lost) {when} (last heard at step {failure.step})"
+    verb = "stalled" if failure.state == "stalled" else "went non-finite"
+    return f"{who} {verb} {when} ({step})"
+
+
+def _later(seconds: float) -> str:
+    """How long after the first failure; failures within a heartbeat count as one time."""
+    if seconds < 0.05:
+        return "at about the same time"
+    if seconds < 60:
+        return f"{seconds:.1f} s later"
+    if seconds < 3600:
+        return f"{seconds / 60:.1f} min later"
+    return f"{seconds / 3600:.1f} h later"

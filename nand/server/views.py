@@ -6,21 +6,20 @@ computed at read time from the rank rows and ``now``; nothing here writes.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
 from typing import Any
 
 from sqlalchemy.orm import Session
 
-from nand.events import Event, RankState, Relation, cause_of, phase_of, value_kinds
-from nand.server import alerts, correlate, losses, replicas, store, summary
+from nand.events import Event, RankState, Relation
+from nand.server import alerts, correlate, losses, replicas, runsummary, store, summary
 from nand.server.evidence import FlightEvidence, heartbeat_evidence
-from nand.server.models import EventRow, Rank, Run
+from nand.server.failures import Failure
+from nand.server.models import Rank, Run
+from nand.server.origins import RankRows, event_out, origin_out, to_event
 from nand.server.schemas import (
     AttemptInfo,
-    EventOut,
+    FailureOut,
     ModuleInfo,
-    Origin,
     RankGap,
     RankStatus,
     RunDetail,
@@ -29,106 +28,16 @@ from nand.server.schemas import (
     Verdict,
 )
 from nand.server.settings import Settings
-from nand.wire import json_safe
-
-RankRows = Sequence[tuple[Rank, EventRow | None]]
-
-
-def to_event(row: EventRow, run: str = "") -> Event:
-    event = _event_fields(row, run)
-    if "NaN" in row.kinds and event.nan is None:
-        # SQLite stored the NaN min/max as NULL; the kinds kept at ingest say it was NaN.
-        event.min = event.min if event.min is not None else math.nan
-        event.max = event.max if event.max is not None else math.nan
-    return event
-
-
-def _event_fields(row: EventRow, run: str) -> Event:
-    return Event(
-        run=run,
-        rank=row.rank,
-        world_size=row.world_size,
-        host=row.host,
-        pid=row.pid,
-        step=row.step,
-        micro_step=row.micro_step,
-        phase=phase_of(row.phase),
-        module=row.module,
-        module_type=row.module_type,
-        order=row.ord,
-        cause=cause_of(row.cause),
-        call=row.call,
-        nan=row.nan,
-        posinf=row.posinf,
-        neginf=row.neginf,
-        min=row.min,
-        max=row.max,
-        max_abs=row.max_abs,
-        shape=list(row.shape or []),
-        dtype=row.dtype,
-        time=row.time,
-        seq=row.seq,
-        message=row.message,
-    )
-
-
-def event_out(row: EventRow, run: str) -> EventOut:
-    event = to_event(row, run)
-    # JSON has no NaN/inf: ``values`` keeps in words what min/max said.
-    return EventOut(id=row.id, values=value_kinds(event), **json_safe(event.to_dict()))
-
-
-def _origin_row(ranks: RankRows) -> EventRow | None:
-    firsts = [e for _, e in ranks if e is not None]
-    head = correlate.origin([to_event(e) for e in firsts])
-    return next((e for e in firsts if head is not None and e.rank == head.rank), None)
-
-
-def origin_out(row: EventRow, ranks: RankRows, together: list[int] | None = None) -> Origin:
-    """The origin; with several ranks at the same point, ``rank`` is null (none was first).
-    ``together``: those ranks, when known (else found among ``ranks``)."""
-    event = to_event(row)
-    fields = json_safe(event.to_dict())
-    shared = {name: fields[name] for name in Origin.model_fields if name in fields}
-    if together is None:
-        together = correlate.first_ranks([to_event(e) for _, e in ranks if e is not None])
-    shared["rank"] = event.rank if len(together) <= 1 else None
-    return Origin(event_id=row.id, values=value_kinds(event), ranks=together, **shared)
 
 
 def rank_states(ranks: RankRows, settings: Settings, now: float) -> dict[int, RankState]:
-    return {
-        rank.rank: correlate.rank_state(
-            diverged=event is not None,
-            finished=rank.finished_at is not None,
-            crashed=correlate.crashed_bye(rank.bye_reason or ""),
-            last_seen=rank.last_seen,
-            step_changed_at=rank.step_changed_at,
-            now=now,
-            lost_after_s=settings.lost_after_s,
-            stalled_after_s=settings.stalled_after_s,
-        )
-        for rank, event in ranks
-    }
+    facts = runsummary.RunFacts([runsummary.rank_facts(r, e is not None) for r, e in ranks])
+    return runsummary.rank_states(facts, settings, now)
 
 
 def run_summary(run: Run, ranks: RankRows, settings: Settings, now: float) -> RunSummary:
-    states = rank_states(ranks, settings, now)
-    head = _origin_row(ranks)
-    return RunSummary(
-        run=run.name,
-        **_attempt_fields(run),
-        state=replicas.run_state(correlate.run_state(list(states.values())), run),
-        world_size=max(run.world_size, len(ranks)),
-        ranks_seen=len(ranks),
-        latest_step=run.latest_step,
-        started_at=run.started_at,
-        last_seen=run.last_seen,
-        event_count=run.event_count,
-        warnings=run.warning_count,
-        origin=origin_out(head, ranks) if head is not None else None,
-        **_losses(ranks),
-    )
+    """The run's summary (``runsummary.build``) from its rank rows."""
+    return runsummary.build(run, runsummary.of_rows(ranks), settings, now)
 
 
 def _losses(ranks: RankRows) -> dict[str, Any]:
@@ -148,52 +57,70 @@ def _gaps(ranks: RankRows) -> dict[str, Any]:
 
 
 def verdict(session: Session, run: Run, ranks: RankRows, settings: Settings, now: float) -> Verdict:
-    states = rank_states(ranks, settings, now)
-    state = replicas.run_state(correlate.run_state(list(states.values())), run)
-    stop = _stop(run, ranks)
+    facts = runsummary.of_rows(ranks)
+    states = runsummary.rank_states(facts, settings, now)
+    found = runsummary.failures_of(facts, states, settings)
+    state = runsummary.run_state(run, found, states)
     # An earlier attempt's ranks are gone or belong to history: never stop them.
-    stoppable = run.superseded_at is None and bool(live_ranks(ranks, settings, now))
-    firsts = [to_event(e) for _, e in ranks if e is not None]
-    head_row = _origin_row(ranks)
+    stoppable = run.superseded_at is None and bool(_live(ranks, states))
+    common: dict[str, Any] = {
+        "run": run.name,
+        **_attempt_fields(run),
+        "state": state,
+        "failures": [_failure_out(f) for f in found],
+        "stop": _stop(run, ranks),
+        "stoppable": stoppable,
+        "replica": replicas.check(run),
+        "warnings": alerts.summary(session, run),
+        **_gaps(ranks),
+    }
+    head_row = facts.head
     if head_row is None:
-        steps = [(r.rank, states[r.rank], r.step) for r, _ in ranks]
-        text = replicas.sentence(run) or summary.calm_summary(
-            state, steps, settings.lost_after_s, settings.stalled_after_s
-        )
-        return Verdict(
-            replica=replicas.check(run),
-            warnings=alerts.summary(session, run),
-            run=run.name,
-            **_attempt_fields(run),
-            state=state,
-            summary=text,
-            stop=stop,
-            stoppable=stoppable,
-            **_gaps(ranks),
-        )
+        text = _joined(_replica_text(run, state), _failures_text(found, settings, ""))
+        calm = summary.calm_summary(state, [r.step for r, _ in ranks])
+        return Verdict(**common, summary=text or calm)
     head = to_event(head_row)
     evidence = _evidence(session, run.id, head)
     hint = correlate.hint(head, evidence)
+    firsts = [to_event(e) for _, e in ranks if e is not None]
     relations = correlate.relations(firsts)
     world = max(run.world_size, len(ranks))
+    devices = {r.rank: r.device for r, _ in ranks}
+    nonfinite = summary.diverged_summary(firsts, world, hint, evidence, devices=devices)
     return Verdict(
-        run=run.name,
-        **_attempt_fields(run),
-        state=state,
+        **common,
         origin=origin_out(head_row, ranks),
         ranks_affected=sorted(relations),
         ranks_received=sorted(r for r, k in relations.items() if k == "received"),
         simultaneous=any(k == "simultaneous" for k in relations.values()),
         hint=hint,
-        summary=summary.diverged_summary(
-            firsts, world, hint, evidence, devices={r.rank: r.device for r, _ in ranks}
-        ),
+        summary=_joined(_replica_text(run, state), _failures_text(found, settings, nonfinite)),
         since=head.time,
-        replica=replicas.check(run),
-        warnings=alerts.summary(session, run),
-        stop=stop,
-        stoppable=stoppable,
-        **_gaps(ranks),
+    )
+
+
+def _failures_text(found: list[Failure], settings: Settings, nonfinite: str) -> str:
+    return summary.failures_summary(
+        found, nonfinite, settings.lost_after_s, settings.stalled_after_s
+    )
+
+
+def _replica_text(run: Run, state: str) -> str:
+    """The replica mismatch in words, when it is what the run's state says."""
+    return replicas.sentence(run) if state == "replica_mismatch" else ""
+
+
+def _joined(*sentences: str) -> str:
+    return " ".join(s for s in sentences if s)
+
+
+def _failure_out(failure: Failure) -> FailureOut:
+    return FailureOut(
+        state=failure.state,
+        ranks=list(failure.ranks),
+        at=failure.at,
+        step=failure.step,
+        exception=failure.detail,
     )
 
 
@@ -218,7 +145,10 @@ LIVE_STATES = ("running", "stalled", "diverged")
 
 def live_ranks(ranks: RankRows, settings: Settings, now: float) -> list[int]:
     """Ranks a stop can still reach: not gone (bye, crash) and not lost."""
-    states = rank_states(ranks, settings, now)
+    return _live(ranks, rank_states(ranks, settings, now))
+
+
+def _live(ranks: RankRows, states: dict[int, RankState]) -> list[int]:
     return sorted(
         rank.rank
         for rank, _ in ranks

@@ -79,12 +79,21 @@ function headline(verdict, run) {
   return {
     healthy: [`All finite so far, up to step ${count(run.latest_step)}.`],
     finished: ["Finished with every value finite."],
-    stalled: ["Stalled: ranks are reporting but the step count stopped moving."],
-    lost: ["Lost: some ranks stopped reporting."],
-    crashed: ["Crashed: a rank exited with an exception, with every value finite."],
+    stalled: firstFailure(verdict, "Stalled", "stopped making progress", "ranks are reporting but the step count stopped moving"),
+    lost: firstFailure(verdict, "Lost", "stopped reporting", "some ranks stopped reporting"),
+    crashed: firstFailure(verdict, "Crashed", "exited with an exception", "a rank exited with an exception, with every value finite"),
     diverged: ["Diverged."],
     replica_mismatch: replicaHeadline(verdict.replica),
   }[verdict.state];
+}
+
+/** "Lost: rank 1 stopped reporting first (step 5)": the first failure in time
+ * (verdict.failures[0], the run's state); the summary names the later ones. */
+function firstFailure(verdict, label, what, generic) {
+  const first = (verdict.failures || [])[0];
+  if (!first || first.state !== verdict.state) return [`${label}: ${generic}.`];
+  const who = first.ranks.length === 1 ? `rank ${first.ranks[0]}` : `ranks ${rankList(first.ranks)}`;
+  return [`${label}: ${who} ${what} first (step ${count(first.step)}).`];
 }
 
 /** "Rank 2's parameters differ from the other replicas' since step 40" (all finite). */

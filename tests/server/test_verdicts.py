@@ -8,12 +8,14 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
 from nand import exitcodes
+from nand.server import ingest
 from nand.testing import free_port
 from tests.server.agents import FakeAgent
 from tests.server.processes import ServerProcess
@@ -128,3 +130,114 @@ def test_a_live_stop_says_at_or_after_and_shows_the_step_it_took_effect(server) 
     found = verdict(server, "live-stop")
     assert found["stop"]["step"] == 20 and found["stop"]["stopped_at"] == 23
     assert found["state"] == "finished"  # a requested stop is a clean end, not a crash
+
+
+class IngestClock:
+    """The embedded server's ingest clock, set by the test: the times it stamps on
+    what it stores (last seen, byes, step changes) are the test's to choose."""
+
+    def __init__(self) -> None:
+        self.now = time.time()
+
+    def time(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clocked(start_server, monkeypatch):
+    """An embedded server whose ingest reads :class:`IngestClock` (REST reads the real
+    clock); a rank silent or without progress for 60 s is lost or stalled."""
+    clock = IngestClock()
+    monkeypatch.setattr(ingest, "time", clock)
+    server = start_server(token=TOKEN, lost_after_s=60.0, stalled_after_s=60.0, heartbeat_s=1.0)
+    return server, clock
+
+
+def at(clock: IngestClock, when: float, agent: FakeAgent, send) -> None:
+    """``send`` from ``agent``, stored at ``when`` on the server's clock."""
+    clock.now = when
+    send()
+    agent.wait_acked()
+
+
+def plant_failures(server, clock: IngestClock, run: str, when: dict[str, float]) -> None:
+    """Four ranks, one failure each, at the server times in ``when``: rank 2 goes
+    non-finite, rank 1 falls silent (SIGKILL), rank 0 leaves with an exception,
+    rank 3 stops making progress while its heartbeats go on."""
+    ranks = [FakeAgent(server.zmq_endpoint, run=run, rank=r, world_size=4) for r in range(4)]
+    start = min(when.values()) - 10
+    for agent in ranks:
+        at(clock, start, agent, lambda a=agent: a.hello(token=TOKEN))
+    nonfinite, lost, crashed, stalled = ranks[2], ranks[1], ranks[0], ranks[3]
+    at(clock, when["diverged"], nonfinite, lambda: nonfinite.event(
+        step=5, phase="forward", module="fc1", module_type="Linear", nan=1,
+        time=when["diverged"],
+    ))  # fmt: skip
+    at(clock, when["lost"], lost, lambda: lost.heartbeat(5, steps_per_s=10.0))
+    at(clock, when["crashed"], crashed, lambda: crashed.bye(5, "exception: RuntimeError"))
+    at(clock, when["stalled"] - 0.1, stalled, lambda: stalled.heartbeat(5, steps_per_s=10.0))
+    at(clock, time.time(), stalled, lambda: stalled.heartbeat(5, steps_per_s=10.0))  # alive
+    for agent in ranks:
+        agent.close()
+
+
+ORDERS = [
+    ("diverged", "lost", "crashed", "stalled"),
+    ("lost", "crashed", "diverged", "stalled"),
+    ("stalled", "crashed", "lost", "diverged"),
+    ("crashed", "stalled", "diverged", "lost"),
+]
+
+
+@pytest.mark.parametrize("order", ORDERS, ids="-then-".join)
+def test_the_verdict_names_the_first_failure_in_time_and_the_later_ones_as_consequences(
+    clocked, order
+) -> None:
+    server, clock = clocked
+    base = time.time() - 1000  # long enough ago that a silent rank is lost
+    when = {state: base + 100 * i for i, state in enumerate(order)}
+    run = "-".join(order)
+    plant_failures(server, clock, run, when)
+    found = httpx.get(f"{server.http_url}/api/runs/{run}/verdict").json()
+    assert found["state"] == order[0], found["summary"]
+    ranks = {"diverged": [2], "lost": [1], "crashed": [0], "stalled": [3]}
+    assert [(f["state"], f["ranks"]) for f in found["failures"]] == [
+        (state, ranks[state]) for state in order
+    ], found["summary"]
+    listed = httpx.get(f"{server.http_url}/api/runs").json()
+    assert next(r for r in listed if r["run"] == run)["state"] == order[0]
+    text = found["summary"]
+    first = {"diverged": "rank 2 produced NaN", "lost": "rank 1 lost", "crashed": "rank 0 crashed",
+             "stalled": "rank 3 stalled"}  # fmt: skip
+    assert text.startswith(first[order[0]]), text
+    later = text[text.index("Then, as consequences: ") :]
+    named = {"diverged": "rank 2 went non-finite", "lost": "rank 1 went silent (lost)",
+             "crashed": "rank 0 crashed", "stalled": "rank 3 stalled"}  # fmt: skip
+    assert [later.find(named[state]) for state in order[1:]] == sorted(
+        later.find(named[state]) for state in order[1:]
+    ) and all(named[state] in later for state in order[1:]), text
+    assert f"{named[order[1]]} 1.7 min later" in later, text
+
+
+def test_a_rank_silent_just_after_another_crashed_is_still_the_origin(clocked) -> None:
+    """A killed rank's last heartbeat may reach the server a moment after the bye
+    of the peer its death made raise: within a heartbeat the silent rank is first."""
+    server, clock = clocked
+    base = time.time() - 1000
+    survivor, victim = (FakeAgent(server.zmq_endpoint, run="race", rank=r, world_size=2)
+                        for r in range(2))  # fmt: skip
+    for agent in (survivor, victim):
+        at(clock, base, agent, lambda a=agent: a.hello(token=TOKEN))
+    at(clock, base + 5.0, survivor, lambda: survivor.bye(5, "exception: RuntimeError"))
+    at(clock, base + 5.4, victim, lambda: victim.heartbeat(5, steps_per_s=10.0))
+    found = httpx.get(f"{server.http_url}/api/runs/race/verdict").json()
+    assert found["state"] == "lost"
+    assert [(f["state"], f["ranks"]) for f in found["failures"]] == [
+        ("lost", [1]),
+        ("crashed", [0]),
+    ]
+    assert found["summary"].startswith("rank 1 lost"), found["summary"]
+    assert (
+        "rank 0 crashed at about the same time (left with an exception: RuntimeError"
+        in (found["summary"])
+    )
