@@ -16,12 +16,12 @@ pytestmark = pytest.mark.slow
 MODULE = "2"  # the MLP's last Linear (``--model mlp``)
 
 
-def run_job(server, tmp_path, run: str, every: int, *args: str) -> dict:
+def run_job(server, tmp_path, run: str, every: int, *args: str, ranks: int = 3) -> dict:
     env = agent_env(server.zmq_endpoint, run, TOKEN, NAND_FINGERPRINT_STEPS=str(every))
-    command = [*torchrun(3), *TRAINER, "--model", "mlp", *args]
+    command = [*torchrun(ranks), *TRAINER, "--model", "mlp", *args]
     job = launch(command, env, tmp_path / f"{run}.log")
     assert job.wait() == [0], (tmp_path / f"{run}.log").read_text()[-3000:]
-    return settled_verdict(server.http_url, run, 3)
+    return settled_verdict(server.http_url, run, ranks)
 
 
 def expected_bracket(written_after_step: int, every: int) -> tuple[int, int]:
@@ -65,11 +65,39 @@ def test_a_rank_whose_optimizer_state_was_written_off_is_named_before_its_weight
     assert replica["params"] == [f"{MODULE}.weight:exp_avg"]
 
 
-def test_a_healthy_ddp_run_of_200_steps_has_no_false_mismatch_nor_warning(nand_server, tmp_path):
+def test_drift_after_the_last_scheduled_fingerprint_is_bracketed_up_to_the_last_step(
+    nand_server, tmp_path
+):
+    """Two ranks, 8 steps, rank 1's weight written off after step 3, one
+    fingerprint per 100 steps (the default): step 0 is the only scheduled
+    one. The fingerprint each rank takes when it closes (of the weights after
+    its last update, step 8) differs: the run must not read ``finished`` and
+    ``consistent`` with a corrupt replica."""
+    fault = f"drift:rank=1:step=3:module={MODULE}"
+    verdict = run_job(
+        nand_server, tmp_path, "late-drift", 100, "--steps", "8", "--fault", fault, ranks=2
+    )
+    assert verdict["state"] == "replica_mismatch", verdict["summary"]
+    replica = verdict["replica"]
+    # Two replicas: both are named (nobody can tell which is right).
+    assert (replica["ranks"], replica["last_good_step"], replica["first_bad_step"]) == (
+        [0, 1],
+        0,
+        8,
+    )
+    assert replica["params"] == [f"{MODULE}.weight"]
+    assert "between steps 0 and 8" in verdict["summary"]
+
+
+def test_a_healthy_ddp_run_of_200_steps_agrees_up_to_its_last_step_without_a_warning(
+    nand_server, tmp_path
+):
     verdict = run_job(nand_server, tmp_path, "healthy", 10, "--steps", "200")
     assert verdict["state"] == "finished", verdict["summary"]
     assert verdict["replica"]["state"] == "consistent"
-    assert verdict["replica"]["last_good_step"] >= 190
+    # The last fingerprint taken at a step boundary is step 190's (the
+    # boundary before the 191st update); step 200's is the one taken at close.
+    assert verdict["replica"]["last_good_step"] == 200
     # Three ranks of different batches for 200 steps: no rank's gradients stood
     # out, nor did any loss or norm spike (zero false warnings).
     assert verdict["warnings"]["count"] == 0, verdict["warnings"]
