@@ -2,12 +2,23 @@
 weight written off by a finite amount, or by one flipped low bit, after a
 known optimizer step (the ground truth, planted by ``nand.demo.faults``; nand
 is not told) → the server's verdict is ``replica_mismatch``, naming that rank,
-the parameter and the fingerprinted steps around the write (issue 18)."""
+the parameter and the fingerprinted steps around the write (issue 18), also
+when the write came after the last scheduled fingerprint (the one each rank
+takes at close); a rank whose last update failed is not taken for a drift."""
 
 from __future__ import annotations
 
-import pytest
+import contextlib
+import os
 
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel
+
+from nand.demo.trainer import build_model
+from nand.testing import free_port
 from tests.e2e.conftest import TOKEN
 from tests.e2e.jobs import TRAINER, agent_env, launch, settled_verdict, torchrun
 
@@ -101,3 +112,48 @@ def test_a_healthy_ddp_run_of_200_steps_agrees_up_to_its_last_step_without_a_war
     # Three ranks of different batches for 200 steps: no rank's gradients stood
     # out, nor did any loss or norm spike (zero false warnings).
     assert verdict["warnings"]["count"] == 0, verdict["warnings"]
+
+
+def test_a_rank_that_fails_in_its_last_update_is_not_taken_for_a_drifted_replica(
+    nand_server, tmp_path
+):
+    """Rank 1's last ``optimizer.step()`` raises after nand counted it and
+    before the update (an error in a step pre-hook, as an out-of-memory would):
+    its weights are those of step 7, rank 0's of step 8. Only the clean close
+    fingerprints its last state, so no false mismatch."""
+    args = (free_port(), nand_server.zmq_endpoint)
+    mp.spawn(_fail_in_last_update, args=args, nprocs=2, join=True)
+    verdict = settled_verdict(nand_server.http_url, "last-update-failed", 2)
+    assert verdict["state"] != "replica_mismatch", verdict["summary"]
+    assert verdict["replica"]["state"] == "consistent"
+    assert verdict["replica"]["last_good_step"] == 0
+
+
+def _fail_in_last_update(rank: int, port: int, endpoint: str, steps: int = 8) -> None:
+    import nand
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+        NAND_SERVER=endpoint, NAND_TOKEN=TOKEN, NAND_RUN="last-update-failed",
+        NAND_HEARTBEAT_S="0.5",
+    )  # fmt: skip
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = DistributedDataParallel(build_model("mlp"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    clock = [0]
+
+    def fail(*_: object) -> None:
+        if rank == 1 and clock[0] == steps - 1:
+            raise RuntimeError("planted: the last update failed on rank 1")
+
+    with contextlib.suppress(RuntimeError), nand.watch(model, opt, log_events=False):
+        opt.register_step_pre_hook(fail)  # after nand's own: the step is counted
+        for step in range(steps):
+            clock[0] = step
+            data = torch.randn(8, 32, generator=torch.Generator().manual_seed(10 * step + rank))
+            model(data).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    dist.destroy_process_group()
