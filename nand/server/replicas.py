@@ -185,8 +185,8 @@ def sentence(run: Run) -> str:
         "to tell which is right)"
     )
     good, bad = run.replica_good_step, run.replica_step
-    # The bracket: the drift happened after the update that step `good`'s
-    # fingerprint saw and before `bad`'s (the last step, at the end of a run).
+    # The bracket: every replica agreed at step `good` and not at `bad` (the
+    # run's last step when the fingerprint each rank takes at close differs).
     since = f"at step {bad:,}" if good is None else f"between steps {good:,} and {bad:,}"
     params = run.replica_params or []
     shown = ", ".join(params[:5]) + (f" and {len(params) - 5} more" if len(params) > 5 else "")

@@ -17,11 +17,12 @@ means "the parameters after S updates" on every rank. It is copied towards
 the host without waiting (``deferred.DeferredRead``) and sent at the next
 boundary, after that step's one read. At a clean close each rank takes one
 more, of the state after its last step, so drift after the last scheduled
-fingerprint is still bracketed (up to the last step); a rank that ended
-early (crashed) has no fingerprint at the others' last step, and the server
-compares only fingerprints of the same step. Cost: one pass over the parameters
-every N steps (figures in ``benchmarks/README.md``). Only where ranks hold
-the same tensors: DDP's full replicas, and under HSDP (FSDP2 on a mesh with a
+fingerprint is still bracketed (up to the last step); after an exception it
+does not (an update may be half applied). A rank that ended early (crashed)
+has no fingerprint at the others' last step, and the server compares only
+fingerprints of the same step. Cost: one pass over the parameters every N
+steps (figures in ``benchmarks/README.md``). Only where ranks hold the same
+tensors: DDP's full replicas, and under HSDP (FSDP2 on a mesh with a
 replicate dimension) the ranks that hold the same shard. Each fingerprint
 names its replica group (this rank's coordinates on the sharded mesh
 dimensions: ``[]`` under DDP) and the server compares within groups. Plain
