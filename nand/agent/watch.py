@@ -199,7 +199,7 @@ class Watch:
                 self._report(outcome, beat=False)
                 if self._opt is None and self._boundary.micro_steps:
                     self.step += 1  # without an optimizer, the last root call is a step
-            self._flush(self.step if ended_cleanly(reason) else None)
+            self._flush(self.step if ended_cleanly(reason, self._guard.off) else None)
         except Exception as exc:
             self._guard.failed(exc, "close")
         finally:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterator
+from unittest import mock
 
 import pytest
 import torch
@@ -17,9 +19,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
+import nand
+from nand.agent.detect import hooks
 from nand.demo.trainer import build_model
 from nand.testing import free_port
-from tests.e2e.conftest import TOKEN
+from tests.e2e.conftest import TOKEN, embedded_test_server
 from tests.e2e.jobs import TRAINER, agent_env, launch, settled_verdict, torchrun
 
 pytestmark = pytest.mark.slow
@@ -114,46 +118,78 @@ def test_a_healthy_ddp_run_of_200_steps_agrees_up_to_its_last_step_without_a_war
     assert verdict["warnings"]["count"] == 0, verdict["warnings"]
 
 
+#: Two jobs in one pair of processes (half the start-ups), a fault on rank 1
+#: in each: run name → (what fails, fingerprint every N steps).
+CLOSING = {"last-update-failed": ("update", 100), "nand-switched-off": ("nand", 5)}
+CLOSING_STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def closing_verdicts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, dict]]:
+    with embedded_test_server(tmp_path_factory.mktemp("closing")) as server:
+        mp.spawn(_closing_ranks, args=(free_port(), server.zmq_endpoint), nprocs=2, join=True)
+        yield {run: settled_verdict(server.http_url, run, 2) for run in CLOSING}
+
+
 def test_a_rank_that_fails_in_its_last_update_is_not_taken_for_a_drifted_replica(
-    nand_server, tmp_path
+    closing_verdicts,
 ):
     """Rank 1's last ``optimizer.step()`` raises after nand counted it and
     before the update (an error in a step pre-hook, as an out-of-memory would):
-    its weights are those of step 7, rank 0's of step 8. Only the clean close
+    its weights are those of step 7, rank 0's of step 8. Only a clean close
     fingerprints its last state, so no false mismatch."""
-    args = (free_port(), nand_server.zmq_endpoint)
-    mp.spawn(_fail_in_last_update, args=args, nprocs=2, join=True)
-    verdict = settled_verdict(nand_server.http_url, "last-update-failed", 2)
+    verdict = closing_verdicts["last-update-failed"]
     assert verdict["state"] != "replica_mismatch", verdict["summary"]
     assert verdict["replica"]["state"] == "consistent"
     assert verdict["replica"]["last_good_step"] == 0
 
 
-def _fail_in_last_update(rank: int, port: int, endpoint: str, steps: int = 8) -> None:
-    import nand
+def test_a_rank_on_which_nand_switched_itself_off_is_not_taken_for_a_drifted_replica(
+    closing_verdicts,
+):
+    """A bug inside nand (planted in rank 1's forward hooks at step 5)
+    switches it off there: it counts no more steps, so its weights at close
+    are not those of the step it counted last (5), which rank 0 fingerprinted."""
+    verdict = closing_verdicts["nand-switched-off"]
+    assert verdict["state"] != "replica_mismatch", verdict["summary"]
+    assert verdict["replica"]["state"] == "consistent"
+    assert verdict["replica"]["last_good_step"] == 0  # (step 5, 8: rank 0's alone)
 
+
+def _closing_ranks(rank: int, port: int, endpoint: str) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-        NAND_SERVER=endpoint, NAND_TOKEN=TOKEN, NAND_RUN="last-update-failed",
-        NAND_HEARTBEAT_S="0.5",
+        NAND_SERVER=endpoint, NAND_TOKEN=TOKEN, NAND_HEARTBEAT_S="0.5",
     )  # fmt: skip
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
+    for run, (fails, every) in CLOSING.items():
+        os.environ.update(NAND_RUN=run, NAND_FINGERPRINT_STEPS=str(every))  # (read by nand.watch)
+        _closing_job(rank, fails if rank == 1 else "")
+    dist.destroy_process_group()
+
+
+def _closing_job(rank: int, fails: str) -> None:
     torch.manual_seed(0)
     model = DistributedDataParallel(build_model("mlp"))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     clock = [0]
 
-    def fail(*_: object) -> None:
-        if rank == 1 and clock[0] == steps - 1:
-            raise RuntimeError("planted: the last update failed on rank 1")
+    def fail_update(*_: object) -> None:
+        if clock[0] == CLOSING_STEPS - 1:
+            raise RuntimeError("planted: the last update failed")
 
-    with contextlib.suppress(RuntimeError), nand.watch(model, opt, log_events=False):
-        opt.register_step_pre_hook(fail)  # after nand's own: the step is counted
-        for step in range(steps):
+    nand_bug = RuntimeError("planted: a bug inside nand")
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(contextlib.suppress(RuntimeError))
+        stack.enter_context(nand.watch(model, opt, log_events=False))
+        if fails == "update":
+            opt.register_step_pre_hook(fail_update)  # after nand's own: the step is counted
+        for step in range(CLOSING_STEPS):
             clock[0] = step
+            if fails == "nand" and step == 5:  # (called by every forward hook)
+                stack.enter_context(mock.patch.object(hooks, "_is_compiling", side_effect=nand_bug))
             data = torch.randn(8, 32, generator=torch.Generator().manual_seed(10 * step + rank))
             model(data).square().mean().backward()
             opt.step()
             opt.zero_grad()
-    dist.destroy_process_group()

@@ -185,18 +185,20 @@ class Fingerprints:
             self.send(step, names, [int(v) for v in values], self.group or [])
 
 
-def ended_cleanly(reason: str) -> bool:
-    """A close whose ``reason`` (the ``bye``'s) leaves every rank's state at a
-    step boundary: the loop's end, or a stop agreed by every rank
+def ended_cleanly(reason: str, switched_off: bool = False) -> bool:
+    """A close whose ``reason`` (the ``bye``'s) leaves the state that of the
+    step counted last: the loop's end, or a stop agreed by every rank
     (``StopRequested``); not an exception, which may have left an update
-    half applied.
+    half applied, nor a watch that ``switched_off`` (by its own error: it
+    counts no more steps, while the loop trains on).
 
     >>> ended_cleanly("closed"), ended_cleanly("exception: StopRequested")
     (True, True)
-    >>> ended_cleanly("exception: RuntimeError")
-    False
+    >>> ended_cleanly("exception: RuntimeError"), ended_cleanly("closed", switched_off=True)
+    (False, False)
     """
-    return not reason.startswith("exception:") or reason == "exception: StopRequested"
+    clean = not reason.startswith("exception:") or reason == "exception: StopRequested"
+    return clean and not switched_off
 
 
 def _per_element(state: Tensor, param: Tensor) -> bool:
