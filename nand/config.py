@@ -85,9 +85,9 @@ NAND_HEARTBEAT_S = "NAND_HEARTBEAT_S"
 """Seconds between heartbeats sent to the server. Default 5."""
 
 NAND_FINGERPRINT_STEPS = "NAND_FINGERPRINT_STEPS"
-"""Every this many optimizer steps each DDP rank sends an exact fingerprint of
-its parameters, which the server compares across replicas (``0``: never; see
-``nand.agent.step.fingerprint``). Default 100."""
+"""Every this many optimizer steps, and once more at a clean close, each DDP
+rank sends an exact fingerprint of its parameters, which the server compares
+across replicas (``0``: never; see ``nand.agent.step.fingerprint``). Default 100."""
 
 NAND_QUEUE_MAX = "NAND_QUEUE_MAX"
 """Messages held in memory by the sender before spooling to disk. Default 10000."""

@@ -32,7 +32,7 @@ from nand.agent.output.session import Session
 from nand.agent.safety import Guard
 from nand.agent.step.boundary import Boundary
 from nand.agent.step.deferred import flush_at_exit, read_mode
-from nand.agent.step.fingerprint import Fingerprints
+from nand.agent.step.fingerprint import Fingerprints, ended_cleanly
 from nand.agent.step.incidents import Incidents
 from nand.agent.step.policy import StepPolicy
 from nand.agent.step.recorder import FlightRecorder
@@ -199,7 +199,7 @@ class Watch:
                 self._report(outcome, beat=False)
                 if self._opt is None and self._boundary.micro_steps:
                     self.step += 1  # without an optimizer, the last root call is a step
-            self._flush()
+            self._flush(self.step if ended_cleanly(reason, self._guard.off) else None)
         except Exception as exc:
             self._guard.failed(exc, "close")
         finally:
@@ -265,13 +265,13 @@ class Watch:
             self.close("exit")
         self._flush()
 
-    def _flush(self) -> None:
-        """Report what is still pending (deferred windows, a fingerprint): at close, exit."""
+    def _flush(self, last_step: int | None = None) -> None:
+        """Report what is pending (deferred windows, fingerprints; one of ``last_step``)."""
         deferred = self._boundary.deferred
         try:
             while deferred and not self._guard.off:
                 self._report(self._boundary.take(), beat=False)
-            self._boundary.flush_fingerprints()
+            self._boundary.flush_fingerprints(last_step)
         except Exception as exc:
             self._guard.failed(exc, "deferred read")
 

@@ -14,7 +14,9 @@ corruption: a flipped bit in a GEMM, a bad memory cell). The run then reads
 - the ranks that differ from the majority (with two replicas, or a tie, both
   sides: nobody can tell which is right);
 - the first step at which they differed, and the last step at which every
-  rank reported the same (the bracket);
+  rank reported the same (the bracket: "between steps 100 and 200"; each
+  rank's last fingerprint is of the state after its last step, so drift late
+  in a run is bracketed up to its end);
 - the parameters that differ.
 
 Only a run's last :data:`KEEP_STEPS` fingerprinted steps are kept; what was
@@ -182,15 +184,17 @@ def sentence(run: Run) -> str:
         else f"ranks {', '.join(map(str, ranks))} hold different parameters (no majority "
         "to tell which is right)"
     )
-    since = f"at step {run.replica_step:,}"
-    if run.replica_good_step is not None:
-        since += f" (every replica agreed at step {run.replica_good_step:,})"
+    good, bad = run.replica_good_step, run.replica_step
+    # The bracket: every replica agreed at step `good` and not at `bad` (the
+    # run's last step when the fingerprint each rank takes at close differs).
+    since = f"at step {bad:,}" if good is None else f"between steps {good:,} and {bad:,}"
     params = run.replica_params or []
     shown = ", ".join(params[:5]) + (f" and {len(params) - 5} more" if len(params) > 5 else "")
     text = f"Replica mismatch: {who} {since}"
     text += f", in {shown}." if shown else "."
+    checkpoint = f"before step {bad:,}" if good is None else f"at or before step {good:,}"
     return text + (
         " Everything is still finite, but that rank trains on wrong weights and "
         "the all-reduce spreads them: suspect its GPU or host (silent data "
-        "corruption), not the model; restart from a checkpoint taken before that step."
+        f"corruption), not the model; restart from a checkpoint taken {checkpoint}."
     )

@@ -69,7 +69,9 @@ def test_a_rank_that_differs_from_the_majority_is_named_with_the_bracketing_step
         "params": ["head.weight"],
         "summary": found["summary"],
     }
-    assert "rank 2's parameters differ" in found["summary"] and "step 200" in found["summary"]
+    bracket = "between steps 100 and 200, in head.weight."
+    assert f"rank 2's parameters differ from the other replicas' {bracket}" in found["summary"]
+    assert "restart from a checkpoint taken at or before step 100." in found["summary"]
     runs = httpx.get(f"{server.http_url}/api/runs").json()
     assert next(r for r in runs if r["run"] == "drifted")["state"] == "replica_mismatch"
     metrics = httpx.get(f"{server.http_url}/metrics").text
@@ -94,6 +96,28 @@ def test_two_replicas_that_differ_are_both_named(server):
     replica = verdict(server, "pair")["replica"]
     assert replica["ranks"] == [0, 1] and replica["params"] == ["head.bias"]
     assert replica["last_good_step"] == 0 and replica["first_bad_step"] == 10
+    assert "ranks 0, 1 hold different parameters" in replica["summary"]
+    assert "between steps 0 and 10, in head.bias." in replica["summary"]
+
+
+def test_ranks_that_ended_at_different_steps_are_not_compared_with_each_other(server):
+    """Each rank's last fingerprint is of the state after its own last step:
+    rank 2 ended (crashed) at step 5, the others at 8. Different steps hold
+    different weights; only fingerprints of one step are compared."""
+    agents = ranks(server, "ended-apart", 3)
+    send(agents, 0, {})
+    send(agents[2:], 5, {2: [11, 55, 33]})
+    send(agents[:2], 8, {0: [11, 88, 33], 1: [11, 88, 33]})
+    found = verdict(server, "ended-apart")
+    assert found["state"] != "replica_mismatch", found["summary"]
+    assert found["replica"] == {
+        "state": "consistent",
+        "ranks": [],
+        "first_bad_step": None,
+        "last_good_step": 0,
+        "params": [],
+        "summary": "",
+    }
 
 
 def test_a_malformed_fingerprint_is_rejected_and_counted(server):

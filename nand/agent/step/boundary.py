@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -164,24 +165,20 @@ class Boundary:
         finally:
             self.buf.clear()
             self.loss_tensor = None
-            if self.fingerprints is not None:
-                self._fingerprint(step, decides)
+            # After the step's read: send the last fingerprint, take this one's.
+            reduced = self.grads_reduced
+            self._fingerprint(lambda f: f.at_boundary(step, reduced) if decides else f.flush())
 
-    def flush_fingerprints(self) -> None:
+    def flush_fingerprints(self, last_step: int | None = None) -> None:
         """At close: send a fingerprint taken and not sent yet (also when the
-        close had nothing left to read)."""
-        if self.fingerprints is not None:
-            self._fingerprint(self.read_step, boundary=False)
+        close had nothing left to read), first taking one at ``last_step``."""
+        self._fingerprint(lambda f: f.at_end(last_step, self.grads_reduced))
 
-    def _fingerprint(self, step: int, boundary: bool) -> None:
-        """After the step's read: send the last fingerprint, take this one's.
-        Its failure turns fingerprints off, not the watch."""
-        assert self.fingerprints is not None
+    def _fingerprint(self, action: Callable[[Fingerprints], None]) -> None:
+        """Its failure turns fingerprints off, not the watch."""
         try:
-            if boundary:
-                self.fingerprints.at_boundary(step, self.grads_reduced)
-            else:
-                self.fingerprints.flush()
+            if self.fingerprints is not None:
+                action(self.fingerprints)
         except Exception as exc:
             log.warning("nand: replica fingerprints off: %s", exc)
             self.fingerprints = None

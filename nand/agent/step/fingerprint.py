@@ -15,9 +15,14 @@ step; the training job runs no extra collective.
 The fingerprint is taken at the step boundary, before the update, so step S
 means "the parameters after S updates" on every rank. It is copied towards
 the host without waiting (``deferred.DeferredRead``) and sent at the next
-boundary, after that step's one read. Cost: one pass over the parameters
-every N steps (figures in ``benchmarks/README.md``). Only where ranks hold
-the same tensors: DDP's full replicas, and under HSDP (FSDP2 on a mesh with a
+boundary, after that step's one read. At a clean close each rank takes one
+more, of the state after its last step, so drift after the last scheduled
+fingerprint is still bracketed (up to the last step); after an exception it
+does not (an update may be half applied). A rank that ended early (crashed)
+has no fingerprint at the others' last step, and the server compares only
+fingerprints of the same step. Cost: one pass over the parameters every N
+steps (figures in ``benchmarks/README.md``). Only where ranks hold the same
+tensors: DDP's full replicas, and under HSDP (FSDP2 on a mesh with a
 replicate dimension) the ranks that hold the same shard. Each fingerprint
 names its replica group (this rank's coordinates on the sharded mesh
 dimensions: ``[]`` under DDP) and the server compares within groups. Plain
@@ -133,17 +138,30 @@ class Fingerprints:
         self.group = replica_group(self.params)  # (None: no rank to compare with)
         self._copies: DeferredRead[tuple[int, list[str]]] = DeferredRead()
         self.taken = 0  # fingerprints taken, for tests
+        self.last_step: int | None = None  # the step of the last one taken
 
     def at_boundary(self, step: int, reduced: bool) -> None:
         """Send the fingerprint taken at the last boundary, then take this
         step's if it is due and a wrapper (``reduced``: DDP, FSDP) keeps other
         ranks' tensors equal to this rank's."""
         self._send(self._copies.take())
-        due = self.every and step % self.every == 0
-        if reduced and due and self.params and self.group is not None:
+        if self.every and step % self.every == 0:
+            self._take(step, reduced)
+
+    def at_end(self, step: int | None, reduced: bool) -> None:
+        """At close: take one of the state after the run's last step (None:
+        the close followed an exception, perhaps mid-update, so there is no
+        such state) unless it was taken already, then send what is pending."""
+        if step is not None and step != self.last_step:
+            self._take(step, reduced)
+        self.flush()
+
+    def _take(self, step: int, reduced: bool) -> None:
+        if reduced and self.params and self.group is not None:
             names, tensors = self._tensors()
             self._copies.put(fingerprint(tensors), (step, names))
             self.taken += 1
+            self.last_step = step
 
     def _tensors(self) -> tuple[list[str], list[Tensor]]:
         """The parameters, then each one's per-element optimizer state (which
@@ -165,6 +183,22 @@ class Fingerprints:
         values, (step, names) = taken if taken is not None else (None, (0, []))
         if values is not None:
             self.send(step, names, [int(v) for v in values], self.group or [])
+
+
+def ended_cleanly(reason: str, switched_off: bool = False) -> bool:
+    """A close whose ``reason`` (the ``bye``'s) leaves the state that of the
+    step counted last: the loop's end, or a stop agreed by every rank
+    (``StopRequested``); not an exception, which may have left an update
+    half applied, nor a watch that ``switched_off`` (by its own error: it
+    counts no more steps, while the loop trains on).
+
+    >>> ended_cleanly("closed"), ended_cleanly("exception: StopRequested")
+    (True, True)
+    >>> ended_cleanly("exception: RuntimeError"), ended_cleanly("closed", switched_off=True)
+    (False, False)
+    """
+    clean = not reason.startswith("exception:") or reason == "exception: StopRequested"
+    return clean and not switched_off
 
 
 def _per_element(state: Tensor, param: Tensor) -> bool:
