@@ -28,6 +28,9 @@ from nand.errors import ConfigError
 
 #: Options the framework callbacks set themselves.
 _SET_BY_CALLBACK = frozenset({"on_stop"})
+#: Options the framework callbacks take besides nand.watch's: ``to_tracker=True``
+#: also writes incidents to the trainer's own TensorBoard / W&B (``trackers_of``).
+CALLBACK_ONLY = frozenset({"to_tracker"})
 
 
 def watch_options(options: dict[str, Any]) -> dict[str, Any]:
@@ -35,7 +38,7 @@ def watch_options(options: dict[str, Any]) -> dict[str, Any]:
     when the callback is made, rather than when training starts."""
     from nand.agent.api import watch
 
-    allowed = set(inspect.signature(watch).parameters) - {"model", "optimizer"}
+    allowed = set(inspect.signature(watch).parameters) - {"model", "optimizer"} | CALLBACK_ONLY
     unknown = sorted(set(options) - (allowed - _SET_BY_CALLBACK))
     if unknown:
         raise ConfigError(
@@ -56,3 +59,13 @@ def with_run(options: dict[str, Any], framework_run: str | None) -> dict[str, An
     if chosen or launcher_run_id() or not framework_run:
         return options
     return {**options, "run": framework_run}
+
+
+def with_trackers(options: dict[str, Any], bridges: list[Any]) -> dict[str, Any]:
+    """``options`` with ``bridges`` (``to_tracker=True``: the trainer's own
+    TensorBoard or W&B) called after the user's ``on_event``."""
+    if not bridges:
+        return options
+    given = options.get("on_event")
+    mine = [] if given is None else [given] if callable(given) else list(given)
+    return {**options, "on_event": mine + bridges}

@@ -1,0 +1,259 @@
+"""Incidents in the tracker the run already uses: W&B (offline) and TensorBoard.
+
+The trackers' own files are read back with their own readers
+(``tests.integrations.tracker_files``). The truth is the loop's: the step
+whose loss the loop itself logged non-finite, the step whose loss spiked
+(computed here), the planted fault's step from the plain-loop truth
+(``scenario``). The incident must sit at that step, next to that loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader
+
+import nand
+from tests.integrations.scenario import Scenario, scenario
+from tests.integrations.tracker_files import (
+    first_nonfinite,
+    tb_scalars,
+    tb_texts,
+    tensorboard,
+    wandb_alerts,
+    wandb_finished,
+    wandb_history,
+    wandb_summary,
+)
+
+SPIKE, POISONED, STEPS = 30, 35, 40
+
+
+def spiking_loop(on_event: Any, log_loss: Callable[[int, float], None]) -> nand.Watch:
+    """A small transformer as a plain loop: labels off by 30x at ``SPIKE`` (a
+    warning), a NaN in the input at ``POISONED`` (an incident); the loop logs
+    its loss after ``optimizer.step()``, as loops do."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 4, 64, batch_first=True, dropout=0.0)
+    model = nn.TransformerEncoder(layer, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x, y = torch.randn(8, 16, 32), torch.randn(8, 16, 32)
+    with nand.watch(model, opt, run="tracked", on_event=on_event, log_events=False) as watch:
+        for step in range(STEPS):
+            batch = x.clone()
+            if step == POISONED:
+                batch[0, 0, 0] = float("nan")
+            loss = F.mse_loss(model(batch), y * 30 if step == SPIKE else y)
+            watch.loss(loss)
+            loss.backward()
+            if step == POISONED:
+                opt.zero_grad()  # (the NaN is reported; the weights stay finite)
+            opt.step()
+            opt.zero_grad()
+            log_loss(step, loss.item())
+    return watch
+
+
+def spikes(losses: list[tuple[int, float]]) -> list[int]:
+    """Steps whose loss is over 3x the mean of the 20 before: the truth, without nand."""
+    values = [value for _, value in losses]
+    return [s for s in range(20, STEPS) if values[s] > 3 * sum(values[s - 20 : s]) / 20]
+
+
+@pytest.fixture
+def wandb_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """W&B offline, every file of it under ``tmp_path``; no network, no login."""
+    pytest.importorskip("wandb")
+    for name, value in {
+        "WANDB_MODE": "offline",
+        "WANDB_DIR": str(tmp_path),
+        "WANDB_CACHE_DIR": str(tmp_path / "cache"),
+        "WANDB_CONFIG_DIR": str(tmp_path / "config"),
+        "WANDB_DATA_DIR": str(tmp_path / "data"),
+        "WANDB_SILENT": "true",
+        "WANDB_CONSOLE": "off",
+        "WANDB_DISABLE_GIT": "true",
+    }.items():
+        monkeypatch.setenv(name, value)
+    return tmp_path
+
+
+def test_wandb_offline_gets_alerts_summary_fields_and_rows_next_to_the_loop_s_loss(
+    wandb_offline,
+):
+    import wandb
+
+    from nand.integrations.wandb import to_wandb
+
+    losses: list[tuple[int, float]] = []
+    run = wandb.init(project="nand-test", dir=str(wandb_offline))
+    try:
+
+        def log_loss(step: int, loss: float) -> None:
+            losses.append((step, loss))
+            run.log({"loss": loss})
+
+        spiking_loop(to_wandb(), log_loss)
+    finally:
+        run.finish()
+    assert spikes(losses) == [SPIKE] and first_nonfinite(losses) == POISONED  # the truth
+    records = wandb_finished(wandb_offline)
+
+    alerts = wandb_alerts(records)
+    errors = [(title, text) for level, title, text in alerts if level == "ERROR"]
+    assert errors == [("nand: non-finite values in run tracked", errors[0][1])]
+    assert f"step {POISONED}" in errors[0][1] and "input" in errors[0][1]
+    warned = [title for level, title, _ in alerts if level == "WARN"]
+    assert "nand: early warning (loss_spike)" in warned
+
+    summary = wandb_summary(records)
+    assert (summary["nand/state"], summary["nand/origin"], summary["nand/step"]) == (
+        "diverged",
+        "<root> (input) on rank 0",
+        POISONED,
+    )
+    history = wandb_history(records)
+    incident_rows = [row for row in history if row.get("nand/incident") == 1]
+    (incident,) = incident_rows
+    assert incident["_step"] == POISONED and first_nonfinite([(0, incident["loss"])]) == 0
+    warning_steps = {row["_step"] for row in history if row.get("nand/warning") == 1}
+    assert SPIKE in warning_steps
+    assert len(history) == STEPS  # nand added no row of its own
+
+
+def test_tensorboard_gets_incident_and_warning_text_at_their_steps_next_to_the_loss(tmp_path):
+    pytest.importorskip("tensorboard")
+    from torch.utils.tensorboard import SummaryWriter
+
+    from nand.integrations.tensorboard import to_tensorboard
+
+    writer = SummaryWriter(str(tmp_path / "tb"))
+    spiking_loop(to_tensorboard(writer), lambda step, loss: writer.add_scalar("loss", loss, step))
+    writer.close()
+    acc = tensorboard(tmp_path / "tb")
+    losses = tb_scalars(acc, "loss")
+    assert spikes(losses) == [SPIKE] and first_nonfinite(losses) == POISONED  # the truth
+    ((step, text),) = tb_texts(acc, "nand/incident")
+    assert step == POISONED and "input" in text and "<root>" in text
+    assert tb_scalars(acc, "nand/incident") == [(POISONED, 1.0)]
+    warnings = tb_texts(acc, "nand/warning")
+    assert any(s == SPIKE and "loss" in t for s, t in warnings), warnings
+
+
+# --- through the trainers' own loggers (to_tracker=True) ---------------------------
+
+FAULT_STEP = 2
+TRAIN_STEPS = 5
+
+
+@pytest.fixture
+def planted() -> Scenario:
+    """A NaN out of a GPT-2 layer's forward at step 2, its answer from the plain loop."""
+    return scenario("gpt2", "forward", step=FAULT_STEP, steps=TRAIN_STEPS)
+
+
+def test_hf_trainer_report_to_tensorboard_gets_the_incident_at_the_step_of_its_nan_loss(
+    planted, tmp_path
+):
+    pytest.importorskip("transformers")
+    pytest.importorskip("tensorboard")
+    from transformers import Trainer, TrainingArguments
+
+    from nand.integrations.transformers import NandCallback
+
+    s = planted
+    model = s.build()
+    faults = s.plant(model)
+
+    class PlantedTrainer(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            faults.arm(self.state.global_step)
+            return faults.loss(s.case.loss(model, faults.batch(inputs)))
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "hf"),
+        max_steps=TRAIN_STEPS,
+        per_device_train_batch_size=1,
+        train_sampling_strategy="sequential",
+        use_cpu=True,
+        report_to=["tensorboard"],
+        logging_strategy="steps",
+        logging_steps=1,
+        logging_nan_inf_filter=False,  # (HF's default logs a NaN loss as the mean before it)
+        save_strategy="no",
+        remove_unused_columns=False,
+        disable_tqdm=True,
+    )
+    callback = NandCallback(to_tracker=True, log_events=False)
+    PlantedTrainer(
+        model=model,
+        args=args,
+        train_dataset=s.dataset(TRAIN_STEPS),
+        data_collator=lambda items: items[0],
+        optimizers=(s.optimizer(model), None),
+        callbacks=[callback],
+    ).train()
+    assert callback.watch is not None and callback.watch.first.step == s.answer.step
+    acc = tensorboard(tmp_path / "hf")
+    nan_loss_at = first_nonfinite(tb_scalars(acc, "train/loss"))  # the Trainer's own
+    assert nan_loss_at == s.answer.step + 1  # (HF logs an update's loss at the step after it)
+    ((step, text),) = tb_texts(acc, "nand/incident")
+    assert step == nan_loss_at and s.answer.module in text
+    assert tb_scalars(acc, "nand/incident") == [(nan_loss_at, 1.0)]
+
+
+def test_lightning_tensorboard_logger_gets_the_incident_at_the_step_of_its_nan_loss(
+    planted, tmp_path
+):
+    pytest.importorskip("lightning")
+    pytest.importorskip("tensorboard")
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from nand.integrations.lightning import NandCallback
+
+    s = planted
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = s.build()
+            self.faults = s.plant(self.model)
+
+        def on_after_batch_transfer(self, batch: dict, dataloader_idx: int) -> dict:
+            self.faults.arm(self.trainer.global_step)
+            return self.faults.batch(batch)
+
+        def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+            loss = self.faults.loss(s.case.loss(self.model, batch))
+            self.log("train_loss", loss, on_step=True, on_epoch=False)
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return s.optimizer(self.model)
+
+    callback = NandCallback(to_tracker=True, log_events=False)
+    trainer = pl.Trainer(
+        max_steps=TRAIN_STEPS,
+        accelerator="cpu",
+        devices=1,
+        logger=TensorBoardLogger(str(tmp_path / "lightning"), name="run"),
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback],
+    )
+    trainer.fit(Module(), DataLoader(s.dataset(TRAIN_STEPS), batch_size=None))
+    assert callback.watch is not None and callback.watch.first.step == s.answer.step
+    acc = tensorboard(tmp_path / "lightning")
+    nan_loss_at = first_nonfinite(tb_scalars(acc, "train_loss"))  # Lightning's own
+    assert nan_loss_at == s.answer.step
+    ((step, text),) = tb_texts(acc, "nand/incident")
+    assert step == nan_loss_at and s.answer.module in text
