@@ -158,16 +158,12 @@ def planted() -> Scenario:
     return scenario("gpt2", "forward", step=FAULT_STEP, steps=TRAIN_STEPS)
 
 
-def test_hf_trainer_report_to_tensorboard_gets_the_incident_at_the_step_of_its_nan_loss(
-    planted, tmp_path
-):
-    pytest.importorskip("transformers")
-    pytest.importorskip("tensorboard")
+def train_hf(s: Scenario, tmp_path: Path, report_to: str) -> Any:
+    """An HF ``Trainer`` reporting to ``report_to``, with ``NandCallback(to_tracker=True)``."""
     from transformers import Trainer, TrainingArguments
 
     from nand.integrations.transformers import NandCallback
 
-    s = planted
     model = s.build()
     faults = s.plant(model)
 
@@ -182,7 +178,7 @@ def test_hf_trainer_report_to_tensorboard_gets_the_incident_at_the_step_of_its_n
         per_device_train_batch_size=1,
         train_sampling_strategy="sequential",
         use_cpu=True,
-        report_to=["tensorboard"],
+        report_to=[report_to],
         logging_strategy="steps",
         logging_steps=1,
         logging_nan_inf_filter=False,  # (HF's default logs a NaN loss as the mean before it)
@@ -200,25 +196,51 @@ def test_hf_trainer_report_to_tensorboard_gets_the_incident_at_the_step_of_its_n
         callbacks=[callback],
     ).train()
     assert callback.watch is not None and callback.watch.first.step == s.answer.step
+    return callback
+
+
+def test_hf_trainer_report_to_tensorboard_gets_the_incident_at_the_step_of_its_nan_loss(
+    planted, tmp_path
+):
+    pytest.importorskip("transformers")
+    pytest.importorskip("tensorboard")
+    train_hf(planted, tmp_path, "tensorboard")
     acc = tensorboard(tmp_path / "hf")
     nan_loss_at = first_nonfinite(tb_scalars(acc, "train/loss"))  # the Trainer's own
-    assert nan_loss_at == s.answer.step + 1  # (HF logs an update's loss at the step after it)
+    assert nan_loss_at == planted.answer.step + 1  # (HF logs an update's loss at the step after)
     ((step, text),) = tb_texts(acc, "nand/incident")
-    assert step == nan_loss_at and s.answer.module in text
+    assert step == nan_loss_at and planted.answer.module in text
     assert tb_scalars(acc, "nand/incident") == [(nan_loss_at, 1.0)]
 
 
-def test_lightning_tensorboard_logger_gets_the_incident_at_the_step_of_its_nan_loss(
-    planted, tmp_path
+def test_hf_trainer_report_to_wandb_gets_the_incident_in_the_row_of_its_nan_loss(
+    planted, tmp_path, wandb_offline
 ):
-    pytest.importorskip("lightning")
-    pytest.importorskip("tensorboard")
+    pytest.importorskip("transformers")
+    import wandb
+
+    try:
+        train_hf(planted, tmp_path, "wandb")
+    finally:
+        wandb.finish()
+    records = wandb_finished(wandb_offline)
+    rows = [row for row in wandb_history(records) if "train/loss" in row]
+    losses = [(row["train/global_step"], row["train/loss"]) for row in rows]
+    nan_loss_at = first_nonfinite(losses)  # the Trainer's own
+    assert nan_loss_at == planted.answer.step + 1
+    (incident,) = [row for row in wandb_history(records) if row.get("nand/incident") == 1]
+    assert incident["train/global_step"] == nan_loss_at and "train/loss" in incident
+    summary = wandb_summary(records)
+    assert (summary["nand/state"], summary["nand/step"]) == ("diverged", planted.answer.step)
+    assert planted.answer.module in summary["nand/origin"]
+    assert [level for level, _, _ in wandb_alerts(records)] == ["ERROR"]
+
+
+def train_lightning(s: Scenario, logger: Any) -> None:
+    """A Lightning ``fit`` logging to ``logger``, with ``NandCallback(to_tracker=True)``."""
     import lightning.pytorch as pl
-    from lightning.pytorch.loggers import TensorBoardLogger
 
     from nand.integrations.lightning import NandCallback
-
-    s = planted
 
     class Module(pl.LightningModule):
         def __init__(self) -> None:
@@ -243,7 +265,7 @@ def test_lightning_tensorboard_logger_gets_the_incident_at_the_step_of_its_nan_l
         max_steps=TRAIN_STEPS,
         accelerator="cpu",
         devices=1,
-        logger=TensorBoardLogger(str(tmp_path / "lightning"), name="run"),
+        logger=logger,
         log_every_n_steps=1,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -252,8 +274,41 @@ def test_lightning_tensorboard_logger_gets_the_incident_at_the_step_of_its_nan_l
     )
     trainer.fit(Module(), DataLoader(s.dataset(TRAIN_STEPS), batch_size=None))
     assert callback.watch is not None and callback.watch.first.step == s.answer.step
+
+
+def test_lightning_tensorboard_logger_gets_the_incident_at_the_step_of_its_nan_loss(
+    planted, tmp_path
+):
+    pytest.importorskip("lightning")
+    pytest.importorskip("tensorboard")
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    train_lightning(planted, TensorBoardLogger(str(tmp_path / "lightning"), name="run"))
     acc = tensorboard(tmp_path / "lightning")
     nan_loss_at = first_nonfinite(tb_scalars(acc, "train_loss"))  # Lightning's own
-    assert nan_loss_at == s.answer.step
+    assert nan_loss_at == planted.answer.step
     ((step, text),) = tb_texts(acc, "nand/incident")
-    assert step == nan_loss_at and s.answer.module in text
+    assert step == nan_loss_at and planted.answer.module in text
+
+
+def test_lightning_wandb_logger_gets_the_incident_in_the_row_of_its_nan_loss(
+    planted, wandb_offline
+):
+    pytest.importorskip("lightning")
+    import wandb
+    from lightning.pytorch.loggers import WandbLogger
+
+    try:
+        train_lightning(planted, WandbLogger(project="nand-test", save_dir=str(wandb_offline)))
+    finally:
+        wandb.finish()
+    records = wandb_finished(wandb_offline)
+    history = wandb_history(records)
+    losses = [
+        (row["trainer/global_step"], row["train_loss"]) for row in history if "train_loss" in row
+    ]
+    nan_loss_at = first_nonfinite(losses)  # Lightning's own
+    assert nan_loss_at == planted.answer.step
+    (incident,) = [row for row in history if row.get("nand/incident") == 1]
+    assert incident["trainer/global_step"] == nan_loss_at and "train_loss" in incident
+    assert wandb_summary(records)["nand/state"] == "diverged"
