@@ -17,6 +17,11 @@ the update; ``"stop"`` skips that update and stops the framework's loop the
 way its own callbacks do. The run id is, in this order: ``run=``,
 ``NAND_RUN``, torchrun's or Slurm's id, the framework's run name. Each
 framework is imported only by its module here: the agent depends on none.
+
+Incidents in the tracker the run already uses: ``NandCallback(to_tracker=True)``
+writes each incident and warning to the trainer's TensorBoard or W&B; a plain
+loop passes ``on_event=to_wandb()`` / ``to_tensorboard(writer)``
+(``nand.integrations.wandb``, ``.tensorboard``, built on ``on_event``).
 """
 
 from __future__ import annotations

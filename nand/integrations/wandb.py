@@ -60,7 +60,7 @@ class WandbBridge:
         if run is None:
             self._no_run()
             return
-        level = wandb.AlertLevel.ERROR if is_incident(report) else wandb.AlertLevel.WARN
+        level = "ERROR" if is_incident(report) else "WARN"  # (run.alert takes the names)
         run.alert(title=title(report), text=text(report), level=level)
         fields = self.state.summary(report)
         if fields is not None:

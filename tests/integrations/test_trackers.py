@@ -9,6 +9,7 @@ whose loss the loop itself logged non-finite, the step whose loss spiked
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -312,3 +313,18 @@ def test_lightning_wandb_logger_gets_the_incident_in_the_row_of_its_nan_loss(
     (incident,) = [row for row in history if row.get("nand/incident") == 1]
     assert incident["trainer/global_step"] == nan_loss_at and "train_loss" in incident
     assert wandb_summary(records)["nand/state"] == "diverged"
+
+
+def test_to_wandb_without_a_run_says_so_once_and_writes_nothing(caplog):
+    pytest.importorskip("wandb")
+    import wandb
+
+    from nand.integrations.wandb import to_wandb
+
+    assert wandb.run is None
+    bridge = to_wandb()
+    with caplog.at_level(logging.WARNING, logger="nand"):
+        for step in (3, 4):
+            bridge(nand.Event(run="r", step=step))
+    said = [r.getMessage() for r in caplog.records if r.name == "nand"]
+    assert said == ["nand: to_wandb: no W&B run (call wandb.init first); not writing to W&B"]
