@@ -13,12 +13,13 @@ Each incident and early warning of this rank (see ``nand.integrations.tracking``
 - the run summary's ``nand/state``, ``nand/origin``, ``nand/step``, set when
   the state gets worse (first warning, first incident), so the runs table
   shows which runs went bad, where and when;
-- ``nand/incident`` or ``nand/warning`` = 1 in the history, in the row the
-  loop logs next (``commit=False``: nand never adds a row of its own, so the
-  loop's step numbering stays as it is). With ``step_metric`` (HF's
-  ``train/global_step``, Lightning's ``trainer/global_step``) the row also
-  carries nand's step (plus ``offset``) under that key, which those charts
-  use as their x axis.
+- ``nand/incident`` or ``nand/warning`` = 1 in the history. In a loop of
+  yours it goes into the row the loop logs next (``commit=False``: nand adds
+  no row, so the loop's step numbering stays as it is). With ``step_metric``
+  (the frameworks' x axis: HF's ``train/global_step``, Lightning's
+  ``trainer/global_step``) it is a row of its own carrying nand's step (plus
+  ``offset``) under that key, so it sits at its step on those charts even
+  when reported a step late (the deferred read).
 
 The run is ``run``, else the active ``wandb.run`` when a report comes (so
 ``to_wandb()`` can be made before ``wandb.init``); with neither, it says so
@@ -66,9 +67,9 @@ class WandbBridge:
         if fields is not None:
             run.summary.update(fields)
         row: dict[str, Any] = {f"nand/{kind(report)}": 1}
-        if self.step_metric:
+        if self.step_metric:  # the charts' x axis: a row of its own, at its step
             row[self.step_metric] = report.step + self.offset
-        run.log(row, commit=False)
+        run.log(row, commit=bool(self.step_metric))
 
     def _no_run(self) -> None:
         if not self._told_no_run:
