@@ -10,7 +10,7 @@ whose loss the loop itself logged non-finite, the step whose loss spiked
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -71,9 +71,11 @@ def spikes(losses: list[tuple[int, float]]) -> list[int]:
 
 
 @pytest.fixture
-def wandb_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """W&B offline, every file of it under ``tmp_path``; no network, no login."""
-    pytest.importorskip("wandb")
+def wandb_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """W&B offline, every file of it under ``tmp_path``; no network, no login.
+    W&B reads its environment once per process setup: torn down on both sides."""
+    wandb = pytest.importorskip("wandb")
+    wandb.teardown()
     for name, value in {
         "WANDB_MODE": "offline",
         "WANDB_DIR": str(tmp_path),
@@ -85,7 +87,8 @@ def wandb_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         "WANDB_DISABLE_GIT": "true",
     }.items():
         monkeypatch.setenv(name, value)
-    return tmp_path
+    yield tmp_path
+    wandb.teardown()
 
 
 def test_wandb_offline_gets_alerts_summary_fields_and_rows_next_to_the_loop_s_loss(
