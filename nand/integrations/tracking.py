@@ -17,9 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from nand.events import Alert, Event
-
-Report = Event | Alert
+from nand.agent.output.hook import Report
+from nand.events import Event
 
 #: The tracker's word for each state; worse ones later.
 STATES = ("warning", "diverged")

@@ -272,7 +272,8 @@ def train_lightning(s: Scenario, logger: Any, read: str = "sync") -> None:
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return s.optimizer(self.model)
 
-    callback = NandCallback(to_tracker=True, log_events=False, read=read)
+    seen: list[Any] = []  # the user's own on_event, next to the bridges
+    callback = NandCallback(to_tracker=True, log_events=False, read=read, on_event=seen.append)
     trainer = pl.Trainer(
         max_steps=TRAIN_STEPS,
         accelerator="cpu",
@@ -287,6 +288,7 @@ def train_lightning(s: Scenario, logger: Any, read: str = "sync") -> None:
     trainer.fit(Module(), DataLoader(s.dataset(TRAIN_STEPS), batch_size=None))
     assert callback.watch is not None and callback.watch.first.step == s.answer.step
     assert callback.watch.deferred == (read == "deferred")
+    assert [r for r in seen if isinstance(r, nand.Event)] == [callback.watch.first]
 
 
 def test_lightning_tensorboard_logger_gets_the_incident_at_the_step_of_its_nan_loss(
