@@ -18,12 +18,13 @@ server) and makes the :class:`~nand.agent.watch.Watch` that hooks the model.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from torch import nn
 
 from nand.agent.detect.names import unwrap_optimizer
+from nand.agent.output.hook import EventHook, OnEvent
 from nand.agent.output.session import Session
 from nand.agent.watch import Watch
 from nand.config import AgentConfig
@@ -48,12 +49,17 @@ def watch(
     read_params_every_step: bool | None = None,
     read: str | None = None,
     on_stop: Callable[[], None] | None = None,
+    on_event: OnEvent | Iterable[OnEvent] | None = None,
 ) -> Watch:
     """Hook nand into ``model`` (and ``optimizer``); see the README for each option.
 
     Every option left ``None`` comes from its ``NAND_*`` variable
-    (``nand.config``), else its default.
+    (``nand.config``), else its default. ``on_event``: a callable (or a list)
+    given every incident (a :class:`nand.Event`) and early warning (a
+    :class:`nand.Alert`) of this rank, at the step boundary
+    (``nand.agent.output.hook``); one that raises is logged once, training goes on.
     """
+    hook = EventHook.of(on_event)  # (checked first: a bad one is told before anything is hooked)
     settings = AgentConfig.resolve(
         on_nonfinite=on_nonfinite,
         on_warning=on_warning,
@@ -66,13 +72,16 @@ def watch(
         read_params_every_step=read_params_every_step,
         read=read,
     )
+    session = Session.open(settings)
+    if hook is not None and not settings.disabled:
+        session.add_sink(hook)  # last: the log, the file and the server have it first
     if optimizer is not None:  # accelerate's, Lightning's, DeepSpeed's wrappers
         optimizer = unwrap_optimizer(optimizer)
     return Watch(
         model,
         optimizer,
         settings=settings,
-        session=Session.open(settings),
+        session=session,
         allow_nonfinite=tuple(allow_nonfinite),
         scaler=scaler,
         on_stop=on_stop,

@@ -18,6 +18,11 @@ way its own callbacks do. The run id is, in this order: ``run=``,
 ``NAND_RUN``, torchrun's or Slurm's id, the framework's run name (each ``/``
 made ``-``: :func:`nand.runids.run_id_from`). Each
 framework is imported only by its module here: the agent depends on none.
+
+Incidents in the tracker the run already uses: ``NandCallback(to_tracker=True)``
+writes each incident and warning to the trainer's TensorBoard or W&B; a plain
+loop passes ``on_event=to_wandb()`` / ``to_tensorboard(writer)``
+(``nand.integrations.wandb``, ``.tensorboard``, built on ``on_event``).
 """
 
 from __future__ import annotations
@@ -29,6 +34,9 @@ from nand.errors import ConfigError
 
 #: Options the framework callbacks set themselves.
 _SET_BY_CALLBACK = frozenset({"on_stop"})
+#: Options the framework callbacks take besides nand.watch's: ``to_tracker=True``
+#: also writes incidents to the trainer's own TensorBoard / W&B (``trackers_of``).
+CALLBACK_ONLY = frozenset({"to_tracker"})
 
 
 def watch_options(options: dict[str, Any]) -> dict[str, Any]:
@@ -36,7 +44,7 @@ def watch_options(options: dict[str, Any]) -> dict[str, Any]:
     when the callback is made, rather than when training starts."""
     from nand.agent.api import watch
 
-    allowed = set(inspect.signature(watch).parameters) - {"model", "optimizer"}
+    allowed = set(inspect.signature(watch).parameters) - {"model", "optimizer"} | CALLBACK_ONLY
     unknown = sorted(set(options) - (allowed - _SET_BY_CALLBACK))
     if unknown:
         raise ConfigError(
@@ -60,3 +68,13 @@ def with_run(options: dict[str, Any], framework_run: str | None) -> dict[str, An
     if chosen or launcher_run_id() or made is None:
         return options
     return {**options, "run": made}
+
+
+def with_trackers(options: dict[str, Any], bridges: list[Any]) -> dict[str, Any]:
+    """``options`` with ``bridges`` (``to_tracker=True``: the trainer's own
+    TensorBoard or W&B) called after the user's ``on_event``."""
+    if not bridges:
+        return options
+    given = options.get("on_event")
+    mine = [] if given is None else [given] if callable(given) else list(given)
+    return {**options, "on_event": mine + bridges}

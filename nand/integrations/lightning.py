@@ -12,6 +12,10 @@ checked as the input data: Lightning hands it to ``training_step``, not to
 ends ``fit`` cleanly; ``"raise"`` lets :class:`nand.NonFiniteError` out of
 ``trainer.fit``. The framework's run name is the logger's ``name/version``,
 reported as ``name-version`` (the default logger's first run: ``lightning_logs-0``).
+
+``NandCallback(to_tracker=True)`` also writes each incident and warning to
+the trainer's ``TensorBoardLogger`` (at the step Lightning logs that batch's
+metrics at) and ``WandbLogger`` (``nand.integrations.tensorboard``, ``.wandb``).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ except ImportError as exc:  # pragma: no cover - the integration is optional
     ) from exc
 
 import nand
-from nand.integrations import watch_options, with_run
+from nand.integrations import watch_options, with_run, with_trackers
 
 log = logging.getLogger("nand")
 
@@ -40,6 +44,7 @@ class NandCallback(pl.Callback):
 
     def __init__(self, **options: Any) -> None:
         self.options = watch_options(options)
+        self.to_tracker = bool(self.options.pop("to_tracker", False))
         self.watch: nand.Watch | None = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -50,6 +55,8 @@ class NandCallback(pl.Callback):
                 len(optimizers),
             )
         options = with_run(self.options, _run_name(trainer))
+        if self.to_tracker:
+            options = with_trackers(options, trackers_of(trainer))
 
         def stop() -> None:
             trainer.should_stop = True
@@ -84,3 +91,26 @@ def _run_name(trainer: pl.Trainer) -> str | None:
     logger = trainer.logger
     name = f"{logger.name}/{logger.version}" if logger is not None and logger.name else None
     return trainer.strategy.broadcast(name)
+
+
+def trackers_of(trainer: pl.Trainer) -> list[Any]:
+    """``on_event`` bridges to the trainer's TensorBoard and W&B loggers (on
+    the global rank 0: the only one that writes to them)."""
+    from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
+
+    if not trainer.is_global_zero:
+        return []
+    bridges: list[Any] = []
+    for logger in trainer.loggers:
+        if isinstance(logger, TensorBoardLogger):
+            from nand.integrations.tensorboard import to_tensorboard
+
+            # Lightning logs a batch's metrics at the steps done before it: nand's step.
+            bridges.append(to_tensorboard(logger.experiment))
+        elif isinstance(logger, WandbLogger):
+            from nand.integrations.wandb import to_wandb
+
+            bridges.append(to_wandb(logger.experiment, step_metric="trainer/global_step"))
+    if not bridges:
+        log.warning("nand: to_tracker=True, but the trainer has no TensorBoard or W&B logger")
+    return bridges

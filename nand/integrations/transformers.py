@@ -15,11 +15,19 @@ the first forward). ``step`` is ``state.global_step``. With
 lets :class:`nand.NonFiniteError` out of ``trainer.train()``. The framework's
 run name is ``args.run_name``, else the name of ``args.output_dir`` (of the
 directory it names: ``"."`` is the working directory's name), each ``/`` made ``-``.
+
+``NandCallback(to_tracker=True)`` also writes each incident and warning to
+what ``report_to`` made: the ``"tensorboard"`` callback's writer and the
+``"wandb"`` callback's run (``nand.integrations.tensorboard``, ``.wandb``), at
+``state.global_step`` after that update (where the ``Trainer`` logs its loss;
+set ``logging_nan_inf_filter=False`` to see a NaN loss there as it was).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 from typing import Any
 
 try:
@@ -31,7 +39,9 @@ except ImportError as exc:  # pragma: no cover - the integration is optional
     ) from exc
 
 import nand
-from nand.integrations import watch_options, with_run
+from nand.integrations import watch_options, with_run, with_trackers
+
+log = logging.getLogger("nand")
 
 
 class NandCallback(TrainerCallback):
@@ -42,6 +52,7 @@ class NandCallback(TrainerCallback):
 
     def __init__(self, **options: Any) -> None:
         self.options = watch_options(options)
+        self.to_tracker = bool(self.options.pop("to_tracker", False))
         self.watch: nand.Watch | None = None
         self._stop = False
 
@@ -56,6 +67,11 @@ class NandCallback(TrainerCallback):
     ) -> None:
         name = args.run_name or os.path.basename(os.path.abspath(args.output_dir or ""))
         options = with_run(self.options, name)
+        if self.to_tracker and state.is_world_process_zero:
+            # HF hands a callback no handle on the others; the CallbackHandler
+            # calling this does have them (report_to's come before the user's).
+            handler = sys._getframe(1).f_locals.get("self")
+            options = with_trackers(options, trackers_of(getattr(handler, "callbacks", [])))
         self._stop = False
         self.watch = nand.watch(model, optimizer, on_stop=self._request_stop, **options)
         self.watch.step = state.global_step
@@ -74,6 +90,26 @@ class NandCallback(TrainerCallback):
 
     def _request_stop(self) -> None:
         self._stop = True
+
+
+def trackers_of(callbacks: list[Any]) -> list[Any]:
+    """``on_event`` bridges to what ``report_to`` made: TensorBoard's writer,
+    W&B's run. The ``Trainer`` logs an update's loss at the ``global_step``
+    after it: nand's step + 1."""
+    bridges: list[Any] = []
+    for callback in callbacks:
+        if isinstance(callback, integration_utils.TensorBoardCallback) and callback.tb_writer:
+            from nand.integrations.tensorboard import to_tensorboard
+
+            bridges.append(to_tensorboard(callback.tb_writer, offset=1))
+        elif isinstance(callback, integration_utils.WandbCallback):
+            from nand.integrations.wandb import to_wandb
+
+            run = callback._wandb.run if callback._wandb is not None else None
+            bridges.append(to_wandb(run, step_metric="train/global_step", offset=1))
+    if not bridges:
+        log.warning("nand: to_tracker=True, but report_to made no TensorBoard or W&B callback")
+    return bridges
 
 
 integration_utils.INTEGRATION_TO_CALLBACK.setdefault("nand", NandCallback)
