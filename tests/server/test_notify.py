@@ -158,3 +158,45 @@ def test_a_receiver_that_is_down_gets_the_notification_once_when_it_is_back(star
         assert signed_correctly(hook.requests()[0], SECRET)
     finally:
         hook.stop()
+
+
+def ack_latencies(agent: FakeAgent, seconds: float) -> list[float]:
+    """Send heartbeats one at a time for ``seconds``; each one's send-to-ack time, sorted."""
+    latencies: list[float] = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        sent = time.perf_counter()
+        seq = agent.heartbeat(6 + agent.seq)
+        while seq not in agent.acked:
+            assert time.perf_counter() - sent < 30, "never acked"
+            agent.pump(0.002)
+        latencies.append(time.perf_counter() - sent)
+        time.sleep(0.02)
+    return sorted(latencies)
+
+
+@pytest.mark.timed
+def test_a_slow_receiver_does_not_slow_ingest(start_server, tmp_path):
+    hook = WebhookProcess(tmp_path, delay=3.0).start()  # each answer takes 3 s
+    try:
+        server = notifying(start_server, hook.url)
+        [steady] = ranks(server, "n-steady")
+        calm = ack_latencies(steady, 2.0)
+        for n in range(8):  # 8 notifications: the receiver is busy for several seconds
+            [agent] = ranks(server, f"n-slow-{n}")
+            agent.event(step=2, phase="loss", nan=1)
+            agent.wait_acked()
+        began = time.time()
+        busy = ack_latencies(steady, 5.0)
+        ended = time.time()
+        eventually(lambda: len(hook.requests()) == 8, timeout=60)
+        median = {name: got[len(got) // 2] for name, got in (("calm", calm), ("busy", busy))}
+        print(f"ack latency: median {median['calm'] * 1e3:.1f} ms calm, "
+              f"{median['busy'] * 1e3:.1f} ms while the receiver sleeps "
+              f"(max {busy[-1] * 1e3:.1f} ms over {len(busy)} heartbeats)")  # fmt: skip
+        # A notifier that held up ingest would show here as a wait of about 3 s.
+        assert busy[-1] < 1.5 and median["busy"] < median["calm"] + 0.25
+        answering = [r for r in hook.requests() if r["received"] < ended and r["answered"] > began]
+        assert len(answering) >= 4, "the receiver was not answering while ingest was measured"
+    finally:
+        hook.stop()
