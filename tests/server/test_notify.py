@@ -12,7 +12,9 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from nand.server import embedded
 from nand.server.notify import NOTIFY_STATES
+from nand.server.settings import Settings
 from tests.server.agents import FakeAgent
 from tests.server.helpers import eventually
 from tests.server.hooks import WebhookProcess, signed_correctly
@@ -200,3 +202,27 @@ def test_a_slow_receiver_does_not_slow_ingest(start_server, tmp_path):
         assert len(answering) >= 4, "the receiver was not answering while ingest was measured"
     finally:
         hook.stop()
+
+
+@pytest.mark.postgres
+def test_two_servers_on_one_postgresql_send_each_notification_once(postgres, webhook):
+    with postgres.database() as db_url:
+        settings = Settings(
+            db_url=db_url, notify_urls=(webhook.url,), notify_secret=SECRET, notify_poll_s=0.1
+        )
+        servers = [embedded.start(db_url, settings=settings) for _ in range(2)]
+        try:
+            for n in range(12):  # each run reports to one server; both sweep and deliver
+                agent = FakeAgent(servers[n % 2].zmq_endpoint, run=f"n-shared-{n}")
+                agent.hello()
+                agent.event(step=1, phase="loss", nan=1)
+                agent.wait_acked()
+                agent.close()
+            eventually(lambda: len(webhook.requests()) >= 12, timeout=30)
+            time.sleep(2.0)
+            assert sorted(p["run"] for p in webhook.payloads()) == sorted(
+                f"n-shared-{n}" for n in range(12)
+            )
+        finally:
+            for server in servers:
+                server.stop()
