@@ -16,6 +16,7 @@ stop was requested.
 from __future__ import annotations
 
 import hashlib
+import socket
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -26,6 +27,7 @@ from sqlalchemy.orm import Session
 
 from nand.server import store, views
 from nand.server.db import insert_ignoring_conflicts
+from nand.server.guard import WILDCARD_HOSTS
 from nand.server.models import Notification, Run, WarningRow
 from nand.server.schemas import Verdict
 from nand.server.settings import Settings
@@ -203,9 +205,16 @@ def _stop_sentence(verdict: Verdict) -> str:
 
 
 def dashboard_base(settings: Settings) -> str:
-    """``NAND_URL``, else the address the server serves on."""
+    """``NAND_URL``, else the address the server serves on (bound to all
+    interfaces: this machine's name).
+
+    >>> dashboard_base(Settings(http_host="127.0.0.1", http_port=8080))
+    'http://127.0.0.1:8080'
+    >>> dashboard_base(Settings(public_url="https://nand.example.org/"))
+    'https://nand.example.org'
+    """
     if settings.public_url:
         return settings.public_url.rstrip("/")
-    host = settings.http_host
+    host = socket.gethostname() if settings.http_host in WILDCARD_HOSTS else settings.http_host
     shown = f"[{host}]" if ":" in host else host
     return f"http://{shown}:{settings.http_port}"

@@ -146,12 +146,17 @@ def failures(server, reason: str) -> float:
     return float(found.group(1)) if found else 0.0
 
 
-def test_a_receiver_that_is_down_gets_the_notification_once_when_it_is_back(start_server, tmp_path):
+def test_a_receiver_that_is_down_gets_the_notification_once_when_it_is_back(
+    start_server, tmp_path, caplog
+):
     hook = WebhookProcess(tmp_path)  # not started: its port refuses connections
     server = notifying(start_server, hook.url)
     [agent] = ranks(server, "n-later")
     agent.event(step=3, phase="loss", nan=1)
     eventually(lambda: failures(server, "unreachable") >= 2, timeout=20)
+    said = [r.getMessage() for r in caplog.records if r.name == "nand.server.notify"]
+    assert len(said) == 1 and f"127.0.0.1:{hook.port}" in said[0], said  # once a minute
+    assert "/hooks/nand" not in said[0]  # the URL's path may be a secret: not logged
     hook.start()
     try:
         eventually(lambda: len(hook.requests()) == 1, timeout=20)
