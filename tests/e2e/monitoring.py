@@ -14,6 +14,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
@@ -47,6 +48,9 @@ def on_host(word: str, paths: dict[str, Path]) -> str:
 def command(name: str, flags: dict[str, str], paths: dict[str, Path]) -> list[str]:
     """The service's compose command for this host: its mounts mapped, the
     ``--flag=`` values in ``flags`` replaced (listen addresses, storage)."""
+    if not Path(BINARIES[name]).exists():
+        pytest.fail(f"{BINARIES[name]} is missing: `apt-get install -y prometheus "
+                    "prometheus-alertmanager` (scripts/test does)")  # fmt: skip
     words = []
     for word in services()[name]["command"]:
         flag, equals, value = word.partition("=")
