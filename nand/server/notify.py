@@ -2,7 +2,7 @@
 changes state (diverged, replica_mismatch, lost, crashed, stalled, its first
 warning of a kind, stopped).
 
-How state changes are found: by a periodic sweep (every ``notify_poll_s``),
+How state changes are found: by a periodic sweep (every ``notify_poll_s``, 5 s),
 not at ingest. ``lost`` and ``stalled`` come from the clock with no message to
 trigger them, and the other states are decided in several places (the
 verdict's correlation, the replicas' comparison, a stop request); the sweep
