@@ -153,10 +153,27 @@ many times the median of the ranks' at the same step, or under its inverse,
 gets a ``grad_outlier`` warning (three ranks or more; see
 ``nand.server.outliers``). Default 10."""
 
+NAND_NOTIFY_URL = "NAND_NOTIFY_URL"
+"""One or more URLs (separated by spaces or commas) the server POSTs a JSON
+notification to when a run's attempt diverges, has a replica mismatch, loses,
+crashes or stalls a rank, gets its first warning of a kind, or is stopped
+(``nand.server.notify``): once per attempt and state, retried until delivered,
+kept in the database meanwhile. A Slack incoming webhook shows its ``text``.
+Default: none (no notifications)."""
+
+NAND_NOTIFY_SECRET = "NAND_NOTIFY_SECRET"
+"""Key of the ``X-Nand-Signature-256: sha256=<hex>`` header, the HMAC-SHA256 of
+each notification's body, for the receiver to check. Default: none (unsigned)."""
+
+NAND_NOTIFY_TIMEOUT_S = "NAND_NOTIFY_TIMEOUT_S"
+"""Seconds a notification POST may take before it counts as failed and is
+retried later. Default 5."""
+
 NAND_URL = "NAND_URL"
 """Base URL of the REST API for the CLI (``nand runs``, ``nand verdict``...).
 Default ``http://127.0.0.1:8080``. Set for a training job, rank 0's start line
-links the run's dashboard page there."""
+links the run's dashboard page there; set for the server, notifications link
+there (default: the address it serves on)."""
 
 
 def get_str(name: str, default: str | None = None) -> str | None:

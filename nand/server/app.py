@@ -1,7 +1,8 @@
 """The FastAPI application: :func:`create_app` builds it from :class:`Settings`.
 
 The lifespan opens the database (upgrading its schema), starts the ZeroMQ
-ingest thread, and stops both on shutdown. API routes come first; the
+ingest thread and, with ``NAND_NOTIFY_URL`` set, the notifier thread
+(:mod:`nand.server.notify`), and stops them on shutdown. API routes come first; the
 dashboard's static files (``nand/web/``) are served at ``/``, with
 ``index.html`` also answering the dashboard's own routes (``/runs/<id>``).
 
@@ -38,6 +39,7 @@ from nand.server.hub import StreamHub
 from nand.server.ingest import Ingest
 from nand.server.metrics import Metrics
 from nand.server.migrate import upgrade
+from nand.server.notify import Notifier
 from nand.server.settings import Settings
 from nand.server.timing import RequestTimer
 
@@ -58,6 +60,9 @@ def create_app(settings: Settings | None = None, *, ingest: bool = True) -> Fast
         loop = Ingest(engine, settings, metrics) if ingest else None
         if loop is not None:
             loop.start()
+        notifier = Notifier(engine, settings, metrics) if settings.notify_urls else None
+        if notifier is not None:
+            notifier.start()
         hub = StreamHub(engine, settings, on_poll=metrics.stream_poll)
         app.state.nand = ServerState(settings, engine, metrics, hub, loop)
         try:
@@ -67,6 +72,8 @@ def create_app(settings: Settings | None = None, *, ingest: bool = True) -> Fast
             await hub.close()
             if loop is not None:
                 loop.stop()
+            if notifier is not None:
+                notifier.stop()
             engine.dispose()
 
     app = FastAPI(

@@ -57,15 +57,6 @@ def start(
 ) -> EmbeddedServer:
     """Start a server; ``settings`` (default: from the environment) gives the rest."""
     base = settings or Settings.from_env()
-    settings = replace(
-        base,
-        db_url=db_url or base.db_url,
-        http_host=http_host,
-        http_port=http_port,
-        zmq_bind=zmq_endpoint,
-    )
-    app = create_app(settings)
-    descriptors.quiet_accept_failures()
     # IPPROTO_TCP, not the default 0: asyncio sets TCP_NODELAY on accepted
     # connections only when the listening socket says it is TCP. Without it,
     # Nagle's algorithm and delayed ACKs add ~40 ms to every keep-alive request.
@@ -73,6 +64,15 @@ def start(
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((http_host, http_port))
+    settings = replace(
+        base,
+        db_url=db_url or base.db_url,
+        http_host=http_host,
+        http_port=sock.getsockname()[1],  # the port bound (notifications link to it)
+        zmq_bind=zmq_endpoint,
+    )
+    app = create_app(settings)
+    descriptors.quiet_accept_failures()
     config = uvicorn.Config(
         app, log_level=log_level, lifespan="on", access_log=False, timeout_graceful_shutdown=2
     )

@@ -47,6 +47,8 @@ from nand.wire import REASONS
 
 __all__ = ["CONTENT_TYPE", "Metrics"]
 
+#: Why a notification POST failed (nand.server.notify_send.FAILURE_REASONS).
+NOTIFY_FAILURES = ("http_status", "timeout", "unreachable")
 #: Reasons the server adds to nand.wire.REASONS.
 SERVER_REASONS = ("store_error", "unauthenticated", *IDENTITY_REASONS)
 #: Agent send → commit: a healthy server stays well under a second.
@@ -111,6 +113,27 @@ class Metrics:
         self._stream_clients = Gauge(
             "nand_stream_clients", "Open event-stream connections.", registry=self.registry
         )
+        self._notify_counters()
+
+    def _notify_counters(self) -> None:
+        self._notified = Counter(
+            "nand_notifications_sent",
+            "Notifications delivered to NAND_NOTIFY_URL (nand.server.notify).",
+            registry=self.registry,
+        )
+        self._notify_failed = Counter(
+            "nand_notifications_failed",
+            "Notification POSTs that failed and will be retried, by reason.",
+            ["reason"],
+            registry=self.registry,
+        )
+        for reason in NOTIFY_FAILURES:
+            self._notify_failed.labels(reason)
+        self._notify_pending = Gauge(
+            "nand_notifications_pending",
+            "Notifications in the database not delivered yet (all servers').",
+            registry=self.registry,
+        )
 
     def _histograms(self) -> None:
         self._lag = Histogram(
@@ -167,6 +190,15 @@ class Metrics:
 
     def stream_clients(self, n: int) -> None:
         self._stream_clients.set(n)
+
+    def notification_sent(self) -> None:
+        self._notified.inc()
+
+    def notification_failed(self, reason: str) -> None:
+        self._notify_failed.labels(reason).inc()
+
+    def notifications_pending(self, n: int) -> None:
+        self._notify_pending.set(n)
 
     def request(self, method: str, route: str, status: int, seconds: float) -> None:
         self._requests.labels(method, route, str(status)).observe(seconds)

@@ -262,3 +262,27 @@ class WarningRow(Base):
     reference: Mapped[float | None] = mapped_column(Float, nullable=True)
     message: Mapped[str] = mapped_column(Text, default="")
     time: Mapped[float] = mapped_column(Float)
+
+
+class Notification(Base):
+    """A state change to tell one ``NAND_NOTIFY_URL``: the outbox of
+    ``nand.server.notify``, kept until delivered. ``state`` is the key sent
+    once per attempt (``diverged``, ``warning:loss_spike``...); ``target`` is a
+    digest of the URL, so a webhook's secret path is never stored."""
+
+    __tablename__ = "notifications"
+    __table_args__ = (
+        UniqueConstraint("run_id", "state", "target", name="uq_notifications_run_state_target"),
+        Index("ix_notifications_due", "delivered_at", "next_try"),
+    )
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    state: Mapped[str] = mapped_column(String(64))
+    target: Mapped[str] = mapped_column(String(64))
+    payload: Mapped[dict[str, Any]] = mapped_column(JSON)
+    created: Mapped[float] = mapped_column(Float)
+    attempts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    next_try: Mapped[float] = mapped_column(Float)
+    delivered_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    last_error: Mapped[str] = mapped_column(String(500), default="", server_default="")

@@ -8,8 +8,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from nand import config
+from nand.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,15 @@ class Settings:
     #: Agent bindings kept in memory (nand.server.admission); older ones are
     #: looked up in the database again when their agent speaks.
     max_agents_cached: int = 50_000
+    #: Where state changes are POSTed (nand.server.notify); none: not at all.
+    notify_urls: tuple[str, ...] = ()
+    notify_secret: str | None = None
+    notify_timeout_s: float = 5.0
+    #: How often the notifier looks for state changes and due deliveries: a
+    #: sweep of 200 live runs of 8 ranks took ~0.1 s on a loaded 2-core host.
+    notify_poll_s: float = 5.0
+    #: The dashboard's address in notifications (``NAND_URL``); None: the bound one.
+    public_url: str | None = None
 
     @classmethod
     def from_env(cls, **overrides: object) -> Settings:
@@ -65,11 +76,29 @@ class Settings:
             "grad_outlier_factor": config.get_float(
                 config.NAND_GRAD_OUTLIER_FACTOR, cls.grad_outlier_factor
             ),
+            "notify_urls": _http_urls(config.NAND_NOTIFY_URL),
+            "notify_secret": config.get_str(config.NAND_NOTIFY_SECRET),
+            "notify_timeout_s": config.get_float(
+                config.NAND_NOTIFY_TIMEOUT_S, cls.notify_timeout_s
+            ),
+            "public_url": config.get_str(config.NAND_URL),
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]
 
 
-def _names(text: str | None) -> tuple[str, ...]:
-    """``"a, b,,c"`` → ``("a", "b", "c")``."""
-    return tuple(name.strip() for name in (text or "").split(",") if name.strip())
+def _names(text: str | None, separators: str = ",") -> tuple[str, ...]:
+    """``"a, b,,c"`` → ``("a", "b", "c")``; ``separators``: each character splits."""
+    for separator in separators[1:]:
+        text = (text or "").replace(separator, separators[0])
+    return tuple(name.strip() for name in (text or "").split(separators[0]) if name.strip())
+
+
+def _http_urls(name: str) -> tuple[str, ...]:
+    """The URLs in variable ``name`` (spaces or commas between), each http(s)."""
+    urls = _names(config.get_str(name), " ,")
+    for url in urls:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ConfigError(f"{name}: {url!r} is not an http:// or https:// URL")
+    return urls
