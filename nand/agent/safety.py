@@ -7,6 +7,11 @@ itself off (a half-recorded step would give wrong answers later).
 Exceptions nand raises on purpose (:class:`~nand.errors.NandError`:
 ``NonFiniteError``, ``StopRequested``) pass.
 
+A collective of nand's own (the agreed flag, the shard check) that fails
+because another rank is gone is not nand's bug either: :class:`PeerGone`
+says so in one line, without a traceback, and the agent switches off (the
+process group is broken; the training's own next collective fails too).
+
 One place is not looked into, and an error there is not nand's: a
 ``torch.func`` transform (``vmap``, ``grad``: per-sample gradients). The
 values inside are batched wrappers that no probe can reduce into the step's
@@ -24,6 +29,11 @@ from torch._C._functorch import peek_interpreter_stack
 from nand.errors import NandError
 
 log = logging.getLogger("nand")
+
+
+class PeerGone(RuntimeError):
+    """A collective nand runs at the step boundary failed: another rank died
+    (killed, out of memory) or left; the collective library says which."""
 
 
 class Guard:
@@ -44,7 +54,14 @@ class Guard:
         if peek_interpreter_stack() is not None:  # inside a torch.func transform
             self._in_transform(where)
             return
-        if self.error is None:
+        if self.error is None and isinstance(exc, PeerGone):
+            self.error = exc
+            log.warning(
+                "nand: another rank is gone (%s failed: %s); nand switched itself off",
+                where,
+                exc,
+            )
+        elif self.error is None:
             self.error = exc
             log.error(
                 "nand: internal error in %s; nand switched itself off, training goes on",

@@ -107,6 +107,9 @@ def test_a_killed_rank_under_the_stop_policy_with_fingerprints_is_lost_and_no_ra
         assert codes[0] != 0 and truth[0]["raised"], job.output()
         # Two collectives may each wait out the timeout: nand's agreed flag, then DDP's.
         assert truth[0]["time"] - truth[1]["time"] < 2 * GLOO_TIMEOUT_S + 10, job.output()
+        # nand's own collective met the dead peer first: said as that, not as nand's bug.
+        assert "nand: another rank is gone" in job.output(), job.output()
+        assert "nand: internal error" not in job.output(), job.output()
         verdict = settled(server, "crossing")
     assert verdict["state"] == "lost", verdict["summary"]
     assert [(f["state"], f["ranks"]) for f in verdict["failures"]] == [

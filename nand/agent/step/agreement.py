@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from nand.agent.safety import PeerGone
 from nand.agent.step.analysis import Finding
 
 #: A rank's own finding that FSDP's parameter all-gather carries to the others.
@@ -29,15 +30,13 @@ def with_agreed_flag(gathered: Tensor | None, n_extras: int, device: torch.devic
     """``gathered`` and, last, the flag all-reduced over the ranks (1: some
     rank's window held a non-finite value). The extras (loss, AMP scale…)
     do not count: they are not findings."""
-    import torch.distributed as dist
-
     if gathered is None:
         flag = torch.zeros(1, device=device)
         gathered = torch.zeros(0, device=device)
     else:
         main = gathered[: gathered.numel() - n_extras]
         flag = (~torch.isfinite(main)).any().float().reshape(1)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    _all_reduce_max(flag, "the agreed non-finite flag")
     return torch.cat([gathered, flag.to(gathered.device)])
 
 
@@ -45,12 +44,21 @@ def shard_bad_elsewhere(finding: Finding | None, device: torch.device) -> bool:
     """Whether another rank's own parameter (or optimizer state) shard was
     non-finite and this rank's were not. Every rank must call it at the same
     boundary (after an agreed flag said something was non-finite)."""
-    import torch.distributed as dist
-
     mine = finding is not None and finding.phase in SHARD_PHASES and finding.cause == "produced"
     level = torch.tensor([1.0 if mine else 0.0], device=device)
-    dist.all_reduce(level, op=dist.ReduceOp.MAX)
+    _all_reduce_max(level, "the parameter-shard check")
     return not mine and bool(level.item() > 0)
+
+
+def _all_reduce_max(tensor: Tensor, what: str) -> None:
+    """All-reduce ``tensor`` (MAX) in place; a failure (a rank is gone: gloo
+    says "Connection closed by peer", NCCL times out) is :class:`PeerGone`."""
+    import torch.distributed as dist
+
+    try:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    except RuntimeError as exc:  # DistBackendError is one too
+        raise PeerGone(f"{what}: {exc}") from exc
 
 
 def as_received(finding: Finding) -> Finding:
