@@ -170,3 +170,13 @@ def test_a_live_watch_left_open_keeps_adopting_scalers_until_it_is_closed():
     assert w.amp_skipped > 0 and w.first is None  # adopted: overflow skips are not incidents
     w.close()
     assert "_scaler_step" not in torch.amp.GradScaler.step.__qualname__
+
+
+def test_a_second_watch_of_the_same_optimizer_still_adopts_scalers_after_the_first_closes():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    first = nand.watch(model, opt, log_events=False)
+    with nand.watch(model, opt, log_events=False) as second:
+        first.close()
+        amp_train(model, opt, torch.amp.GradScaler("cpu", init_scale=2.0**127), 5, factor=1e6)
+    assert second.amp_skipped > 0 and second.first is None
