@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import pytest
@@ -126,3 +127,56 @@ def test_the_scaler_class_is_left_as_it_was_once_every_watch_is_closed():
     with nand.watch(mlp(), opt):
         assert torch.amp.GradScaler.step is not original
     assert torch.amp.GradScaler.step is original
+
+
+def raise_out_of_an_unclosed_watch() -> None:
+    """A loop under ``on_nonfinite="raise"`` that never closes its watch: the
+    error ends the loop, as it ends a framework's ``train()`` that has no
+    exception hook (HF ``Trainer``); the watch is left open."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    nand.watch(model, opt, on_nonfinite="raise", log_events=False)
+    with pytest.raises(nand.NonFiniteError):
+        model(torch.full((4, 8), VALUES["nan"])).pow(2).mean().backward()
+        opt.step()
+
+
+def test_a_watch_never_closed_leaves_the_scaler_class_as_it_was_once_it_is_collected():
+    original = torch.amp.GradScaler.__dict__["step"]
+    raise_out_of_an_unclosed_watch()
+    gc.collect()  # the watch, its model and its optimizer: a cycle of hooks
+    assert torch.amp.GradScaler.__dict__["step"] is original
+
+
+def test_the_scaler_class_is_restored_after_a_test_that_left_a_watch_open():
+    """The order that failed in CI (one worker, the HF Trainer test that raised
+    out of ``train()`` first), made in one test: the leak, then the check."""
+    raise_out_of_an_unclosed_watch()
+    gc.collect()
+    original = torch.amp.GradScaler.step
+    opt = torch.optim.SGD(mlp().parameters(), lr=1e-2)
+    with nand.watch(mlp(), opt):
+        assert torch.amp.GradScaler.step is not original
+    assert torch.amp.GradScaler.step is original
+
+
+def test_a_live_watch_left_open_keeps_adopting_scalers_until_it_is_closed():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    w = nand.watch(model, opt, log_events=False)  # not closed yet: still watching
+    gc.collect()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127)
+    amp_train(model, opt, scaler, 5, factor=1e6)
+    assert w.amp_skipped > 0 and w.first is None  # adopted: overflow skips are not incidents
+    w.close()
+    assert "_scaler_step" not in torch.amp.GradScaler.step.__qualname__
+
+
+def test_a_second_watch_of_the_same_optimizer_still_adopts_scalers_after_the_first_closes():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    first = nand.watch(model, opt, log_events=False)
+    with nand.watch(model, opt, log_events=False) as second:
+        first.close()
+        amp_train(model, opt, torch.amp.GradScaler("cpu", init_scale=2.0**127), 5, factor=1e6)
+    assert second.amp_skipped > 0 and second.first is None

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import nand
-from nand.agent.detect.hooks import DORMANT_EVENT
+from nand.agent.detect.savable import DORMANT_EVENT
 from tests.agent.models import Net, arm_at, mlp, train, where
 
 

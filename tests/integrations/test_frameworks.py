@@ -14,6 +14,7 @@ finite) and with ``stop`` (the framework's loop ends, the bad update skipped).
 from __future__ import annotations
 
 import dataclasses
+import gc
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -116,8 +117,10 @@ def run_lightning(s: Scenario, steps: int, fp16: bool = False, **options: Any) -
 
 
 def run_hf_trainer(
-    s: Scenario, steps: int, tmp_path: Path, fp16: bool = False, **options: Any
+    s: Scenario, steps: int, tmp_path: Path, fp16: bool = False, close: bool = True, **options: Any
 ) -> Trained:
+    """``close``: close the watch after a raise, as the callback cannot (HF has no
+    exception hook): a watch left open keeps its hooks and nand's GradScaler wrap."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from nand.integrations.transformers import NandCallback
@@ -162,6 +165,8 @@ def run_hf_trainer(
         trainer.train()
     except nand.NonFiniteError as exc:
         raised = exc
+        if close and callback.watch is not None:
+            callback.watch.close("exception: NonFiniteError")
     return Trained(callback.watch, trainer.state.global_step, model, raised)
 
 
@@ -229,6 +234,20 @@ def test_raise_comes_out_of_the_framework_before_the_bad_update(framework, kind)
     event = trained.raised.event
     assert (event.step, event.phase) == (s.answer.step, s.answer.phase)
     assert trained.weights_finite()  # raised before the optimizer applied the bad gradients
+
+
+def test_an_hf_trainer_that_raised_out_of_train_leaves_no_scaler_wrap_once_it_is_gone(tmp_path):
+    """The watch a raise left open (see ``run_hf_trainer``) wrapped
+    ``GradScaler.step`` for the process: a test module run after this one on
+    the same CI worker found the class still wrapped."""
+    gc.collect()  # (watches earlier tests dropped)
+    original = torch.amp.GradScaler.step
+    s = scenario(MODEL, "forward")
+    trained = run_hf_trainer(s, STEPS, tmp_path, close=False, on_nonfinite="raise")
+    assert trained.raised is not None and torch.amp.GradScaler.step is not original
+    del trained  # the trainer, the model, the optimizer and the open watch with them
+    gc.collect()
+    assert torch.amp.GradScaler.step is original
 
 
 def test_stop_skips_the_bad_update_and_ends_the_loop(framework):

@@ -4,6 +4,9 @@ Plain torch hooks only, with a host read per check (a test may be slow, it
 must be right), so that nand's answer is held to something it did not make:
 
 - **input**: the root module's inputs (positional and keyword, nested) — `data`;
+  so are those of a module entered while no module of the model runs (a
+  framework's ``training_step`` calling ``self.net``, a loop calling a
+  model's parts), named by that module;
 - **forward**: the first module whose output is non-finite, in the order the
   hooks fire (children before parents). A value made by inline code of a
   parent shows up first as the input of its next child, or as the parent's
@@ -155,6 +158,8 @@ class Truth:
                 self._record("input", "", "data")
             elif self._stack:  # made inline by the module running now
                 self._record("forward", self._names[self._stack[-1][0]], "produced")
+            elif torch._C._current_graph_task_id() == -1:  # (not a recompute in backward)
+                self._record("input", self._names[module], "data")  # entered from outside
             self._seen_forward = True
         self._stack.append((module, self._next_node_number()))
 

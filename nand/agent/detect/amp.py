@@ -16,6 +16,8 @@ Nobody needs to tell nand which scaler is in use: Lightning
 create their own. While a watch with an optimizer is open, ``GradScaler.step``
 is wrapped on the class (:func:`listen`): when a scaler steps a watched
 optimizer, that watch adopts it, before the scaler unscales or steps anything.
+The class is restored when the last such watch is closed or, never closed,
+garbage collected (its model and optimizer gone).
 """
 
 from __future__ import annotations
@@ -118,23 +120,38 @@ _original_step: Any = None
 
 def listen(optimizer: Any, adopt: Callable[[Any], None]) -> Callable[[], None]:
     """Call ``adopt(scaler)`` whenever a GradScaler steps ``optimizer``; returns
-    the function that stops listening (the wrap comes off with the last one)."""
+    the function that stops listening. The wrap comes off the class with the
+    last listener: at its ``close``, or once its watch is garbage collected
+    (a watch never closed must not leave the class patched for the process)."""
     global _original_step
     if _original_step is None:
         _original_step = _SCALER_CLASS.step
         _SCALER_CLASS.step = _scaler_step
     key = id(optimizer)
-    _listeners[key] = weakref.WeakMethod(adopt)
+    reference = weakref.WeakMethod(adopt)
+    _listeners[key] = reference
 
     def unlisten() -> None:
-        global _original_step
-        _listeners.pop(key, None)
-        if not _listeners and _original_step is not None:
-            if _SCALER_CLASS.__dict__.get("step") is _scaler_step:
-                _SCALER_CLASS.step = _original_step
-            _original_step = None
+        if _listeners.get(key) is reference:  # (not a later watch's of the same optimizer)
+            del _listeners[key]
+        _restore_when_unheard()
 
+    # Held by weakref's registry, not by the watch: runs when the watch is collected.
+    collected = weakref.finalize(getattr(adopt, "__self__", adopt), unlisten)
+    collected.atexit = False
     return unlisten
+
+
+def _restore_when_unheard() -> None:
+    """Put ``GradScaler.step`` back once no live watch listens."""
+    global _original_step
+    if any(reference() is not None for reference in list(_listeners.values())):
+        return
+    _listeners.clear()  # (only watches that are gone)
+    if _original_step is not None:
+        if _SCALER_CLASS.__dict__.get("step") is _scaler_step:
+            _SCALER_CLASS.step = _original_step
+        _original_step = None
 
 
 def _scaler_step(self: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:

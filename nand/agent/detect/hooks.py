@@ -19,7 +19,10 @@ Per module call:
   child that feeds a probed leaf gets no hook at all (``modules.Chains``).
 - the **root** pre-hook marks a micro-step and probes the input data
   (positional and keyword, nested); the root's outputs get a "loss" tensor
-  hook: the gradient arriving there comes from the loss computation.
+  hook: the gradient arriving there comes from the loss computation. A
+  module called with no watched forward running is an **entry point**: its
+  inputs are probed as data too (``entry.py``; the root and containers keep
+  the count).
 
 Under ``torch.compile`` every probe goes to a fixed slot (``compiled.py``).
 Torch keeps module hooks in the modules' ``__dict__``, so ``copy.deepcopy``
@@ -30,8 +33,6 @@ for a module other than its own (a shallow copy shares the hook dicts).
 
 from __future__ import annotations
 
-import functools
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -39,10 +40,12 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from nand.agent.detect.entry import input_slot, outside_backward, probe_inputs
 from nand.agent.detect.grads import BiasProxy, GradHooks
 from nand.agent.detect.inline import NEGINF_SAFE_NODES, InlineCheck
 from nand.agent.detect.modules import CONTAINERS, Chains, ModuleInfo, proxy_bias
 from nand.agent.detect.probes import MICRO, Site, iter_tensors
+from nand.agent.detect.savable import SavableHook
 from nand.agent.detect.state import HookState
 
 # is_dynamo_compiling: False in eager at the cost of a call (dynamo makes it True)
@@ -51,27 +54,6 @@ _is_compiling = torch.compiler.is_dynamo_compiling
 #: Probe entries after which a window is read at the next root call even
 #: without an optimizer step (see ``HookState.window_full``).
 MAX_WINDOW = 100_000
-
-
-#: What a hook of nand's becomes in a pickle or a deep copy (see SavableHook).
-DORMANT_EVENT = "nand.hook: the model was copied or saved from a nand.watch; this hook does nothing"
-
-
-class SavableHook(functools.partial[None]):
-    """A module hook as nand hands it to torch: called like the function it
-    wraps (a C call, no Python frame more), and a no-op once pickled or
-    deep-copied (a closure does not pickle).
-
-    The copy gets ``partial(sys.audit, ...)``: it takes any arguments and
-    returns None (a forward hook's "leave the output alone"), needs only the
-    standard library to load, and tells only an audit hook, if one is
-    installed, that it was called.
-    """
-
-    __slots__ = ()
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (functools.partial, (sys.audit, DORMANT_EVENT))
 
 
 class Hooks:
@@ -100,7 +82,8 @@ class Hooks:
                 self._hook(
                     module.register_forward_pre_hook, self._root_pre(root, info), with_kwargs=True
                 )
-                self._hook(module.register_forward_hook, self._root_hook(module, info))
+                root_hook = self._root_hook(module, info)
+                self._hook(module.register_forward_hook, root_hook, always_call=True)
             elif info.safe:
                 self._hook(module.register_forward_hook, self._safe_hook(module, info))
             elif info.leaf:
@@ -108,8 +91,10 @@ class Hooks:
                 leaf_hook = self._leaf_hook(module, info, biased.get(module), trusting)
                 self._hook(module.register_forward_hook, leaf_hook)
             else:
-                self._hook(module.register_forward_pre_hook, self._container_pre(module, info))
-                self._hook(module.register_forward_hook, self._container_hook(module, info))
+                pre = self._container_pre(module, info)
+                self._hook(module.register_forward_pre_hook, pre, with_kwargs=True)
+                post = self._container_hook(module, info)  # (always: the depth count)
+                self._hook(module.register_forward_hook, post, always_call=True)
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -158,7 +143,9 @@ class Hooks:
                     return
                 if state.pending is not None:
                     self._inline.settle(info, args)
-                if not trusting and args and (len(args) > 1 or args[0] is not state.last):
+                if not state.depth and outside_backward():  # an entry point (entry.py)
+                    probe_inputs(self._probe_input, info, args, None)
+                elif not trusting and args and (len(args) > 1 or args[0] is not state.last):
                     self._inline.check_inputs(args, output, info, module)
                 if not isinstance(output, Tensor):
                     self._probe_structure(info, output)
@@ -195,7 +182,9 @@ class Hooks:
             try:
                 if state.pending is not None:
                     self._inline.settle(info, args)
-                if args and (len(args) > 1 or args[0] is not state.last):
+                if not state.depth and outside_backward():  # an entry point (entry.py)
+                    probe_inputs(self._probe_input, info, args, None)
+                elif args and (len(args) > 1 or args[0] is not state.last):
                     self._inline.check_inputs(args, output, info, module)
                 if isinstance(output, Tensor):
                     if grad_hooks is not None and output.requires_grad:
@@ -213,14 +202,18 @@ class Hooks:
     def _container_pre(self, owner: nn.Module, info: ModuleInfo) -> Callable[..., None]:
         state = self.state
 
-        def container_pre(module: nn.Module, args: tuple[Any, ...]) -> None:
-            if state.guard.off or not args or module is not owner:
+        def container_pre(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if state.guard.off or module is not owner or _is_compiling():
                 return
-            if _is_compiling() or state.slots.active:
+            state.depth += 1  # (down in container_hook; in slot mode too)
+            if state.slots.active:
                 return  # slot mode: no inline check (see compiled.py)
             try:
-                self._inline.check_inputs(args, None, info, module)
-                if isinstance(args[0], Tensor):
+                if state.depth == 1 and outside_backward():  # an entry point (entry.py)
+                    probe_inputs(self._probe_input, info, args, kwargs)
+                elif args:
+                    self._inline.check_inputs(args, None, info, module)
+                if args and isinstance(args[0], Tensor):
                     state.last = args[0]
             except Exception as exc:
                 state.guard.failed(exc, f"forward pre-hook of {info.name!r}")
@@ -233,6 +226,8 @@ class Hooks:
         def container_hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
             if state.guard.off or module is not owner:
                 return
+            if state.depth and not _is_compiling():
+                state.depth -= 1
             try:
                 if _is_compiling() or state.slots.active:
                     self._slotted(info, output)
@@ -258,16 +253,13 @@ class Hooks:
                 if _is_compiling():  # slot mode, and no step boundary from compiled code
                     self._slotted_inputs(info, args, kwargs)
                     return
+                state.depth = 1  # the model is running: no entry point inside it
                 if not state.external_batches:
                     self._new_micro_step()
                 if state.slots.active:
                     self._slotted_inputs(info, args, kwargs)
                     return
-                if not kwargs and len(args) == 1 and isinstance(args[0], Tensor):
-                    self._probe_input(info, "args[0]", args[0])  # most models: no walk
-                    return
-                for path, t in iter_tensors((args, kwargs)):
-                    self._probe_input(info, _input_slot(path), t)
+                probe_inputs(self._probe_input, info, args, kwargs)
             except Exception as exc:
                 guard.failed(exc, "forward pre-hook of the root module")
 
@@ -279,6 +271,8 @@ class Hooks:
         def root_hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
             if state.guard.off or module is not owner:
                 return
+            if not _is_compiling():
+                state.depth = 0  # (always called, an exception in forward too)
             try:
                 if _is_compiling() or state.slots.active:
                     self._slotted(info, output)
@@ -313,7 +307,7 @@ class Hooks:
 
     def _slotted_inputs(self, info: ModuleInfo, args: Any, kwargs: Any) -> None:
         for path, t in iter_tensors((args, kwargs)):
-            self.state.slots.record(t, info, True, _input_slot(path))
+            self.state.slots.record(t, info, True, input_slot(path))
 
     # --- micro-steps -----------------------------------------------------------
 
@@ -339,6 +333,7 @@ class Hooks:
             return
         try:
             state.external_batches = True
+            state.depth = 0  # a batch starts outside every forward
             self._new_micro_step()
             for path, t in iter_tensors(batch):
                 name = "batch" + (path if path.startswith("[") or not path else "." + path)
@@ -386,12 +381,3 @@ class Hooks:
             hooks = GradHooks(self.state, site)
             self._grad_hooks[id(site)] = hooks
         return hooks
-
-
-def _input_slot(path: str) -> str:
-    """The name of a root input slot: ``args[0]``, ``.input_ids``, ``.batch.x``...
-
-    ``path`` comes from :func:`iter_tensors` over ``(args, kwargs)``: ``[0][i]...``
-    for positional arguments, ``[1].name...`` for keyword ones.
-    """
-    return path[3:] if path.startswith("[1].") else "args" + path[3:]

@@ -20,8 +20,8 @@ class HookState:
     """
 
     __slots__ = (
-        "before_root", "buf", "external_batches", "guard", "last", "micro", "pending", "slots",
-        "window_full",
+        "before_root", "buf", "depth", "external_batches", "guard", "last", "micro", "pending",
+        "slots", "window_full",
     )  # fmt: skip
 
     def __init__(self, buf: ProbeBuffer, guard: Guard, slots: CompiledSlots) -> None:
@@ -33,6 +33,9 @@ class HookState:
         #: (the value, the call that attaches its gradient probe)
         self.pending: tuple[Tensor, Callable[[Tensor], None]] | None = None
         self.micro = 0  # root forward calls so far (not counted under torch.compile)
+        #: Watched forwards running (the root, containers; not leaves): none
+        #: when a module's hook runs makes it an entry point (entry.py).
+        self.depth = 0
         #: Without an optimizer, each root call ends the last step: its boundary.
         self.before_root: Callable[[], None] | None = None
         #: The buffer passed :data:`MAX_WINDOW` entries: read it now.

@@ -217,6 +217,7 @@ def _activation_findings(buf: Probed, values: list[float], micro_base: int) -> l
     orders: dict[tuple[int, str], int] = {}
     prev_backward: dict[int, Site] = {}  # micro -> last finite backward site
     first_bad_backward: set[int] = set()
+    bad_forward: set[int] = set()  # micro-steps with a non-finite forward so far
     for micro, site, lo, hi, call in _entries(buf, values, micro_base):
         key = (micro, site.phase)
         order = orders.get(key, 0)
@@ -234,6 +235,13 @@ def _activation_findings(buf: Probed, values: list[float], micro_base: int) -> l
             first_bad_backward.add(micro)
             found.append(_backward_finding(site, prev_backward.get(micro), micro, order, lo, hi))
         elif not finite:
+            if site.phase == "input" and micro in bad_forward:
+                # An entry point's input (detect/entry.py) after a module of
+                # this micro-step made something non-finite: carried from
+                # there, not data; that module's finding is first.
+                continue
+            if site.phase == "forward":
+                bad_forward.add(micro)
             cause: Cause = "data" if site.phase == "input" else "produced"
             module = "" if site.phase == "loss" else site.module
             found.append(
