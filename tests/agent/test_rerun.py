@@ -210,3 +210,40 @@ def test_resnet_batchnorm_buffers_after_a_replay_are_those_of_skip(monkeypatch):
     assert (event.step, event.phase, event.reproduced) == (1, "backward", True)
     assert "forward and backward" in event.replay
     assert_same_training(replayed, plain)  # running means and variances included
+
+
+def test_the_op_the_line_and_reproduced_reach_the_jsonl_file_the_rest_api_and_the_verdict(
+    tmp_path,
+):
+    import json
+
+    import httpx
+
+    from nand.server import embedded
+    from nand.server.settings import Settings
+
+    url = f"sqlite:///{tmp_path / 'replay.db'}"
+    server = embedded.start(url, settings=Settings(db_url=url))
+    try:
+        model = model_with(Log())
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        events_file = tmp_path / "events.jsonl"
+        with nand.watch(
+            model, opt, on_nonfinite="skip", server=server.zmq_endpoint, run="replayed",
+            events_file=str(events_file),
+        ):  # fmt: skip
+            train(model, opt, 3, zero_row_at=1)
+        line = line_of(Log.forward, "torch.log")
+        records = [json.loads(text) for text in events_file.read_text().splitlines()]
+        (written,) = [r["event"] for r in records if r["type"] == "event"]
+        replay_fields = ("op", "source", "reproduced")
+        assert [written[k] for k in replay_fields] == ["aten::log", line, True]
+        api = f"{server.http_url}/api/runs/replayed"
+        (event,) = httpx.get(f"{api}/events").json()["items"]
+        assert [event[k] for k in replay_fields] == ["aten::log", line, True]
+        assert event["replay"] == "replayed the forward of micro-step 0"
+        verdict = httpx.get(f"{api}/verdict").json()
+        assert verdict["origin"]["op"] == "aten::log"
+        assert f"made by aten::log at {line}" in verdict["summary"]
+    finally:
+        server.stop()
