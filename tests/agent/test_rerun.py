@@ -247,3 +247,51 @@ def test_the_op_the_line_and_reproduced_reach_the_jsonl_file_the_rest_api_and_th
         assert f"made by aten::log at {line}" in verdict["summary"]
     finally:
         server.stop()
+
+
+# --- DDP: each rank replays alone --------------------------------------------
+
+
+def _ddp_rank(rank: int, port: int, results: dict) -> None:
+    import datetime
+    import os
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NAND_RUN="ddp-replay")
+    # A replay that waited on a collective would time out here instead of hanging.
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+    inner = model_with(Sqrt())
+    model = DistributedDataParallel(inner)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with nand.watch(model, opt, on_nonfinite="skip", log_events=False) as watch:
+        for step in range(4):
+            x = batch(10 * rank + step, zero_row_at=12)  # rank 1, step 2 only
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    first = watch.first
+    results[rank] = (
+        (first.step, first.phase, first.cause, first.op, first.reproduced, first.replay),
+        [p.detach().clone() for p in inner.parameters()],
+    )
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_ddp_the_rank_that_made_the_nan_replays_alone_and_the_replicas_stay_equal():
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.Manager().dict()
+    mp.spawn(_ddp_rank, args=(port, results), nprocs=2, join=True)
+    (made, params1), (got, params0) = results[1], results[0]
+    assert made[:5] == (2, "backward", "produced", "aten::div.Tensor", True)
+    assert got[:5] == (2, "grad", "received", "", None)
+    assert got[5].startswith("not replayed: received through a collective")
+    assert all(torch.equal(a, b) for a, b in zip(params0, params1, strict=True))
