@@ -295,3 +295,23 @@ def test_ddp_the_rank_that_made_the_nan_replays_alone_and_the_replicas_stay_equa
     assert got[:5] == (2, "grad", "received", "", None)
     assert got[5].startswith("not replayed: received through a collective")
     assert all(torch.equal(a, b) for a, b in zip(params0, params1, strict=True))
+
+
+def test_a_float16_overflow_under_autocast_is_replayed_under_the_same_autocast():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with nand.watch(model, opt, on_nonfinite="skip") as watch:
+        for step in range(3):
+            x = batch(step) * (1e5 if step == 1 else 1.0)  # past float16's 65504, not float32's
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(x)
+            out.float().pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    event = watch.first
+    assert (event.step, event.phase, event.module, event.dtype) == (1, "forward", "0", "float16")
+    assert event.reproduced is True  # in float32 the replay would be finite
+    # autocast's cast of the input to float16 is what overflowed, in torch's Linear
+    assert event.op == "aten::_to_copy"
+    assert event.source == line_of(nn.Linear.forward, "F.linear")

@@ -25,11 +25,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from nand.agent.detect.grads import register_tensor_hook
 from nand.agent.detect.hooks import SavableHook
 from nand.agent.detect.probes import iter_tensors
 
 log = logging.getLogger("nand")
 _is_compiling = torch.compiler.is_dynamo_compiling
+_any_autocast = torch._C._is_any_autocast_enabled  # one call where most runs have none
 #: The autocast device types a forward may run under.
 AUTOCAST_DEVICES = ("cpu", "cuda")
 
@@ -45,11 +47,7 @@ class HeldStep:
         self.kwargs = kwargs
         self.rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-        self.autocast = {
-            kind: torch.get_autocast_dtype(kind)
-            for kind in AUTOCAST_DEVICES
-            if torch.is_autocast_enabled(kind)
-        }
+        self.autocast = _autocast() if _any_autocast() else {}
         self.grads: dict[str, Tensor] = {}
 
     def keep_grad(self, path: str) -> Callable[[Tensor], None]:
@@ -57,6 +55,14 @@ class HeldStep:
             self.grads[path] = grad
 
         return kept
+
+
+def _autocast() -> dict[str, torch.dtype]:
+    return {
+        kind: torch.get_autocast_dtype(kind)
+        for kind in AUTOCAST_DEVICES
+        if torch.is_autocast_enabled(kind)
+    }
 
 
 class Held:
@@ -110,7 +116,7 @@ class Held:
             try:
                 for path, t in iter_tensors(output):
                     if t.requires_grad and t.is_floating_point():
-                        t.register_hook(held.keep_grad(path))
+                        register_tensor_hook(t, held.keep_grad(path))
             except Exception as exc:
                 self._failed(exc)
 

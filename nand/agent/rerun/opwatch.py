@@ -68,14 +68,14 @@ def _all_finite(tensors: list[Tensor]) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
-class OpWatch(TorchDispatchMode):
+class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]  # (torch's, unannotated)
     """Records the ops that output non-finite values; see the module.
 
     ``names``: module -> qualified name, for the forward records.
     """
 
     def __init__(self, names: dict[nn.Module, str]) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.names = names
         self.records: list[OpRecord] = []
         self._seen: set[tuple[str, str | None]] = set()

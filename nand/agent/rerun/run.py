@@ -67,7 +67,7 @@ def replay(
     return Replayed(watch.records, finite, bool(seeds and params))
 
 
-def _backward(seeds: list[tuple[Tensor, Tensor]], params: list[Tensor]) -> None:
+def _backward(seeds: list[tuple[Tensor, Tensor]], params: list[nn.Parameter]) -> None:
     outputs = [out for out, _ in seeds]
     grads = [grad for _, grad in seeds]
     torch.autograd.grad(outputs, params, grads, allow_unused=True)

@@ -21,6 +21,7 @@ import re
 import sys
 import sysconfig
 from types import FrameType
+from typing import Any
 
 import torch
 from torch import nn
@@ -47,17 +48,22 @@ def _where(filename: str) -> bool | None:
 
 def stack_source(frame: FrameType | None, own_file: str) -> str:
     """The user's innermost line on the live stack from ``frame`` outwards
-    (frames of ``own_file``, the dispatch mode's, are passed over)."""
+    (frames of ``own_file``, the dispatch mode's, are passed over). Without
+    one (an op inside torch's own ``nn.Linear``, called by the replay), the
+    innermost ``forward`` of torch's on the way: the module's code."""
+    inside = ""
     while frame is not None:
         filename = frame.f_code.co_filename
         if filename != own_file:
             user = _where(filename)
             if user is None:
-                return ""
+                return inside
             if user:
                 return f"{filename}:{frame.f_lineno}"
+            if not inside and frame.f_code.co_name == "forward":
+                inside = f"{filename}:{frame.f_lineno}"
         frame = frame.f_back
-    return ""
+    return inside
 
 
 def traceback_source(node: torch.autograd.graph.Node | None) -> str:
@@ -65,7 +71,8 @@ def traceback_source(node: torch.autograd.graph.Node | None) -> str:
     must have been on when it was created; otherwise "")."""
     if node is None:
         return ""
-    entries = node.metadata.get("traceback_") or ()
+    metadata: dict[str, Any] = node.metadata  # type: ignore[assignment]  # (a dict, not a method)
+    entries = metadata.get("traceback_") or ()
     for entry in reversed(entries):
         found = _TRACE_ENTRY.search(entry)
         if found is None:
