@@ -11,7 +11,9 @@ Two hooks on the root module, device work none:
   backward (the loss computation's, already scaled by a GradScaler and
   divided for accumulation: exactly what the step's backward started from).
 
-Nothing is copied: the batch is the user's tensor, the gradient autograd's.
+Nothing is copied: the batch is the user's tensor, the gradient autograd's
+(of a model that returns its 0-d loss, only that loss's: see ``_seeded``).
+At most :data:`MAX_HELD` micro-steps of a step are held.
 They are released at the first root call after the step's window was read. Buffers
 are not kept per step: see :mod:`nand.agent.rerun.state`.
 """
@@ -32,6 +34,9 @@ from nand.agent.detect.probes import iter_tensors
 log = logging.getLogger("nand")
 _is_compiling = torch.compiler.is_dynamo_compiling
 _any_autocast = torch._C._is_any_autocast_enabled  # one call where most runs have none
+#: Micro-steps held per step at most (an evaluation loop between two
+#: optimizer steps calls the model many times: its batches are not all kept).
+MAX_HELD = 16
 #: The autocast device types a forward may run under.
 AUTOCAST_DEVICES = ("cpu", "cuda")
 
@@ -55,6 +60,19 @@ class HeldStep:
             self.grads[path] = grad
 
         return kept
+
+
+def _seeded(output: Any) -> list[tuple[str, Tensor]]:
+    """The outputs whose gradient is held: a model that returns its loss
+    (0-d) beside the logits made of it gets the loss's only. The logits'
+    gradient came through the loss (held, it would cost a logits-sized
+    tensor per micro-step); a loss of yours that also used the logits
+    directly is then replayed without that part."""
+    found = [
+        (path, t) for path, t in iter_tensors(output) if t.requires_grad and t.is_floating_point()
+    ]
+    losses = [(path, t) for path, t in found if t.dim() == 0]
+    return losses or found
 
 
 def _autocast() -> dict[str, torch.dtype]:
@@ -102,7 +120,8 @@ class Held:
                 if reads != self._read_at:  # a new window: the last one's steps are over
                     self.steps.clear()
                     self._read_at = reads
-                self.steps.append(HeldStep(args, kwargs, self.device))
+                if len(self.steps) < MAX_HELD:  # (the first ones: their index is the micro-step)
+                    self.steps.append(HeldStep(args, kwargs, self.device))
             except Exception as exc:
                 self._failed(exc)
 
@@ -114,9 +133,8 @@ class Held:
                 return
             held = self.steps[-1]
             try:
-                for path, t in iter_tensors(output):
-                    if t.requires_grad and t.is_floating_point():
-                        register_tensor_hook(t, held.keep_grad(path))
+                for path, t in _seeded(output):
+                    register_tensor_hook(t, held.keep_grad(path))
             except Exception as exc:
                 self._failed(exc)
 
