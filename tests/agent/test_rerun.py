@@ -315,3 +315,16 @@ def test_a_float16_overflow_under_autocast_is_replayed_under_the_same_autocast()
     # autocast's cast of the input to float16 is what overflowed, in torch's Linear
     assert event.op == "aten::_to_copy"
     assert event.source == line_of(nn.Linear.forward, "F.linear")
+
+
+def test_under_gradient_checkpointing_the_backward_fault_is_named_not_the_recomputed_mask():
+    """GPT-2's attention writes -inf into its mask on purpose; a checkpointed
+    forward does so again inside the backward. The op named is the fault's."""
+    from tests.integrations.faults import Fault, poison
+    from tests.integrations.loops import CHECKPOINTING, with_nand
+
+    fault = Fault("backward", 1, "transformer.h.1.mlp.c_proj")
+    event = with_nand("gpt2", CHECKPOINTING, fault, 3).watch.first
+    assert (event.step, event.phase, event.module) == (1, "backward", fault.where)
+    assert (event.op, event.reproduced) == ("aten::copy_", True)
+    assert event.source == line_of(poison, "extra.view(-1)[0] = value")

@@ -22,8 +22,11 @@ The op chosen: in forward, among the ops that ran inside the event's module
 (or its children), the first that made a non-finite value from finite
 inputs; in backward, the first such op of the backward. Failing that, the
 first op there that output a non-finite value (its input was a tensor no op
-of the step made: a constant, a buffer). ``reproduced`` says whether the
-replay saw the non-finite value again there (for ``input``: the held batch).
+of the step made: a constant, a buffer). Ops that write an infinity given
+as a Python number (an attention mask) are passed over, also where a
+checkpointed forward is recomputed inside the backward. ``reproduced`` says
+whether the replay saw the non-finite value again there (for ``input``: the
+held batch).
 """
 
 from __future__ import annotations
@@ -133,7 +136,7 @@ class Rerun:
         chosen, event.reproduced = conclude(event, replayed)
         if chosen is not None:
             event.op, event.source = chosen.op, chosen.source
-            if not chosen.produced:
+            if chosen.kind != "produced":
                 event.replay += "; no op made it from finite values: its input came from outside"
 
 
@@ -141,15 +144,17 @@ def conclude(event: Event, replayed: Replayed) -> tuple[OpRecord | None, bool]:
     """The op to name and whether the replay reproduced the value (see the module)."""
     if event.phase == "input":
         return None, not replayed.inputs_finite
-    if event.phase == "forward":
-        scope = [r for r in replayed.records if r.phase == "forward" and _within(r, event.module)]
-    else:
-        scope = [r for r in replayed.records if r.phase == "backward"]
-    produced = [r for r in scope if r.produced]
+    phase = "forward" if event.phase == "forward" else "backward"
+    scope = [
+        r
+        for r in replayed.records
+        if r.phase == phase and r.kind != "constant" and (phase == "backward" or _within(r, event))
+    ]
+    produced = [r for r in scope if r.kind == "produced"]
     chosen = produced[0] if produced else (scope[0] if scope else None)
     return chosen, bool(scope)
 
 
-def _within(record: OpRecord, module: str) -> bool:
-    name = record.module
+def _within(record: OpRecord, event: Event) -> bool:
+    name, module = record.module, event.module
     return name is not None and (not module or name == module or name.startswith(module + "."))
