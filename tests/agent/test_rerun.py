@@ -328,3 +328,19 @@ def test_under_gradient_checkpointing_the_backward_fault_is_named_not_the_recomp
     assert (event.step, event.phase, event.module) == (1, "backward", fault.where)
     assert (event.op, event.reproduced) == ("aten::copy_", True)
     assert event.source == line_of(poison, "extra.view(-1)[0] = value")
+
+
+@pytest.mark.parametrize("kind", ["forward", "backward"])
+@pytest.mark.parametrize("case_name", ["gpt2", "bert", "llama", "vit", "resnet18"])
+def test_every_real_model_names_the_planted_write_and_reproduces_it(case_name, kind):
+    from tests.integrations.faults import Fault, poison
+    from tests.integrations.loops import FP32, with_nand
+    from tests.integrations.zoo import case
+
+    fault = Fault(kind, 1, case(case_name).sites[kind])
+    event = with_nand(case_name, FP32, fault, 3).watch.first
+    assert (event.step, event.phase) == (1, kind)
+    # The fault writes its value into a tensor of zeros: no op made it from
+    # finite values, and the line that wrote it is named.
+    assert (event.op, event.reproduced) == ("aten::copy_", True)
+    assert event.source == line_of(poison, "extra.view(-1)[0] = value")
