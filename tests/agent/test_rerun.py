@@ -344,3 +344,34 @@ def test_every_real_model_names_the_planted_write_and_reproduces_it(case_name, k
     # finite values, and the line that wrote it is named.
     assert (event.op, event.reproduced) == ("aten::copy_", True)
     assert event.source == line_of(poison, "extra.view(-1)[0] = value")
+
+
+class Streamed(nn.Module):
+    """Reads a side input from an iterator in its forward: a second call in
+    the same step finds the iterator spent (a replay cannot be exact here)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8, bias=False)
+        self.log = Log()
+        self.extra: object = iter(())
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.log(self.linear(x) * next(self.extra))
+
+
+def test_a_replay_that_raises_says_so_in_the_event_and_training_goes_on():
+    model = Streamed()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with nand.watch(model, opt, on_nonfinite="skip") as watch:
+        for step in range(3):
+            model.extra = iter([0.0 if step == 1 else 1.0])  # one value per step
+            model(batch(step)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    event = watch.first
+    assert (event.step, event.phase, event.module) == (1, "forward", "log")
+    assert event.reproduced is None and event.op == ""
+    assert event.replay.startswith("replay raised StopIteration")
+    assert "replay raised StopIteration" in event.message
+    assert watch.step == 3 and all(torch.isfinite(p).all() for p in model.parameters())
