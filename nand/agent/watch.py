@@ -93,7 +93,7 @@ class Watch:
         self._amp: amp.AmpWatch | None = None
         self._unlisten: Callable[[], None] | None = None
         self._looking: RemovableHandle | None = None
-        self._rerun = Rerun(self._root, self._guard, state, lambda: self._boundary.reads)
+        self._rerun = Rerun(self._root, self._guard, state, self._boundary)
         if settings.disabled:
             self._closed = True  # nothing to remove, nobody to tell
             self._guard.off = True  # new_batch, loss(): nothing recorded

@@ -252,18 +252,23 @@ def test_the_op_the_line_and_reproduced_reach_the_jsonl_file_the_rest_api_and_th
 # --- DDP: each rank replays alone --------------------------------------------
 
 
-def _ddp_rank(rank: int, port: int, results: dict) -> None:
+def _ddp_rank(rank: int, port: int, results: dict, fsdp: bool = False) -> None:
     import datetime
     import os
 
     import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NAND_RUN="ddp-replay")
     # A replay that waited on a collective would time out here instead of hanging.
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
-    inner = model_with(Sqrt())
-    model = DistributedDataParallel(inner)
+    inner = model_with(Log() if fsdp else Sqrt())
+    if fsdp:  # each Linear its own shard unit: resharded after its forward
+        for layer in inner:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+    model = fully_shard(inner) if fsdp else DistributedDataParallel(inner)
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     with nand.watch(model, opt, on_nonfinite="skip", log_events=False) as watch:
         for step in range(4):
@@ -274,13 +279,12 @@ def _ddp_rank(rank: int, port: int, results: dict) -> None:
     first = watch.first
     results[rank] = (
         (first.step, first.phase, first.cause, first.op, first.reproduced, first.replay),
-        [p.detach().clone() for p in inner.parameters()],
+        [p.detach().clone() for p in inner.parameters()] if not fsdp else [],
     )
     dist.destroy_process_group()
 
 
-@pytest.mark.slow
-def test_ddp_the_rank_that_made_the_nan_replays_alone_and_the_replicas_stay_equal():
+def _two_ranks(fsdp: bool = False) -> dict:
     import socket
 
     import torch.multiprocessing as mp
@@ -289,7 +293,13 @@ def test_ddp_the_rank_that_made_the_nan_replays_alone_and_the_replicas_stay_equa
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     results = mp.Manager().dict()
-    mp.spawn(_ddp_rank, args=(port, results), nprocs=2, join=True)
+    mp.spawn(_ddp_rank, args=(port, results, fsdp), nprocs=2, join=True)
+    return dict(results)
+
+
+@pytest.mark.slow
+def test_ddp_the_rank_that_made_the_nan_replays_alone_and_the_replicas_stay_equal():
+    results = _two_ranks()
     (made, params1), (got, params0) = results[1], results[0]
     assert made[:5] == (2, "backward", "produced", "aten::div.Tensor", True)
     assert got[:5] == (2, "grad", "received", "", None)
@@ -375,3 +385,11 @@ def test_a_replay_that_raises_says_so_in_the_event_and_training_goes_on():
     assert event.replay.startswith("replay raised StopIteration")
     assert "replay raised StopIteration" in event.message
     assert watch.step == 3 and all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.slow
+def test_fsdp_is_not_replayed_and_says_why_instead_of_waiting_for_an_all_gather():
+    results = _two_ranks(fsdp=True)
+    made = results[1][0]
+    assert made[:3] == (2, "forward", "produced") and made[4] is None
+    assert made[5].startswith("not replayed: FSDP shards the parameters")

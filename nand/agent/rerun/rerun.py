@@ -15,7 +15,9 @@ What is replayed, and when (``replay`` says why not, otherwise):
 - not a ``loss`` event (the loss computation runs outside the model, and
   nand re-runs the model), nor ``param``/``optimizer_state`` (made by the
   update), nor a value ``received`` through a collective (the rank that
-  made it replays its own), nor a GradScaler's overflow (no incident);
+  made it replays its own), nor a GradScaler's overflow (no incident), nor
+  under FSDP (a sharded forward all-gathers: the other ranks would have to
+  take part, and a replay is one rank's alone);
 - at most one replay per incident, and ``NAND_REPLAYS`` per run and rank.
 
 The op chosen: in forward, among the ops that ran inside the event's module
@@ -32,16 +34,17 @@ held batch).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from nand.agent.detect.ddp import params_are_gathered
 from nand.agent.detect.state import HookState
 from nand.agent.rerun.held import Held
 from nand.agent.rerun.opwatch import OpRecord
 from nand.agent.rerun.run import Replayed, replay
 from nand.agent.safety import Guard
+from nand.agent.step.boundary import Boundary
 from nand.events import Event, replay_words
 
 log = logging.getLogger("nand")
@@ -59,15 +62,13 @@ GRADIENT_PHASES = ("backward", "grad")
 class Rerun:
     """Replays of one watch; ``budget`` replays at most (0: nothing held)."""
 
-    def __init__(
-        self, root: nn.Module, guard: Guard, state: HookState, reads: Callable[[], int]
-    ) -> None:
+    def __init__(self, root: nn.Module, guard: Guard, state: HookState, boundary: Boundary) -> None:
         self.root = root
         self.guard = guard
         self.state = state
+        self.boundary = boundary
         self.left = 0
         self.held: Held | None = None
-        self._reads = reads
         self._names = {module: name for name, module in root.named_modules()}
 
     def install(self, budget: int) -> None:
@@ -76,7 +77,7 @@ class Rerun:
         if budget > 0:
             param = next(iter(self.root.parameters()), None)
             device = param.device if param is not None else torch.device("cpu")
-            self.held = Held(self.root, device, self._reads)
+            self.held = Held(self.root, device, lambda: self.boundary.reads)
 
     def remove(self) -> None:
         if self.held is not None:
@@ -106,6 +107,8 @@ class Rerun:
             return NOT_REPLAYED.get(event.phase) or NOT_REPLAYED[event.cause]
         if lagged:
             return "not replayed: read one step late (read='deferred'), after the update"
+        if self.boundary.params_gathered or any(map(params_are_gathered, self.root.modules())):
+            return "not replayed: FSDP shards the parameters (a replay would need the other ranks)"
         if self.state.external_batches:
             return "not replayed: micro-steps are marked by new_batch, not by calls of the model"
         if self.left <= 0:
