@@ -393,3 +393,13 @@ def test_fsdp_is_not_replayed_and_says_why_instead_of_waiting_for_an_all_gather(
     made = results[1][0]
     assert made[:3] == (2, "forward", "produced") and made[4] is None
     assert made[5].startswith("not replayed: FSDP shards the parameters")
+
+
+def test_past_sixteen_micro_steps_the_batches_are_not_held_and_the_event_says_so():
+    model = model_with(Log())
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with nand.watch(model, opt, on_nonfinite="skip") as watch:
+        train(model, opt, 2, zero_row_at=20 + 18, accum=20)  # step 1, micro-step 18
+    event = watch.first
+    assert (event.step, event.micro_step, event.phase) == (1, 18, "forward")
+    assert event.reproduced is None and "after 16 calls" in event.replay

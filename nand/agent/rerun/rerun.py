@@ -40,7 +40,7 @@ from torch import nn
 
 from nand.agent.detect.ddp import params_are_gathered
 from nand.agent.detect.state import HookState
-from nand.agent.rerun.held import Held
+from nand.agent.rerun.held import MAX_HELD, Held
 from nand.agent.rerun.opwatch import OpRecord
 from nand.agent.rerun.run import Replayed, replay
 from nand.agent.safety import Guard
@@ -116,7 +116,7 @@ class Rerun:
         if event.micro_step >= len(self.held.steps):
             return (
                 f"not replayed: the inputs of micro-step {event.micro_step} were not held "
-                "(the model ran compiled, or outside its root module)"
+                f"(the model ran compiled or outside its root module, or after {MAX_HELD} calls)"
             )
         if event.phase in GRADIENT_PHASES and not self.held.steps[event.micro_step].grads:
             return "not replayed: no gradient reached the model's outputs"
