@@ -72,6 +72,13 @@ NAND_MAX_EVENTS = "NAND_MAX_EVENTS"
 """Events kept in memory per rank (``watch.events``); the first is always kept.
 Default 1000."""
 
+NAND_REPLAYS = "NAND_REPLAYS"
+"""Replays per run and rank: a new incident's step is run again in process to
+name the aten op and the source line that made the value, and whether it
+happens again (``nand.agent.rerun``; the README's "Replay"). Each micro-step
+then holds references to its inputs and its outputs' gradients until the next
+step. ``0`` turns replay off (nothing held). Default 3."""
+
 NAND_READ_PARAMS_EVERY_STEP = "NAND_READ_PARAMS_EVERY_STEP"
 """``1`` reads the parameters and optimizer state after every update, also
 where finite gradients imply them finite (``SGD``/``Adam``/``AdamW``; see
@@ -312,6 +319,7 @@ class AgentConfig:
     log_events: bool = True
     flight_steps: int = 64
     max_events: int = 1000
+    replays: int = 3
     ddp_local_check: bool = True
     read_params_every_step: bool = False
     heartbeat_s: float = 5.0
@@ -340,6 +348,7 @@ class AgentConfig:
             "events_file": get_str(NAND_EVENTS_FILE),
             "flight_steps": get_int(NAND_FLIGHT_STEPS, cls.flight_steps),
             "max_events": get_int(NAND_MAX_EVENTS, cls.max_events),
+            "replays": get_int(NAND_REPLAYS, cls.replays),
             "ddp_local_check": get_bool(NAND_DDP_LOCAL_CHECK, cls.ddp_local_check),
             "read_params_every_step": get_bool(
                 NAND_READ_PARAMS_EVERY_STEP, cls.read_params_every_step
@@ -379,9 +388,9 @@ class AgentConfig:
             )
         if self.flight_steps < 1 or self.max_events < 1:
             raise ConfigError("flight_steps and max_events must be at least 1")
-        if self.heartbeat_s < 0 or self.close_timeout_s < 0 or self.fingerprint_steps < 0:
+        if min(self.heartbeat_s, self.close_timeout_s, self.fingerprint_steps, self.replays) < 0:
             raise ConfigError(
-                "heartbeat_s, close_timeout_s and fingerprint_steps must not be negative"
+                "heartbeat_s, close_timeout_s, fingerprint_steps and replays must not be negative"
             )
         problem = run_problem(self.run) if self.run else None  # ("": not given)
         if problem is not None:  # the server would refuse every message of the run

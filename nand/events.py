@@ -161,6 +161,14 @@ class Event:
     call: int = 0
     #: A one-line human summary; filled by the agent, shown by log and web.
     message: str = ""
+    #: The replay of the step (``nand.agent.rerun``): the aten op that made
+    #: the value (``aten::log``), the user's line that ran it (``path:line``;
+    #: in backward, the forward line its node came from), whether the replay
+    #: made the value again (None: not replayed), and what was replayed or why not.
+    op: str = ""
+    source: str = ""
+    reproduced: bool | None = None
+    replay: str = ""
 
     def sort_key(self) -> tuple[int, int, int, int]:
         """The logical order: (step, micro_step, phase, order)."""
@@ -220,6 +228,20 @@ def value_kinds(event: Event) -> str:
         found = [(nan, "NaN"), (hi == math.inf, "+inf"), (lo == -math.inf, "-inf")]
         parts = [name for present, name in found if present]
     return " and ".join(parts) if parts else "a non-finite value"
+
+
+def replay_words(event: Event) -> str:
+    """What the replay of ``event``'s step found, in words ("" without one)."""
+    where = f"{event.op} at {event.source or 'an unknown line'}" if event.op else ""
+    if event.reproduced is None:
+        return event.replay
+    if not event.reproduced:
+        return "the replay did not make it again: suspect the device (a transient fault)"
+    if event.phase == "input":
+        return "the replay saw it again: it is in the batch"
+    if not where:
+        return "the replay made it again (look at the batch, the layer)"
+    return f"made by {where}; the replay made it again (look at the batch, the layer)"
 
 
 @dataclass

@@ -156,6 +156,8 @@ def decode(frame: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES) -> dict[str, Any
 _INT = (int,)
 _NUM = (int, float)
 _STR = (str,)
+_OPTIONAL_EVENT_FIELDS = {"nan": _INT, "posinf": _INT, "neginf": _INT, "min": _NUM, "max": _NUM,
+    "max_abs": _NUM, "reproduced": (bool,), "op": _STR, "source": _STR, "replay": _STR}  # fmt: skip
 
 
 def _require(
@@ -218,10 +220,8 @@ def validate_event_dict(event: Mapping[str, Any], where: str = "event") -> None:
     cause = _require(event, "cause", _STR, where)
     if cause not in CAUSES:
         raise WireError("bad_field", f"{where}.cause {cause!r} not in {CAUSES}")
-    for key in ("nan", "posinf", "neginf"):
-        _require(event, key, _INT, where, optional=True)
-    for key in ("min", "max", "max_abs"):
-        _require(event, key, _NUM, where, optional=True)
+    for key, types in _OPTIONAL_EVENT_FIELDS.items():  # (op... replay: nand.agent.rerun)
+        _require(event, key, types, where, optional=True)
     shape = _require(event, "shape", (list,), where, optional=True) or []
     if not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
         raise WireError("bad_field", f"{where}.shape must be a list of ints")

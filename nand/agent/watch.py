@@ -29,6 +29,7 @@ from nand.agent.detect.probes import ProbeBuffer
 from nand.agent.detect.state import HookState
 from nand.agent.identity import distributed_up
 from nand.agent.output.session import Session
+from nand.agent.rerun import Rerun
 from nand.agent.safety import Guard
 from nand.agent.step.boundary import Boundary
 from nand.agent.step.deferred import flush_at_exit, read_mode
@@ -92,6 +93,7 @@ class Watch:
         self._amp: amp.AmpWatch | None = None
         self._unlisten: Callable[[], None] | None = None
         self._looking: RemovableHandle | None = None
+        self._rerun = Rerun(self._root, self._guard, state, self._boundary)
         if settings.disabled:
             self._closed = True  # nothing to remove, nobody to tell
             self._guard.off = True  # new_batch, loss(): nothing recorded
@@ -126,6 +128,7 @@ class Watch:
         # A wrapper nand was not given (HF Trainer, accelerate's DDP): found at its first call.
         if not wrapped and distributed_up() and self.session.who.world_size > 1:
             self._looking = ddp.find_wrapper(self._root, self._found_wrapper)
+        self._rerun.install(self.settings.replays)  # (after nand's own root hooks: see rerun)
 
     # --- public API ------------------------------------------------------------
 
@@ -214,6 +217,7 @@ class Watch:
                 self._unlisten()
             if self._looking is not None:
                 self._looking.remove()
+            self._rerun.remove()
             self._buf.clear()
             self.session.close(self.step, reason, self._summary)
 
@@ -296,7 +300,8 @@ class Watch:
             if self._amp is not None:
                 self._amp.close()
             assert self._opt is not None
-            self._amp = amp.AmpWatch(scaler, self._opt.optimizer, self._stepped, self._amp_skipped)
+            opt = self._opt
+            self._amp = amp.AmpWatch(scaler, opt.optimizer, opt.take_stepped, self._amp_skipped)
             self._boundary.amp = self._amp
         except Exception as exc:
             self._guard.failed(exc, "GradScaler adoption")
@@ -311,13 +316,6 @@ class Watch:
         if not self._guard.off:
             self.step += 1
         self._serve_session()
-
-    def _stepped(self) -> bool:
-        opt = self._opt
-        stepped = opt is not None and opt.stepped
-        if opt is not None:
-            opt.stepped = False
-        return stepped
 
     def _root_step(self) -> None:
         """Without an optimizer each root call is a step: called from the
@@ -377,6 +375,7 @@ class Watch:
         if event is None:
             self._incidents.finite_step()
         elif self._incidents.nonfinite_step(event):
+            self._rerun.explain(event, lagged=self.deferred)  # the op, the line, reproduced
             self.session.event(event, self.recorder.window())
 
     # --- setup ------------------------------------------------------------------

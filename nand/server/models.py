@@ -13,6 +13,7 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     Float,
     ForeignKey,
     Index,
@@ -140,6 +141,11 @@ class EventRow(Base):
     #: The value kinds in words ("NaN and +inf"), kept because SQLite stores a
     #: NaN min/max (how an activation event says NaN) as NULL.
     kinds: Mapped[str] = mapped_column(String(80), default="")
+    #: The replay of the step (``nand.events.Event``): op, user's line, reproduced, note.
+    op: Mapped[str] = mapped_column(String(128), default="")
+    source: Mapped[str] = mapped_column(String(1024), default="")
+    reproduced: Mapped[bool | None] = mapped_column(Boolean, nullable=True)
+    replay: Mapped[str] = mapped_column(String(300), default="")
 
 
 class Heartbeat(Base):

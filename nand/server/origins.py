@@ -50,6 +50,10 @@ def _event_fields(row: EventRow, run: str) -> Event:
         time=row.time,
         seq=row.seq,
         message=row.message,
+        op=row.op,
+        source=row.source,
+        reproduced=row.reproduced,
+        replay=row.replay,
     )
 
 

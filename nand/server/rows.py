@@ -107,6 +107,10 @@ def event_row(message: dict[str, Any], run_ids: RunIds) -> dict[str, Any]:
         "seq": int_or_zero(event.get("seq")),
         "message": clean_str(event.get("message"), 2000),
         "kinds": _kinds(event),
+        "op": clean_str(event.get("op"), 128),
+        "source": clean_str(event.get("source"), 1024),
+        "reproduced": _bool_or_none(event.get("reproduced")),
+        "replay": clean_str(event.get("replay"), 300),
     }
 
 
@@ -188,3 +192,7 @@ def magnitudes(flight: dict[str, Any]) -> tuple[float | None, float | None]:
         if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v > 0
     ]
     return (min(values), max(values)) if values else (None, None)
+
+
+def _bool_or_none(value: Any) -> bool | None:
+    return value if isinstance(value, bool) else None

@@ -51,6 +51,13 @@ class EventOut(BaseModel):
     time: float
     seq: int
     message: str = ""
+    #: The replay of the step: the aten op that made the value, the user's
+    #: line (path:line), whether the replay made it again (null: not
+    #: replayed), and what was replayed or why not.
+    op: str = ""
+    source: str = ""
+    reproduced: bool | None = None
+    replay: str = ""
 
 
 class EventPage(BaseModel):
@@ -83,6 +90,10 @@ class Origin(BaseModel):
     max_abs: float | None = None
     #: What the values were, in words (see EventOut.values).
     values: str = ""
+    #: The replay's op, line and answer (see EventOut).
+    op: str = ""
+    source: str = ""
+    reproduced: bool | None = None
     time: float
     event_id: int
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from nand.events import Event, value_kinds
+from nand.events import Event, replay_words, value_kinds
 from nand.server.correlate import origin, relations
 from nand.server.evidence import FlightEvidence
 from nand.server.failures import Failure
@@ -128,8 +128,15 @@ def diverged_summary(
     if len(together) == 1 and world > 1 and head.phase != "loss":
         device = (devices or {}).get(head.rank, "")
         sentence += " " + _lone_producer(head, hint_name, device)
-    extra = _hint_sentence(hint_name, evidence, head)
+    extras = (_replay_sentence(head), _hint_sentence(hint_name, evidence, head))
+    extra = " ".join(s for s in extras if s)
     return f"{sentence} {extra}" if extra else sentence
+
+
+def _replay_sentence(head: Event) -> str:
+    """What the origin rank's replay of the step found ("" without one)."""
+    words = replay_words(head)
+    return f"Rank {head.rank}'s replay of the step: {words}." if words else ""
 
 
 def _opening(head: Event, together: list[int], world: int) -> str:

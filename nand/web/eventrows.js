@@ -4,6 +4,7 @@
 import { api } from "./api.js";
 import { clear, el } from "./dom.js";
 import { datetime, num, stepLabel, tensorLabel, valueKinds } from "./format.js";
+import { replayAnswer, replayOp } from "./replay.js";
 
 const API_MAX = 1000; // the server's largest page; bigger pages are fetched in parts
 const HEAD = ["Step", "Rank", "Phase", "Module / parameter", "Type", "Cause", "Values", "max |x|", "Tensor"];
@@ -58,6 +59,8 @@ function details(e) {
       field("values", valueKinds(e)),
       field("min · max · max|x|", `${num(e.min)} · ${num(e.max)} · ${num(e.max_abs)}`),
       field("tensor", tensorLabel(e)),
+      field("made by", replayOp(e) || "—"),
+      field("replay", replayAnswer(e)),
       field("seen", datetime(e.time)),
       field("seq", String(e.seq)),
     ),

@@ -4,6 +4,7 @@
 import { el } from "./dom.js";
 import { gapsNote } from "./gaps.js";
 import { age, count, datetime, num, rankList, stepLabel, tensorLabel, valueKinds, where } from "./format.js";
+import { replayAnswer, replayOp } from "./replay.js";
 
 /** What each phase means, for people who have not read the event model. */
 export const PHASE_WORDS = {
@@ -136,6 +137,8 @@ function originFacts(verdict, ranks) {
       o.max_abs != null ? el("span", { class: "muted block" }, `largest finite |x| ${num(o.max_abs)}`) : null,
     ),
   ];
+  if (o.op || o.reproduced != null)
+    facts.push(fact("Made by", el("code", {}, replayOp(o) || "no single op"), el("span", { class: "muted block" }, replayAnswer(o))));
   const spread = [];
   if (verdict.simultaneous)
     spread.push(

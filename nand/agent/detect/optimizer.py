@@ -265,6 +265,11 @@ class OptimizerHooks:
             opt.found_inf = torch.maximum(found, flag.to(found.device))  # type: ignore[attr-defined]
             self._found_inf = None
 
+    def take_stepped(self) -> bool:
+        """Whether the optimizer stepped since the last call (for the AMP watch)."""
+        stepped, self.stepped = self.stepped, False
+        return stepped
+
     def _stepped_on_device(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._found_inf is not None and vars(optimizer).get("found_inf") is self._found_inf:
             del optimizer.found_inf

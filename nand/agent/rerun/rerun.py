@@ -1,0 +1,163 @@
+"""On a new incident, run its micro-step again and say what made the value.
+
+:class:`Rerun` is what the watch calls (:meth:`Rerun.explain`) with the
+incident's event, at the step boundary, before the policy acts and before
+the event is logged or sent. It fills the event's ``op``, ``source``,
+``reproduced`` and ``replay`` fields and adds a sentence to its message.
+
+What is replayed, and when (``replay`` says why not, otherwise):
+
+- the forward of the micro-step the event names, and its backward too when
+  the event is a gradient's (``backward``, ``grad``);
+- at the boundary before the optimizer's update, for every policy, ``warn``
+  included: the weights are those the step ran with. Read one step late
+  (``read="deferred"``) the update was applied: no replay;
+- not a ``loss`` event (the loss computation runs outside the model, and
+  nand re-runs the model), nor ``param``/``optimizer_state`` (made by the
+  update), nor a value ``received`` through a collective (the rank that
+  made it replays its own), nor a GradScaler's overflow (no incident), nor
+  under FSDP (a sharded forward all-gathers: the other ranks would have to
+  take part, and a replay is one rank's alone);
+- at most one replay per incident, and ``NAND_REPLAYS`` per run and rank.
+
+The op chosen: in forward, among the ops that ran inside the event's module
+(or its children), the first that made a non-finite value from finite
+inputs; in backward, the first such op of the backward. Failing that, the
+first op there that output a non-finite value (its input was a tensor no op
+of the step made: a constant, a buffer). Ops that write an infinity given
+as a Python number (an attention mask) are passed over, also where a
+checkpointed forward is recomputed inside the backward. ``reproduced`` says
+whether the replay saw the non-finite value again there (for ``input``: the
+held batch).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from nand.agent.detect.ddp import params_are_gathered
+from nand.agent.detect.state import HookState
+from nand.agent.rerun.held import MAX_HELD, Held
+from nand.agent.rerun.opwatch import OpRecord
+from nand.agent.rerun.run import Replayed, replay
+from nand.agent.safety import Guard
+from nand.agent.step.boundary import Boundary
+from nand.events import Event, replay_words
+
+log = logging.getLogger("nand")
+
+#: Why an event is not replayed, by phase or cause (see the module).
+NOT_REPLAYED = {
+    "loss": "not replayed: the loss is computed outside the model, which is what nand re-runs",
+    "param": "not replayed: made by the optimizer's update, which a replay does not run",
+    "optimizer_state": "not replayed: made by the optimizer's update, which a replay does not run",
+    "received": "not replayed: received through a collective; the rank that made it replays",
+}
+GRADIENT_PHASES = ("backward", "grad")
+
+
+class Rerun:
+    """Replays of one watch; ``budget`` replays at most (0: nothing held)."""
+
+    def __init__(self, root: nn.Module, guard: Guard, state: HookState, boundary: Boundary) -> None:
+        self.root = root
+        self.guard = guard
+        self.state = state
+        self.boundary = boundary
+        self.left = 0
+        self.held: Held | None = None
+        self._names = {module: name for name, module in root.named_modules()}
+
+    def install(self, budget: int) -> None:
+        """Hold each micro-step from now on (after nand's own hooks: see ``held``)."""
+        self.left = budget
+        if budget > 0:
+            param = next(iter(self.root.parameters()), None)
+            device = param.device if param is not None else torch.device("cpu")
+            self.held = Held(self.root, device, lambda: self.boundary.reads)
+
+    def remove(self) -> None:
+        if self.held is not None:
+            self.held.remove()
+
+    def explain(self, event: Event, lagged: bool) -> None:
+        """Replay ``event``'s micro-step; fill its replay fields and message."""
+        if self.held is None:
+            return
+        try:
+            why_not = self._why_not(event, lagged)
+            if why_not:
+                event.replay = why_not
+            else:
+                self.left -= 1
+                self._replay(event)
+        except Exception as exc:  # nand's own error: said, not raised
+            log.warning("nand: the replay of step %d failed: %r", event.step, exc)
+            event.replay = f"replay failed: {type(exc).__name__}: {exc}"[:300]
+        words = replay_words(event)
+        if words:
+            event.message = f"{event.message}; {words}"
+
+    def _why_not(self, event: Event, lagged: bool) -> str:
+        assert self.held is not None
+        if event.phase in NOT_REPLAYED or event.cause in NOT_REPLAYED:
+            return NOT_REPLAYED.get(event.phase) or NOT_REPLAYED[event.cause]
+        if lagged:
+            return "not replayed: read one step late (read='deferred'), after the update"
+        if self.boundary.params_gathered or any(map(params_are_gathered, self.root.modules())):
+            return "not replayed: FSDP shards the parameters (a replay would need the other ranks)"
+        if self.state.external_batches:
+            return "not replayed: micro-steps are marked by new_batch, not by calls of the model"
+        if self.left <= 0:
+            return "not replayed: this run's replays (NAND_REPLAYS) are spent"
+        if event.micro_step >= len(self.held.steps):
+            return (
+                f"not replayed: the inputs of micro-step {event.micro_step} were not held "
+                f"(the model ran compiled or outside its root module, or after {MAX_HELD} calls)"
+            )
+        if event.phase in GRADIENT_PHASES and not self.held.steps[event.micro_step].grads:
+            return "not replayed: no gradient reached the model's outputs"
+        return ""
+
+    def _replay(self, event: Event) -> None:
+        assert self.held is not None
+        held = self.held.steps[event.micro_step]
+        backward = event.phase in GRADIENT_PHASES
+        was_off, self.guard.off, self.held.paused = self.guard.off, True, True
+        try:
+            replayed = replay(self.root, held, self._names, self.held.device, backward)
+        except Exception as exc:  # the user's code raised, run again: said in the event
+            event.replay = f"replay raised {type(exc).__name__}: {exc}"[:300]
+            return
+        finally:
+            self.guard.off, self.held.paused = was_off, False
+        what = "forward and backward" if replayed.backward else "forward"
+        event.replay = f"replayed the {what} of micro-step {event.micro_step}"
+        chosen, event.reproduced = conclude(event, replayed)
+        if chosen is not None:
+            event.op, event.source = chosen.op, chosen.source
+            if chosen.kind != "produced":
+                event.replay += "; no op made it from finite values: its input came from outside"
+
+
+def conclude(event: Event, replayed: Replayed) -> tuple[OpRecord | None, bool]:
+    """The op to name and whether the replay reproduced the value (see the module)."""
+    if event.phase == "input":
+        return None, not replayed.inputs_finite
+    phase = "forward" if event.phase == "forward" else "backward"
+    scope = [
+        r
+        for r in replayed.records
+        if r.phase == phase and r.kind != "constant" and (phase == "backward" or _within(r, event))
+    ]
+    produced = [r for r in scope if r.kind == "produced"]
+    chosen = produced[0] if produced else (scope[0] if scope else None)
+    return chosen, bool(scope)
+
+
+def _within(record: OpRecord, event: Event) -> bool:
+    name, module = record.module, event.module
+    return name is not None and (not module or name == module or name.startswith(module + "."))

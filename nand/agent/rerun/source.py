@@ -1,0 +1,99 @@
+"""The user's source line of an aten op: ``path:line``.
+
+Forward ops: the Python stack at the op, innermost first. Backward ops run
+from the autograd engine, whose Python stack leads back to the replay, not
+to the model; a backward node created under anomaly mode carries the stack
+of the forward line that created it (``node.metadata["traceback_"]``, a list
+of ``traceback.format_list`` entries, outermost first), and that is the line
+given for it. A custom ``autograd.Function`` whose ``backward`` is user code
+has that code on the stack: it wins.
+
+"The user's" line: the innermost frame that is not torch's, not the standard
+library's and not this dispatch mode's. The walk stops at any other frame of
+nand: what lies beyond is the replay itself and the training loop that
+called ``optimizer.step()``, not the code that made the value.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import sysconfig
+from types import FrameType
+from typing import Any
+
+import torch
+from torch import nn
+
+import nand
+
+#: torch's files and the standard library's (as ``os`` sees it and as sysconfig does)
+_SKIPPED = (
+    os.path.dirname(torch.__file__) + os.sep,
+    os.path.dirname(os.__file__) + os.sep,
+    sysconfig.get_paths()["stdlib"] + os.sep,
+)
+_NAND = os.path.dirname(nand.__file__) + os.sep
+_TRACE_ENTRY = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+)')
+_CALL_IMPL = nn.Module._call_impl.__code__
+
+
+def _where(filename: str) -> bool | None:
+    """True: the user's file; False: skip it; None: nand's, stop here."""
+    if filename.startswith(_NAND):
+        return None
+    return not (filename.startswith("<") or filename.startswith(_SKIPPED))
+
+
+def stack_source(frame: FrameType | None, own_file: str) -> str:
+    """The user's innermost line on the live stack from ``frame`` outwards
+    (frames of ``own_file``, the dispatch mode's, are passed over). Without
+    one (an op inside torch's own ``nn.Linear``, called by the replay), the
+    innermost ``forward`` of torch's on the way: the module's code."""
+    inside = ""
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if filename != own_file:
+            user = _where(filename)
+            if user is None:
+                return inside
+            if user:
+                return f"{filename}:{frame.f_lineno}"
+            if not inside and frame.f_code.co_name == "forward":
+                inside = f"{filename}:{frame.f_lineno}"
+        frame = frame.f_back
+    return inside
+
+
+def traceback_source(node: torch.autograd.graph.Node | None) -> str:
+    """The user's forward line that created backward ``node`` (anomaly mode
+    must have been on when it was created; otherwise "")."""
+    if node is None:
+        return ""
+    metadata: dict[str, Any] = node.metadata  # type: ignore[assignment]  # (a dict, not a method)
+    entries = metadata.get("traceback_") or ()
+    for entry in reversed(entries):
+        found = _TRACE_ENTRY.search(entry)
+        if found is None:
+            continue
+        user = _where(found["file"])
+        if user is None:
+            return ""
+        if user:
+            return f"{found['file']}:{found['line']}"
+    return ""
+
+
+def innermost_module(frame: FrameType | None) -> nn.Module | None:
+    """The module whose call is running at ``frame`` (its ``_call_impl`` frame)."""
+    while frame is not None:
+        if frame.f_code is _CALL_IMPL:
+            module = frame.f_locals.get("self")
+            return module if isinstance(module, nn.Module) else None
+        frame = frame.f_back
+    return None
+
+
+def caller(depth: int) -> FrameType | None:
+    return sys._getframe(depth + 1)

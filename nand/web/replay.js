@@ -1,0 +1,15 @@
+// What the replay of the bad step found (nand.agent.rerun): the aten op and
+// the user's line that made the value, and whether the replay made it again.
+// Plain text: it goes into the page through el() (textContent).
+
+/** "aten::log at train.py:42", or "" when the replay named no op. */
+export function replayOp(e) {
+  return e.op ? `${e.op} at ${e.source || "an unknown line"}` : "";
+}
+
+/** The replay's answer in words: reproduced or not, or why there was none. */
+export function replayAnswer(e) {
+  if (e.reproduced === true) return "reproduced by the replay: look at the batch, the layer";
+  if (e.reproduced === false) return "not reproduced by the replay: suspect the device (a transient fault)";
+  return e.replay || "not replayed";
+}
