@@ -101,7 +101,7 @@ def agent(
     lost = {k: v for k, v in sink.dropped().items() if not (args["dropped"] and k == "queue_full")}
     if args["dropped"] and sink.dropped().get("queue_full", 0) > 1:
         lost["queue_full"] = sink.dropped()["queue_full"] - 1
-    out.put((rank, sink.stats()["submitted"], flushed, lost))
+    out.put((rank, sink.stats()["submitted"], flushed, lost, time.process_time()))
 
 
 def stored(engine: Any, run: str) -> int:
@@ -146,6 +146,8 @@ def drive(endpoint: str, db_url: str, opts: argparse.Namespace, seconds: float, 
         "stored": final,
         "all_acked": all(r[2] for r in results),
         "dropped": {r[0]: r[3] for r in results if r[3]},
+        # The agents' own CPU (training thread and sender) per message they sent.
+        "agent_us": 1e6 * sum(r[4] for r in results) / max(submitted, 1),
     }
 
 
@@ -155,7 +157,8 @@ def report(title: str, result: dict) -> None:
         f"{title}: {result['msg_per_s']:,.0f} msg/s stored, server CPU {result['cpu_us']:.1f} "
         f"us/msg (~{1e6 / result['cpu_us']:,.0f} msg/s per core); submitted "
         f"{result['submitted']:,}, stored {result['stored']:,}, lost {lost}, every message "
-        f"acked: {result['all_acked']}, dropped by the agents: {result['dropped'] or 'none'}"
+        f"acked: {result['all_acked']}, dropped by the agents: {result['dropped'] or 'none'}; "
+        f"agents' CPU {result['agent_us']:.1f} us/msg"
     )
 
 
