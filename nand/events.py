@@ -18,6 +18,7 @@ True
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import time
@@ -249,7 +250,7 @@ class StepSummary:
         out = dict(self.__dict__)
         norms = self.local_grad_norms
         if norms is not None:
-            out["local_grad_norms"] = type(norms)(type(pair)(pair) for pair in norms)
+            out["local_grad_norms"] = type(norms)(copy.copy(pair) for pair in norms)
         return out
 
     @classmethod
