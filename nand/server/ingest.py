@@ -31,7 +31,7 @@ from sqlalchemy import Engine, text
 from nand import wire
 from nand.errors import WireError
 from nand.runids import run_problem
-from nand.server import announce, gate
+from nand.server import announce, gate, losses
 from nand.server.admission import Admission
 from nand.server.commander import Commander
 from nand.server.metrics import Metrics
@@ -79,6 +79,8 @@ class Ingest:
             engine, settings.token, self._still_connected, settings.max_agents_cached
         )
         self._refusals = announce.Refusals()
+        #: Loss counts committed here: heartbeats repeating them write nothing.
+        self._drops = losses.Committed()
         self._sock: zmq.Socket | None = None
         self.commander = Commander(engine, settings, metrics, self._reply)
 
@@ -244,7 +246,7 @@ class Ingest:
         messages = [m for _, m in accepted]
         started = time.time()
         try:
-            result = write_batch(self.engine, messages, started, *self._rules())
+            result = write_batch(self.engine, messages, started, *self._rules(), drops=self._drops)
         except Exception:
             self.metrics.write_error()
             if not self._database_answers():

@@ -10,9 +10,15 @@ forked worker, a restarted process), each counting from 0, so the rank's
 losses (``ranks.dropped``, what the REST API and the dashboard show) are the
 sum over its agents, recomputed for the ranks a batch touched.
 
+A heartbeat mostly repeats the counts its agent sent before. The ingest
+loop remembers the counts it committed (:class:`Committed`) and writes
+nothing for a count it already has: a batch of such heartbeats costs no
+statement. The memory is forgotten every :data:`REFRESH_S` seconds, so each
+count is written again at least that often.
+
 With several servers on one database, two batches for agents of the same rank
 may each recompute the sum without the other's rows; the next heartbeat of
-either agent puts it right (they come every ``NAND_HEARTBEAT_S``).
+either agent written after the refresh puts it right.
 
 >>> total({"spool_full": 1000, "rejected": 204})
 1204
@@ -22,6 +28,7 @@ either agent puts it right (they come every ``NAND_HEARTBEAT_S``).
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -38,18 +45,58 @@ from nand.server.models import Drop, Rank
 OTHER = "other"
 
 
+#: Seconds after which the committed counts are forgotten (and written again).
+REFRESH_S = 5.0
+#: Most (agent, reason) counts remembered between refreshes.
+MAX_REMEMBERED = 100_000
+
+Key = tuple[str, str, int]  # agent, reason, run id
+
+
+class Committed:
+    """The largest count per (agent, reason, run) that this server has committed.
+
+    Only a shortcut: the database has each of these counts (or a larger one,
+    from another server), so a heartbeat repeating one changes nothing there.
+    """
+
+    def __init__(self) -> None:
+        self.counts: dict[Key, int] = {}
+        self._since = time.monotonic()
+
+    def has(self, key: Key, count: int) -> bool:
+        return self.counts.get(key, -1) >= count
+
+    def add(self, rows: Iterable[dict[str, Any]]) -> None:
+        """Remember ``rows`` (drop rows :func:`store` wrote) once they are committed."""
+        now = time.monotonic()
+        if now - self._since > REFRESH_S or len(self.counts) > MAX_REMEMBERED:
+            self.counts.clear()
+            self._since = now
+        for row in rows:
+            key = (row["agent"], row["reason"], row["run_id"])
+            self.counts[key] = max(self.counts.get(key, 0), row["count"])
+
+
 def store(
     conn: Connection,
     beats: Iterable[dict[str, Any]],
     run_ids: RunIds,
     rank_ids: Mapping[tuple[int, int], int],
-) -> None:
+    committed: Committed | None = None,
+) -> list[dict[str, Any]]:
     """Keep the largest count per (agent, reason) of ``beats`` (validated
-    heartbeats), then recompute ``ranks.dropped`` of the ranks they came from."""
+    heartbeats), then recompute ``ranks.dropped`` of the ranks they came from;
+    counts ``committed`` already has are left out. The rows written."""
     latest: dict[tuple[str, str], dict[str, Any]] = {}
     for beat in beats:
+        dropped = beat["body"].get("dropped")
+        if not dropped:
+            continue
         run_id = run_ids.of(beat)
-        for reason, count in (beat["body"].get("dropped") or {}).items():
+        for reason, count in dropped.items():
+            if committed is not None and committed.has((beat["agent"], reason, run_id), count):
+                continue
             row = latest.setdefault(
                 (beat["agent"], reason),
                 {"agent": beat["agent"], "reason": reason, "run_id": run_id, "count": 0},
@@ -57,14 +104,16 @@ def store(
             row["rank"] = beat["rank"]
             row["count"] = max(row["count"], count)
     if not latest:
-        return
-    conn.execute(_upsert(conn), list(latest.values()))
-    keys = {(row["run_id"], row["rank"]) for row in latest.values()}
+        return []
+    rows = list(latest.values())
+    conn.execute(_upsert(conn), rows)
+    keys = {(row["run_id"], row["rank"]) for row in rows}
     sums = _sums(conn, keys)
     conn.execute(
         _RANK_DROPPED,
         [{"rid": rank_ids[key], "d": sums.get(key) or None} for key in sorted(keys)],
     )
+    return rows
 
 
 def _upsert(conn: Connection) -> Any:

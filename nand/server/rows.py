@@ -49,30 +49,42 @@ def run_info(body: dict[str, Any]) -> dict[str, Any]:
     return info
 
 
-def heartbeat_row(message: dict[str, Any], run_ids: RunIds) -> dict[str, Any]:
+#: The ``heartbeats`` columns :func:`heartbeat_values` fills, in its order.
+HEARTBEAT_COLUMNS = (
+    "run_id", "rank", "time", "step", "loss", "grad_norm", "steps_per_s", "max_activation",
+)  # fmt: skip
+
+
+def heartbeat_values(message: dict[str, Any], run_id: int) -> tuple[Any, ...]:
+    """A heartbeat's row as a tuple in :data:`HEARTBEAT_COLUMNS` order (one per
+    heartbeat: no dict is built for it)."""
     body = message["body"]
-    return {
-        "run_id": run_ids.of(message),
-        "rank": message["rank"],
-        "time": message["time"],
-        "step": body["step"],
-        "loss": finite(body.get("loss")),
-        "grad_norm": finite(body.get("grad_norm")),
-        "steps_per_s": finite(body.get("steps_per_s")),
-        "max_activation": finite(body.get("max_activation")),
-    }
+    return (
+        run_id,
+        message["rank"],
+        message["time"],
+        body["step"],
+        finite(body.get("loss")),
+        finite(body.get("grad_norm")),
+        finite(body.get("steps_per_s")),
+        finite(body.get("max_activation")),
+    )
 
 
-def progress_params(rank_id: int, row: dict[str, Any], now: float) -> dict[str, Any]:
-    skipped = row["amp_skipped"]
+def progress_params(
+    rank_id: int, row: tuple[Any, ...], message: dict[str, Any], now: float
+) -> dict[str, Any]:
+    """The rank's progress from its latest heartbeat (``row``: its values)."""
+    _, _, _, step, loss, grad_norm, steps_per_s, max_activation = row
+    skipped = message["body"].get("amp_skipped")
     return {
         "rid": rank_id,
         "now": now,
-        "hb_step": row["step"],
-        "hb_sps": row["steps_per_s"],
-        "hb_loss": row["loss"],
-        "hb_gn": row["grad_norm"],
-        "hb_act": row["max_activation"],
+        "hb_step": step,
+        "hb_sps": steps_per_s,
+        "hb_loss": loss,
+        "hb_gn": grad_norm,
+        "hb_act": max_activation,
         "hb_amp": skipped if isinstance(skipped, int) and not isinstance(skipped, bool) else 0,
     }
 

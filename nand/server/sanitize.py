@@ -100,6 +100,6 @@ def out_of_range(message: dict[str, Any]) -> str | None:
 def _check(obj: dict[str, Any], limits: dict[str, int]) -> str | None:
     for key, limit in limits.items():
         value = obj.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and not -limit <= value <= limit:
+        if type(value) is int and not -limit <= value <= limit:  # (bool is no int here)
             return key
     return None

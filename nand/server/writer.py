@@ -61,19 +61,22 @@ def write_batch(
     now: float,
     lost_after_s: float = Settings.lost_after_s,
     grad_outlier_factor: float = Settings.grad_outlier_factor,
+    drops: losses.Committed | None = None,
 ) -> BatchResult:
     """Store ``messages`` (decoded and validated) and commit; see the module doc.
 
     ``lost_after_s``: how long a silent rank counts as alive, which decides
     whether a rerun without a launch identity is a new attempt.
     ``grad_outlier_factor``: see ``outliers.standing_out``.
+    ``drops``: the loss counts committed before (the ingest loop's), so that
+    heartbeats repeating them write nothing; told the new ones after the commit.
     """
     try:
-        return _write_batch(engine, messages, now, lost_after_s, grad_outlier_factor)
+        return _write_batch(engine, messages, now, lost_after_s, grad_outlier_factor, drops)
     except IntegrityError:
         # Another server committed one of these messages between our lookup and
         # our insert: a second pass sees it and skips it.
-        return _write_batch(engine, messages, now, lost_after_s, grad_outlier_factor)
+        return _write_batch(engine, messages, now, lost_after_s, grad_outlier_factor, drops)
 
 
 def _write_batch(
@@ -82,6 +85,7 @@ def _write_batch(
     now: float,
     lost_after_s: float,
     grad_outlier_factor: float,
+    drops: losses.Committed | None,
 ) -> BatchResult:
     unique: dict[Key, dict[str, Any]] = {}
     for message in messages:
@@ -93,11 +97,14 @@ def _write_batch(
         fresh = _claim(conn, unique, run_ids)
         result.duplicates = len(messages) - len(fresh)
         result.stored = len(fresh)
+        written: list[dict[str, Any]] = []
         if fresh:
-            _store(conn, fresh, run_ids, now, grad_outlier_factor)
+            written = _store(conn, fresh, run_ids, now, grad_outlier_factor, drops)
             result.events = sum(1 for m in fresh if m["kind"] == "event")
             result.runs = {m["run"] for m in fresh}
             result.kinds = Counter(m["kind"] for m in fresh)
+    if drops is not None:
+        drops.add(written)  # committed now
     return result
 
 
@@ -139,10 +146,10 @@ def _claim(
                 )
             )
             seen.update((agent, seq) for (seq,) in found)
-    fresh = [m for key, m in unique.items() if key not in seen]
+    fresh = [m for key, m in unique.items() if key not in seen] if seen else list(unique.values())
     if fresh:
-        rows = [{"agent": m["agent"], "seq": m["seq"], "run_id": run_ids.of(m)} for m in fresh]
-        _bulk_insert(conn, Message, rows)
+        rows = [(m["agent"], m["seq"], run_ids.of(m)) for m in fresh]
+        insert_rows(conn, Message, ("agent", "seq", "run_id"), rows)
     return fresh
 
 
@@ -152,19 +159,21 @@ _HIGHEST = select(func.max(Message.seq)).where(Message.agent == bindparam("agent
 _CHUNK = 500
 
 
-def _bulk_insert(conn: Connection, table: Any, rows: list[dict[str, Any]]) -> None:
-    """A fast executemany: on SQLite straight to the driver (no per-row
-    SQLAlchemy parameter processing: the columns here need none); elsewhere
+def insert_rows(
+    conn: Connection, table: Any, columns: tuple[str, ...], rows: list[tuple[Any, ...]]
+) -> None:
+    """A fast executemany of ``rows`` (tuples in the order of ``columns``): on
+    SQLite straight to the driver (no per-row SQLAlchemy parameter processing:
+    the columns here need none, and no dict is built per row); elsewhere
     SQLAlchemy's batched multi-row INSERT."""
     if conn.dialect.name != "sqlite":
-        conn.execute(insert(table), rows)
+        conn.execute(insert(table), [dict(zip(columns, row, strict=True)) for row in rows])
         return
-    columns = list(rows[0])
     sql = (
         f"INSERT INTO {table.__tablename__} ({', '.join(columns)}) "
         f"VALUES ({', '.join('?' for _ in columns)})"
     )
-    conn.exec_driver_sql(sql, [tuple(row[c] for c in columns) for row in rows])
+    conn.exec_driver_sql(sql, rows)
 
 
 def _store(
@@ -173,14 +182,16 @@ def _store(
     run_ids: RunIds,
     now: float,
     grad_outlier_factor: float,
-) -> int:
+    drops: losses.Committed | None,
+) -> list[dict[str, Any]]:
+    """Everything but the dedup keys; the drop rows written (``losses.store``)."""
     by_kind: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for message in fresh:
         by_kind[message["kind"]].append(message)
     rank_ids = _ensure_ranks(conn, fresh, run_ids, now)
     _store_hellos(conn, by_kind["hello"], run_ids, rank_ids)
     _store_heartbeats(conn, by_kind["heartbeat"], run_ids, rank_ids, now)
-    losses.store(conn, by_kind["heartbeat"], run_ids, rank_ids)
+    written = losses.store(conn, by_kind["heartbeat"], run_ids, rank_ids, drops)
     _store_events(conn, by_kind["event"], run_ids, rank_ids)
     _store_flights(conn, by_kind["flight"], run_ids)
     alerts.store(conn, by_kind["warning"], run_ids)
@@ -190,7 +201,7 @@ def _store(
     # which a hello in this very batch may have just set.
     replicas.store(conn, by_kind["fingerprint"], run_ids)
     outliers.store(conn, by_kind["heartbeat"], run_ids, grad_outlier_factor)
-    return len(by_kind["event"])
+    return written
 
 
 def _rank_key(message: dict[str, Any], run_ids: RunIds) -> tuple[int, int]:
@@ -261,14 +272,20 @@ def _store_heartbeats(
 ) -> None:
     if not beats:
         return
-    rows = [build.heartbeat_row(m, run_ids) for m in beats]
-    _bulk_insert(conn, Heartbeat, rows)
-    latest: dict[int, dict[str, Any]] = {}
-    for message, row in zip(beats, rows, strict=True):
-        rank_id = rank_ids[_rank_key(message, run_ids)]
-        if rank_id not in latest or latest[rank_id]["step"] <= row["step"]:
-            latest[rank_id] = {**row, "amp_skipped": message["body"].get("amp_skipped")}
-    conn.execute(_RANK_PROGRESS, [build.progress_params(r, row, now) for r, row in latest.items()])
+    rows = [build.heartbeat_values(m, run_ids.of(m)) for m in beats]
+    insert_rows(conn, Heartbeat, build.HEARTBEAT_COLUMNS, rows)
+    # Each rank's progress is its heartbeat with the highest step (the last of
+    # equals): one row a rank, picked before any dict is built.
+    latest: dict[int, int] = {}
+    step = build.HEARTBEAT_COLUMNS.index("step")
+    for i, row in enumerate(rows):
+        rank_id = rank_ids[(row[0], row[1])]
+        if rank_id not in latest or rows[latest[rank_id]][step] <= row[step]:
+            latest[rank_id] = i
+    conn.execute(
+        _RANK_PROGRESS,
+        [build.progress_params(r, rows[i], beats[i], now) for r, i in latest.items()],
+    )
 
 
 _RANK_PROGRESS = (

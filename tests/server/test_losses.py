@@ -154,3 +154,53 @@ def test_the_vocabulary_has_every_reason_the_agent_transport_counts() -> None:
         counted |= set(re.findall(r"\b(?:count_)?drop\(\s*\"([a-z_]+)\"", path.read_text()))
     assert counted, "no reasons found: the pattern no longer matches the transport"
     assert counted <= set(DROP_REASONS), counted - set(DROP_REASONS)
+
+
+def _beat(agent: str, seq: int, step: int, dropped: dict[str, int]) -> dict:
+    from nand import wire
+
+    body = {"step": step, "dropped": dropped}
+    message = wire.agent_message("heartbeat", agent=agent, seq=seq, run="memo", rank=0, body=body)
+    return wire.decode(wire.encode(message))
+
+
+def test_heartbeats_repeating_committed_counts_write_no_drop_rows(sqlite_url, monkeypatch) -> None:
+    """The ingest loop remembers the counts it committed (losses.Committed): a
+    batch repeating them runs no statement on drops; a larger count, a new
+    reason or the periodic refresh writes again, and the sums stay right."""
+    import time
+
+    from sqlalchemy import event
+
+    from nand.server import losses
+    from nand.server.db import make_engine
+    from nand.server.migrate import upgrade
+    from nand.server.models import Rank
+    from nand.server.writer import write_batch
+
+    engine = make_engine(sqlite_url)
+    upgrade(engine)
+    statements: list[str] = []
+    event.listen(engine, "before_cursor_execute", lambda *a: statements.append(a[2]))
+    committed = losses.Committed()
+
+    def write(seq: int, dropped: dict[str, int]) -> int:
+        statements.clear()
+        write_batch(engine, [_beat("a1", seq, seq, dropped)], time.time(), drops=committed)
+        return sum("drops" in s for s in statements)
+
+    def dropped() -> dict:
+        with engine.connect() as conn:
+            return conn.execute(Rank.__table__.select()).one()._mapping["dropped"]
+
+    assert write(1, {"queue_full": 3}) > 0
+    assert write(2, {"queue_full": 3}) == 0  # the same count: nothing written
+    assert write(3, {"queue_full": 2}) == 0  # a late, smaller one: nothing either
+    assert dropped() == {"queue_full": 3}
+    assert write(4, {"queue_full": 5, "spool_full": 1}) > 0
+    assert dropped() == {"queue_full": 5, "spool_full": 1}
+    monkeypatch.setattr(losses, "REFRESH_S", 0.0)  # past the refresh: written again
+    write(5, {"queue_full": 5, "spool_full": 1})
+    assert write(6, {"queue_full": 5, "spool_full": 1}) > 0
+    assert dropped() == {"queue_full": 5, "spool_full": 1}
+    engine.dispose()

@@ -92,7 +92,7 @@ class Outbox:
         """A new frame: queued for sending, or spooled behind what is spooled."""
         if self.mode == "spool":
             self._append_to_spool(frame)
-        elif self.memory_frames >= self.settings.queue_max:
+        elif self._maybe_full() and self.memory_frames >= self.settings.queue_max:
             # Checked before each frame, not after: a whole batch (up to the
             # mailbox's size) must not sit in memory beyond the bound, not
             # even for the moment before it is spooled.
@@ -100,6 +100,11 @@ class Outbox:
             self._append_to_spool(frame)
         else:
             self.queue.append(frame)
+
+    def _maybe_full(self) -> bool:
+        """Whether memory may hold ``queue_max`` frames: an O(1) bound first, so
+        that the exact count (a pass over the window) is taken only near it."""
+        return len(self.queue) + len(self.inflight) >= self.settings.queue_max
 
     def to_spool(self, resend: bool = True) -> None:
         """Move everything unacknowledged that is only in memory to the spool.
