@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from nand.events import Event, FlightWindow, StepSummary
+from nand.events import Alert, Event, FlightWindow, StepSummary
 
 
 class Sink(Protocol):
@@ -42,3 +42,34 @@ class Sink(Protocol):
 
     def close(self, timeout: float) -> None:
         """Flush within ``timeout`` seconds and release resources."""
+
+
+class LocalSink:
+    """A sink for this process only (the log, a file, the user's callables):
+    no per-step calls, no commands; each subclass overrides what it records."""
+
+    per_step = False
+
+    def hello(self, info: dict[str, Any]) -> None:
+        pass
+
+    def event(self, event: Event, flight: FlightWindow | None) -> None:
+        pass
+
+    def alert(self, alert: Alert) -> None:
+        pass
+
+    def heartbeat(self, summary: StepSummary) -> None:
+        pass
+
+    def flight(self, flight: FlightWindow, reason: str) -> None:
+        pass
+
+    def commands(self) -> list[dict[str, Any]]:
+        return []
+
+    def bye(self, step: int, reason: str) -> None:
+        pass
+
+    def close(self, timeout: float) -> None:
+        pass

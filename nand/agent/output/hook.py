@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from typing import Any
 
+from nand.agent.sink import LocalSink
 from nand.errors import ConfigError
-from nand.events import Alert, Event, FlightWindow, StepSummary
+from nand.events import Alert, Event, FlightWindow
 
 log = logging.getLogger("nand")
 
@@ -31,10 +31,9 @@ Report = Event | Alert
 OnEvent = Callable[[Report], object]
 
 
-class EventHook:
-    """Calls the user's callables with every incident and early warning."""
-
-    per_step = False  # heartbeats and commands are not theirs
+class EventHook(LocalSink):
+    """Calls the user's callables with every incident and early warning
+    (heartbeats and commands are not theirs)."""
 
     def __init__(self, callables: list[OnEvent]) -> None:
         self.callables = callables
@@ -78,21 +77,3 @@ class EventHook:
             type(exc).__name__,
             exc_info=exc,
         )
-
-    def hello(self, info: dict[str, Any]) -> None:
-        pass
-
-    def heartbeat(self, summary: StepSummary) -> None:
-        pass
-
-    def flight(self, flight: FlightWindow, reason: str) -> None:
-        pass
-
-    def commands(self) -> list[dict[str, Any]]:
-        return []
-
-    def bye(self, step: int, reason: str) -> None:
-        pass
-
-    def close(self, timeout: float) -> None:
-        pass

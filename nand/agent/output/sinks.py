@@ -15,18 +15,17 @@ import queue
 import threading
 from typing import Any
 
+from nand.agent.sink import LocalSink
 from nand.config import TransportConfig
-from nand.events import Alert, Event, FlightWindow, StepSummary, finite_or_none
+from nand.events import Alert, Event, FlightWindow, finite_or_none
 
 log = logging.getLogger("nand")
 
 _FLOAT_FIELDS = ("min", "max", "max_abs")
 
 
-class LogSink:
+class LogSink(LocalSink):
     """Logs incidents through the ``nand`` logger (WARNING) and nothing else."""
-
-    per_step = False
 
     def hello(self, info: dict[str, Any]) -> None:
         log.debug("nand: watching %d modules on rank %s", len(info["modules"]), info["rank"])
@@ -37,21 +36,6 @@ class LogSink:
     def alert(self, alert: Alert) -> None:
         log.warning("nand: rank %d: %s", alert.rank, alert.message)
 
-    def heartbeat(self, summary: StepSummary) -> None:
-        pass
-
-    def flight(self, flight: FlightWindow, reason: str) -> None:
-        pass
-
-    def commands(self) -> list[dict[str, Any]]:
-        return []
-
-    def bye(self, step: int, reason: str) -> None:
-        pass
-
-    def close(self, timeout: float) -> None:
-        pass
-
 
 def event_json(event: Event) -> dict[str, Any]:
     """The event as a JSON-safe dict (NaN/inf figures become null)."""
@@ -61,14 +45,12 @@ def event_json(event: Event) -> dict[str, Any]:
     return data
 
 
-class JsonlSink:
+class JsonlSink(LocalSink):
     """Appends one JSON object per line: events, and hello/bye records.
 
     ``path`` may contain ``{rank}``. Lines look like
     ``{"type": "event", "event": {...}, "flight": {...} | null}``.
     """
-
-    per_step = False
 
     def __init__(self, path: str, rank: int = 0) -> None:
         self.path = path.replace("{rank}", str(rank))
@@ -84,17 +66,11 @@ class JsonlSink:
         record["flight"] = flight.to_dict() if flight is not None else None
         self._queue.put(record)
 
-    def heartbeat(self, summary: StepSummary) -> None:
-        pass
-
     def alert(self, alert: Alert) -> None:
         self._queue.put({"type": "warning", "warning": alert.to_dict()})
 
     def flight(self, flight: FlightWindow, reason: str) -> None:
         self._queue.put({"type": "flight", "reason": reason, "flight": flight.to_dict()})
-
-    def commands(self) -> list[dict[str, Any]]:
-        return []
 
     def bye(self, step: int, reason: str) -> None:
         self._queue.put({"type": "bye", "step": step, "reason": reason})
