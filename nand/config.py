@@ -72,6 +72,15 @@ NAND_MAX_EVENTS = "NAND_MAX_EVENTS"
 """Events kept in memory per rank (``watch.events``); the first is always kept.
 Default 1000."""
 
+NAND_MODE = "NAND_MODE"
+"""What is checked on every step. ``full`` (the default): a probe on every
+module output and activation gradient. ``light`` (opt-in for now): only what
+the step already has (the root's inputs and outputs, the loss, one
+multi-tensor check of the gradients, the GradScaler's ``found_inf``, DDP's
+bucket check, parameters and optimizer state); on a hit the micro-step is
+replayed with the probes on (``nand.agent.detect.tiers``). See the README's
+"Light mode"."""
+
 NAND_REPLAYS = "NAND_REPLAYS"
 """Replays per run and rank: a new incident's step is run again in process to
 name the aten op and the source line that made the value, and whether it
@@ -300,6 +309,8 @@ POLICIES: tuple[Policy, ...] = get_args(Policy)
 WarningPolicy = Literal["log", "raise", "skip"]
 WARNING_POLICIES: tuple[WarningPolicy, ...] = get_args(WarningPolicy)
 Read = Literal["auto", "sync", "deferred"]
+Mode = Literal["full", "light"]
+MODES: tuple[Mode, ...] = get_args(Mode)
 READS: tuple[Read, ...] = get_args(Read)
 
 
@@ -311,6 +322,7 @@ class AgentConfig:
     on_nonfinite: Policy = "warn"
     on_warning: WarningPolicy = "log"
     read: Read = "auto"
+    mode: Mode = "full"
     disabled: bool = False
     server: str | None = None
     run: str | None = None
@@ -341,6 +353,7 @@ class AgentConfig:
             "on_nonfinite": get_str(NAND_ON_NONFINITE, cls.on_nonfinite),
             "on_warning": get_str(NAND_ON_WARNING, cls.on_warning),
             "read": get_str(NAND_READ, cls.read),
+            "mode": get_str(NAND_MODE, cls.mode),
             "disabled": get_bool(NAND_DISABLE, cls.disabled),
             "server": get_str(NAND_SERVER),
             "run": get_str(NAND_RUN),
@@ -381,6 +394,8 @@ class AgentConfig:
             )
         if self.read not in READS:
             raise ConfigError(f"read={self.read!r}: use one of {', '.join(READS)}")
+        if self.mode not in MODES:
+            raise ConfigError(f"mode={self.mode!r}: use one of {', '.join(MODES)}")
         if self.read == "deferred" and self.on_nonfinite in ("raise", "stop"):
             raise ConfigError(
                 f"read='deferred' with on_nonfinite={self.on_nonfinite!r}: the decision to "
