@@ -73,13 +73,8 @@ NAND_MAX_EVENTS = "NAND_MAX_EVENTS"
 Default 1000."""
 
 NAND_MODE = "NAND_MODE"
-"""What is checked on every step. ``full`` (the default): a probe on every
-module output and activation gradient. ``light`` (opt-in for now): only what
-the step already has (the root's inputs and outputs, the loss, one
-multi-tensor check of the gradients, the GradScaler's ``found_inf``, DDP's
-bucket check, parameters and optimizer state); on a hit the micro-step is
-replayed with the probes on (``nand.agent.detect.tiers``). See the README's
-"Light mode"."""
+"""``full`` (default): a probe on every module; ``light``: only the step's own
+figures, and a probed replay on a hit (``nand.agent.detect.tiers``; README)."""
 
 NAND_REPLAYS = "NAND_REPLAYS"
 """Replays per run and rank: a new incident's step is run again in process to
@@ -384,18 +379,10 @@ class AgentConfig:
     def __post_init__(self) -> None:
         """Raise :class:`ConfigError` naming the first value that makes no sense
         (here, so that no AgentConfig, however made, holds one)."""
-        if self.on_nonfinite not in POLICIES:
-            raise ConfigError(
-                f"on_nonfinite={self.on_nonfinite!r}: use one of {', '.join(POLICIES)}"
-            )
-        if self.on_warning not in WARNING_POLICIES:
-            raise ConfigError(
-                f"on_warning={self.on_warning!r}: use one of {', '.join(WARNING_POLICIES)}"
-            )
-        if self.read not in READS:
-            raise ConfigError(f"read={self.read!r}: use one of {', '.join(READS)}")
-        if self.mode not in MODES:
-            raise ConfigError(f"mode={self.mode!r}: use one of {', '.join(MODES)}")
+        choices = {"on_nonfinite": POLICIES, "on_warning": WARNING_POLICIES, "read": READS}
+        for name, allowed in {**choices, "mode": MODES}.items():
+            if (value := getattr(self, name)) not in allowed:
+                raise ConfigError(f"{name}={value!r}: use one of {', '.join(allowed)}")
         if self.read == "deferred" and self.on_nonfinite in ("raise", "stop"):
             raise ConfigError(
                 f"read='deferred' with on_nonfinite={self.on_nonfinite!r}: the decision to "

@@ -47,6 +47,11 @@ CHECKED = (
 )
 #: Said when the watch switches to the full mode.
 SWITCHED = "every module is probed from the next step on (mode='full')"
+#: Said instead when the model runs compiled: hooks added now are not seen.
+COMPILED = (
+    "the model runs compiled, and compiled code ignores hooks added after its first call: "
+    "watch it with mode='full' before compiling it for exact events"
+)
 
 
 class Tiers:
@@ -68,13 +73,14 @@ class Tiers:
         self.light = mode == "light" and not compiled
         self.hooks.install(self.root, self.infos, proxies=proxies, modules=not self.light)
 
-    def go_full(self, why: str) -> None:
-        """Hook every module from now on; said once in the log."""
-        if not self.light:
-            return
-        self.light = False
-        self.hooks.install_modules(self.root, self.infos, proxies=self._proxies)
-        log.warning("nand: %s; %s", why, SWITCHED)
+    def go_full(self, why: str) -> str:
+        """Hook every module from now on; said once in the log, and returned."""
+        said = COMPILED if self.compiled else SWITCHED
+        if self.light:
+            self.light = False
+            self.hooks.install_modules(self.root, self.infos, proxies=self._proxies)
+            log.warning("nand: %s; %s", why, said)
+        return said
 
     @property
     def compiled(self) -> bool:

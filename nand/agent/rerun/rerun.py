@@ -45,7 +45,7 @@ from torch import nn
 
 from nand.agent.detect.ddp import params_are_gathered
 from nand.agent.detect.state import HookState
-from nand.agent.detect.tiers import CHECKED, SWITCHED, Tiers
+from nand.agent.detect.tiers import CHECKED, Tiers
 from nand.agent.rerun.held import MAX_HELD, Held
 from nand.agent.rerun.light import make_exact, needs_probes, probed_finding
 from nand.agent.rerun.opwatch import OpRecord
@@ -116,8 +116,8 @@ class Rerun:
             log.warning("nand: the replay of step %d failed: %r", event.step, exc)
             event.replay = f"replay failed: {type(exc).__name__}: {exc}"[:300]
         if light and tiers is not None and not event.reproduced:  # not exact: said, then full
-            event.replay = f"{event.replay}; {CHECKED}; {SWITCHED}"
-            tiers.go_full(f"the incident at step {event.step} could not be made exact")
+            said = tiers.go_full(f"the incident at step {event.step} could not be made exact")
+            event.replay = f"{event.replay}; {CHECKED}; {said}"
         words = replay_words(event)
         if words:
             event.message = f"{event.message}; {words}"
@@ -163,7 +163,10 @@ class Rerun:
         if finding is not None:
             make_exact(event, finding, self.boundary)
         what = "forward and backward" if replayed.backward else "forward"
-        event.replay = f"replayed the {what} of micro-step {event.micro_step}"
+        which = f"micro-step {event.micro_step}"
+        if finding is None and len(micros) > 1:
+            which = f"micro-steps 0 to {len(micros) - 1}"
+        event.replay = f"replayed the {what} of {which}"
         if light and finding is None:  # the probes saw nothing: not where, nor whether
             event.replay += "; its probes found nothing non-finite"
             return
