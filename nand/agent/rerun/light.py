@@ -33,7 +33,11 @@ EXACT_FIELDS = (
 def needs_probes(event: Event) -> bool:
     """Whether a light event needs the probed replay to be exact: not the
     data, the loss's gradient, the update's values, nor a received value
-    (the same event as the full mode's)."""
+    (the same event as the full mode's). A gradient that reached the model's
+    output a second time in a micro-step (``call`` > 0: a gradient penalty's
+    second backward) went through the modules' backward first, unprobed."""
+    if event.phase == "loss":
+        return event.call > 0
     return event.phase in NEEDS_PROBES and event.cause != "received"
 
 
