@@ -180,7 +180,7 @@ class Watch:
         the batch (Lightning's ``training_step``, which may call a submodule):
         from the first call on, micro-steps are counted here, not at root calls.
         """
-        self._hooks.new_batch(self._infos[self._root], batch)
+        self._tiers.new_batch(batch)  # (light mode: every module probed from now on)
 
     def flight_window(self) -> FlightWindow:
         """The flight recorder: per-module telemetry of the last steps."""

@@ -131,3 +131,17 @@ def test_an_incident_light_mode_cannot_make_exact_switches_to_the_full_mode_for_
     assert "light mode checked" in first_event.replay
     assert "mode='full'" in first_event.replay
     assert [where(e) for e in later][:1] == [answer]
+
+
+@pytest.mark.parametrize("kind", ["forward", "backward"])
+def test_under_lightning_the_light_mode_probes_every_module_from_the_first_batch(kind, light):
+    """Lightning marks micro-steps with ``new_batch`` (its ``training_step``
+    calls the model's parts): no replay could repeat that, so the first batch
+    switches the watch to the full mode, and the first incident is exact."""
+    pytest.importorskip("lightning")
+    from tests.integrations.scenario import scenario
+    from tests.integrations.test_frameworks import run_lightning
+
+    s = scenario("gpt2", kind)
+    trained = run_lightning(s, 4)
+    assert trained.said() == s.answer

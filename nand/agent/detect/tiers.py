@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from torch import nn
 
@@ -46,7 +47,7 @@ CHECKED = (
     "(one multi-tensor pass) and the parameters, not each module"
 )
 #: Said when the watch switches to the full mode.
-SWITCHED = "every module is probed from the next step on (mode='full')"
+SWITCHED = "every module is probed from now on (mode='full')"
 #: Said instead when the model runs compiled: hooks added now are not seen.
 COMPILED = (
     "the model runs compiled, and compiled code ignores hooks added after its first call: "
@@ -81,6 +82,14 @@ class Tiers:
             self.hooks.install_modules(self.root, self.infos, proxies=self._proxies)
             log.warning("nand: %s; %s", why, said)
         return said
+
+    def new_batch(self, batch: Any) -> None:
+        """``Watch.new_batch``: micro-steps are marked by batches, not by calls
+        of the root (Lightning's ``training_step`` calls the model's parts):
+        no replay can be exact, so every module is probed from the first one."""
+        if self.light:
+            self.go_full("micro-steps are marked by new_batch, which no replay can repeat")
+        self.hooks.new_batch(self.infos[self.root], batch)
 
     @property
     def compiled(self) -> bool:
