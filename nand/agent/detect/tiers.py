@@ -41,17 +41,18 @@ from nand.agent.safety import Guard
 
 log = logging.getLogger("nand")
 
-#: What the light mode checked, said in an event it could not make exact.
+#: What the light mode checked, said in an event it could not make exact
+#: (short: the server keeps 300 characters of an event's ``replay``).
 CHECKED = (
-    "light mode checked the root's inputs and outputs, the loss, the gradients "
-    "(one multi-tensor pass) and the parameters, not each module"
+    "light mode checked the root's inputs and outputs, the loss, the gradients and the "
+    "parameters, not each module"
 )
 #: Said when the watch switches to the full mode.
 SWITCHED = "every module is probed from now on (mode='full')"
 #: Said instead when the model runs compiled: hooks added now are not seen.
 COMPILED = (
-    "the model runs compiled, and compiled code ignores hooks added after its first call: "
-    "watch it with mode='full' before compiling it for exact events"
+    "the model runs compiled, which ignores hooks added now: "
+    "watch it with mode='full' before compiling it"
 )
 
 
