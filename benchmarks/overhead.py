@@ -16,6 +16,8 @@ the wall-clock ratio is printed alongside. Detectors:
 - ``none``: the bare training step;
 - ``nand``: ``nand.watch(model, opt)`` with every phase on (the default; on
   CUDA that reads each step one boundary late, without a sync);
+- ``nand-light``: ``mode="light"``: the root module hooked, no probe per
+  module (its replay on a hit is not timed: a healthy run has none);
 - ``nand-sync``: the same with ``read="sync"`` (the one read per step at the
   boundary: a host-device sync on CUDA; on CPU the same as ``nand``);
 - ``nand-deferred``: ``read="deferred"``, what ``nand`` is on CUDA, forced on
@@ -63,8 +65,8 @@ import nand
 
 Step = Callable[[], None]
 KINDS = ["none", "nand", "naive", "anomaly"]
-ALL_KINDS = [*KINDS, "nand-sync", "nand-deferred"]
-READS = {"nand": None, "nand-sync": "sync", "nand-deferred": "deferred"}
+ALL_KINDS = [*KINDS, "nand-light", "nand-sync", "nand-deferred"]
+READS = {"nand": None, "nand-light": None, "nand-sync": "sync", "nand-deferred": "deferred"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +143,7 @@ def make_step(
     opt = make_optimizer(optimizer, model)
     _, inputs, loss_fn = case
     if kind in READS:
-        nand.watch(model, opt, read=READS[kind])
+        nand.watch(model, opt, read=READS[kind], mode="light" if kind == "nand-light" else None)
     elif kind == "naive":
         naive_hooks(model)
     device = next(model.parameters()).device.type

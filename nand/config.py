@@ -72,6 +72,10 @@ NAND_MAX_EVENTS = "NAND_MAX_EVENTS"
 """Events kept in memory per rank (``watch.events``); the first is always kept.
 Default 1000."""
 
+NAND_MODE = "NAND_MODE"
+"""``full`` (default): a probe on every module; ``light``: only the step's own
+figures, and a probed replay on a hit (``nand.agent.detect.tiers``; README)."""
+
 NAND_REPLAYS = "NAND_REPLAYS"
 """Replays per run and rank: a new incident's step is run again in process to
 name the aten op and the source line that made the value, and whether it
@@ -300,6 +304,8 @@ POLICIES: tuple[Policy, ...] = get_args(Policy)
 WarningPolicy = Literal["log", "raise", "skip"]
 WARNING_POLICIES: tuple[WarningPolicy, ...] = get_args(WarningPolicy)
 Read = Literal["auto", "sync", "deferred"]
+Mode = Literal["full", "light"]
+MODES: tuple[Mode, ...] = get_args(Mode)
 READS: tuple[Read, ...] = get_args(Read)
 
 
@@ -311,6 +317,7 @@ class AgentConfig:
     on_nonfinite: Policy = "warn"
     on_warning: WarningPolicy = "log"
     read: Read = "auto"
+    mode: Mode = "full"
     disabled: bool = False
     server: str | None = None
     run: str | None = None
@@ -341,6 +348,7 @@ class AgentConfig:
             "on_nonfinite": get_str(NAND_ON_NONFINITE, cls.on_nonfinite),
             "on_warning": get_str(NAND_ON_WARNING, cls.on_warning),
             "read": get_str(NAND_READ, cls.read),
+            "mode": get_str(NAND_MODE, cls.mode),
             "disabled": get_bool(NAND_DISABLE, cls.disabled),
             "server": get_str(NAND_SERVER),
             "run": get_str(NAND_RUN),
@@ -371,16 +379,10 @@ class AgentConfig:
     def __post_init__(self) -> None:
         """Raise :class:`ConfigError` naming the first value that makes no sense
         (here, so that no AgentConfig, however made, holds one)."""
-        if self.on_nonfinite not in POLICIES:
-            raise ConfigError(
-                f"on_nonfinite={self.on_nonfinite!r}: use one of {', '.join(POLICIES)}"
-            )
-        if self.on_warning not in WARNING_POLICIES:
-            raise ConfigError(
-                f"on_warning={self.on_warning!r}: use one of {', '.join(WARNING_POLICIES)}"
-            )
-        if self.read not in READS:
-            raise ConfigError(f"read={self.read!r}: use one of {', '.join(READS)}")
+        choices = {"on_nonfinite": POLICIES, "on_warning": WARNING_POLICIES, "read": READS}
+        for name, allowed in {**choices, "mode": MODES}.items():
+            if (value := getattr(self, name)) not in allowed:
+                raise ConfigError(f"{name}={value!r}: use one of {', '.join(allowed)}")
         if self.read == "deferred" and self.on_nonfinite in ("raise", "stop"):
             raise ConfigError(
                 f"read='deferred' with on_nonfinite={self.on_nonfinite!r}: the decision to "

@@ -48,6 +48,7 @@ def watch(
     log_events: bool = True,
     read_params_every_step: bool | None = None,
     read: str | None = None,
+    mode: str | None = None,
     on_stop: Callable[[], None] | None = None,
     on_event: OnEvent | Iterable[OnEvent] | None = None,
 ) -> Watch:
@@ -71,6 +72,7 @@ def watch(
         log_events=log_events,
         read_params_every_step=read_params_every_step,
         read=read,
+        mode=mode,
     )
     session = Session.open(settings)
     if hook is not None and not settings.disabled:

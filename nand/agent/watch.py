@@ -27,6 +27,7 @@ from nand.agent.detect.names import param_owners, unwrap
 from nand.agent.detect.optimizer import OptimizerHooks
 from nand.agent.detect.probes import ProbeBuffer
 from nand.agent.detect.state import HookState
+from nand.agent.detect.tiers import Tiers
 from nand.agent.identity import distributed_up
 from nand.agent.output.session import Session
 from nand.agent.rerun import Rerun
@@ -84,8 +85,8 @@ class Watch:
         state = HookState(self._buf, self._guard, self._slots)
         state.window_full = self._window_full
         self._hooks = Hooks(state)
-        world = session.who.world_size
-        agree = self.policy in ("skip", "stop") and distributed_up() and world > 1
+        self._tiers = Tiers(self._hooks, self._root, self._infos)  # (the mode: see tiers.py)
+        agree = self.policy in ("skip", "stop") and distributed_up() and session.who.world_size > 1
         kind = type(self._root).__name__
         self._boundary = Boundary(self._buf, session.who, self.recorder, len(names), kind, agree)
         self._boundary.slots = self._slots
@@ -93,7 +94,7 @@ class Watch:
         self._amp: amp.AmpWatch | None = None
         self._unlisten: Callable[[], None] | None = None
         self._looking: RemovableHandle | None = None
-        self._rerun = Rerun(self._root, self._guard, state, self._boundary)
+        self._rerun = Rerun(self._root, self._guard, state, self._boundary, self._tiers)
         if settings.disabled:
             self._closed = True  # nothing to remove, nobody to tell
             self._guard.off = True  # new_batch, loss(): nothing recorded
@@ -115,7 +116,7 @@ class Watch:
         self._boundary.fingerprints = Fingerprints.wanted(
             self.settings, self._root, self.session, optimizer
         )
-        self._hooks.install(self._root, self._infos, proxies=not self._boundary.grads_reduced)
+        self._tiers.install(self.settings.mode, model, proxies=not self._boundary.grads_reduced)
         if optimizer is None:
             self._hooks.state.before_root = self._root_step
         else:
@@ -179,7 +180,7 @@ class Watch:
         the batch (Lightning's ``training_step``, which may call a submodule):
         from the first call on, micro-steps are counted here, not at root calls.
         """
-        self._hooks.new_batch(self._infos[self._root], batch)
+        self._tiers.new_batch(batch)  # (light mode: every module probed from now on)
 
     def flight_window(self) -> FlightWindow:
         """The flight recorder: per-module telemetry of the last steps."""

@@ -30,7 +30,9 @@ def test_arguments_win_over_the_environment_and_the_environment_over_defaults(mo
     monkeypatch.setenv("NAND_ON_NONFINITE", "skip")
     monkeypatch.setenv("NAND_FLIGHT_STEPS", "8")
     monkeypatch.setenv("NAND_READ_PARAMS_EVERY_STEP", "1")
+    monkeypatch.setenv("NAND_MODE", "light")
     resolved = AgentConfig.resolve(on_nonfinite="raise")
+    assert resolved.mode == "light" and AgentConfig.resolve(mode="full").mode == "full"
     assert resolved.on_nonfinite == "raise"  # the argument
     assert resolved.flight_steps == 8 and resolved.read_params_every_step  # the environment
     assert resolved.max_events == AgentConfig.max_events  # the default
@@ -42,6 +44,7 @@ def test_arguments_win_over_the_environment_and_the_environment_over_defaults(mo
         ("NAND_FLIGHT_STEPS", "many", "NAND_FLIGHT_STEPS='many' is not an integer"),
         ("NAND_DISABLE", "perhaps", "NAND_DISABLE='perhaps' is not a boolean"),
         ("NAND_ON_NONFINITE", "explode", "on_nonfinite='explode'"),
+        ("NAND_MODE", "lite", "mode='lite': use one of full, light"),
         ("NAND_MAX_EVENTS", "0", "max_events must be at least 1"),
         ("NAND_RUN", "team/exp3", "contains '/'; use another character, e.g. 'team-exp3'"),
         ("NAND_RUN", "..", "is a path step"),

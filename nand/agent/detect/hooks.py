@@ -66,25 +66,35 @@ class Hooks:
         self._inline = InlineCheck(state, self._probe_output, self._grad_hook)
 
     def install(
+        self,
+        root: nn.Module,
+        infos: dict[nn.Module, ModuleInfo],
+        *,
+        proxies: bool = True,
+        modules: bool = True,
+    ) -> None:
+        """Hook the root, and every other module unless ``modules`` is False
+        (the light mode: see ``tiers.py``)."""
+        info = infos[root]
+        self._hook(root.register_forward_pre_hook, self._root_pre(root, info), with_kwargs=True)
+        self._hook(root.register_forward_hook, self._root_hook(root, info), always_call=True)
+        if modules:
+            self.install_modules(root, infos, proxies=proxies)
+
+    def install_modules(
         self, root: nn.Module, infos: dict[nn.Module, ModuleInfo], *, proxies: bool = True
     ) -> None:
-        """Hook every module; ``proxies``: read output gradients from biases
-        where that is exact (not when a wrapper all-reduces the gradients:
-        the local value is what tells produced from received)."""
+        """Hook every module but the root; ``proxies``: read output gradients
+        from biases where that is exact (not when a wrapper all-reduces the
+        gradients: the local value is what tells produced from received)."""
         if any(info.allow_neginf for info in infos.values()):
             self._inline.finite_nodes = NEGINF_SAFE_NODES
         chains = Chains(root, infos)
         biased = self._install_proxies(root, infos) if proxies else {}
         for module, info in infos.items():
-            if isinstance(module, CONTAINERS) or module in chains.unhooked:
+            if module is root or isinstance(module, CONTAINERS) or module in chains.unhooked:
                 continue
-            if module is root:
-                self._hook(
-                    module.register_forward_pre_hook, self._root_pre(root, info), with_kwargs=True
-                )
-                root_hook = self._root_hook(module, info)
-                self._hook(module.register_forward_hook, root_hook, always_call=True)
-            elif info.safe:
+            if info.safe:
                 self._hook(module.register_forward_hook, self._safe_hook(module, info))
             elif info.leaf:
                 trusting = module in chains.trusting

@@ -20,6 +20,11 @@ What is replayed, and when (``replay`` says why not, otherwise):
   take part, and a replay is one rank's alone);
 - at most one replay per incident, and ``NAND_REPLAYS`` per run and rank.
 
+In the light mode (``detect/tiers.py``) the replay runs with every module
+probed and names the module, phase and cause too (``light.py``); where it
+cannot (any reason above, or a replay that raised or found nothing), the
+event says what was checked and the watch probes every module from then on.
+
 The op chosen: in forward, among the ops that ran inside the event's module
 (or its children), the first that made a non-finite value from finite
 inputs; in backward, the first such op of the backward. Failing that, the
@@ -40,10 +45,13 @@ from torch import nn
 
 from nand.agent.detect.ddp import params_are_gathered
 from nand.agent.detect.state import HookState
+from nand.agent.detect.tiers import CHECKED, Tiers
 from nand.agent.rerun.held import MAX_HELD, Held
+from nand.agent.rerun.light import make_exact, needs_probes, probed_finding
 from nand.agent.rerun.opwatch import OpRecord
 from nand.agent.rerun.run import Replayed, replay
 from nand.agent.safety import Guard
+from nand.agent.step.analysis import Finding
 from nand.agent.step.boundary import Boundary
 from nand.events import Event, replay_words
 
@@ -62,13 +70,21 @@ GRADIENT_PHASES = ("backward", "grad")
 class Rerun:
     """Replays of one watch; ``budget`` replays at most (0: nothing held)."""
 
-    def __init__(self, root: nn.Module, guard: Guard, state: HookState, boundary: Boundary) -> None:
+    def __init__(
+        self,
+        root: nn.Module,
+        guard: Guard,
+        state: HookState,
+        boundary: Boundary,
+        tiers: Tiers | None = None,
+    ) -> None:
         self.root = root
         self.guard = guard
         self.state = state
         self.boundary = boundary
         self.left = 0
         self.held: Held | None = None
+        self.tiers = tiers  # (the light mode's, see tiers.py)
         self._names = {module: name for name, module in root.named_modules()}
 
     def install(self, budget: int) -> None:
@@ -85,7 +101,9 @@ class Rerun:
 
     def explain(self, event: Event, lagged: bool) -> None:
         """Replay ``event``'s micro-step; fill its replay fields and message."""
-        if self.held is None:
+        tiers = self.tiers if self.tiers is not None and self.tiers.light else None
+        light = tiers is not None and needs_probes(event)
+        if self.held is None and not light:
             return
         try:
             why_not = self._why_not(event, lagged)
@@ -93,16 +111,20 @@ class Rerun:
                 event.replay = why_not
             else:
                 self.left -= 1
-                self._replay(event)
+                self._replay(event, light)
         except Exception as exc:  # nand's own error: said, not raised
             log.warning("nand: the replay of step %d failed: %r", event.step, exc)
             event.replay = f"replay failed: {type(exc).__name__}: {exc}"[:300]
+        if light and tiers is not None and not event.reproduced:  # not exact: said, then full
+            said = tiers.go_full(f"the incident at step {event.step} could not be made exact")
+            event.replay = f"{event.replay}; {CHECKED}; {said}"
         words = replay_words(event)
         if words:
             event.message = f"{event.message}; {words}"
 
     def _why_not(self, event: Event, lagged: bool) -> str:
-        assert self.held is not None
+        if self.held is None:
+            return "not replayed: NAND_REPLAYS=0 (nothing held)"
         if event.phase in NOT_REPLAYED or event.cause in NOT_REPLAYED:
             return NOT_REPLAYED.get(event.phase) or NOT_REPLAYED[event.cause]
         if lagged:
@@ -122,25 +144,48 @@ class Rerun:
             return "not replayed: no gradient reached the model's outputs"
         return ""
 
-    def _replay(self, event: Event) -> None:
+    def _replay(self, event: Event, light: bool) -> None:
         assert self.held is not None
-        held = self.held.steps[event.micro_step]
         backward = event.phase in GRADIENT_PHASES
+        # A gradient read in light mode sums every micro-step's: the first that makes it.
+        micros = range(len(self.held.steps)) if light and backward else [event.micro_step]
         was_off, self.guard.off, self.held.paused = self.guard.off, True, True
         try:
-            replayed = replay(self.root, held, self._names, self.held.device, backward)
+            for micro in micros:
+                replayed, finding = self._run(micro, backward, light)
+                if finding is not None:
+                    break
         except Exception as exc:  # the user's code raised, run again: said in the event
             event.replay = f"replay raised {type(exc).__name__}: {exc}"[:300]
             return
         finally:
             self.guard.off, self.held.paused = was_off, False
+        if finding is not None:
+            make_exact(event, finding, self.boundary)
         what = "forward and backward" if replayed.backward else "forward"
-        event.replay = f"replayed the {what} of micro-step {event.micro_step}"
+        which = f"micro-step {event.micro_step}"
+        if finding is None and len(micros) > 1:
+            which = f"micro-steps 0 to {len(micros) - 1}"
+        event.replay = f"replayed the {what} of {which}"
+        if light and finding is None:  # the probes saw nothing: not where, nor whether
+            event.replay += "; its probes found nothing non-finite"
+            return
         chosen, event.reproduced = conclude(event, replayed)
+        event.reproduced = event.reproduced or finding is not None  # (the probes saw it)
         if chosen is not None:
             event.op, event.source = chosen.op, chosen.source
             if chosen.kind != "produced":
                 event.replay += "; no op made it from finite values: its input came from outside"
+
+    def _run(self, micro: int, backward: bool, light: bool) -> tuple[Replayed, Finding | None]:
+        """Replay micro-step ``micro``; in light mode with every module probed."""
+        assert self.held is not None
+        held, device = self.held.steps[micro], self.held.device
+        if not light or self.tiers is None:
+            return replay(self.root, held, self._names, device, backward), None
+        with self.tiers.probed() as buf:
+            replayed = replay(self.root, held, self._names, device, backward)
+        return replayed, probed_finding(buf, micro)
 
 
 def conclude(event: Event, replayed: Replayed) -> tuple[OpRecord | None, bool]:

@@ -1,0 +1,111 @@
+"""Which probes run on every step: :class:`Tiers`.
+
+``mode="full"`` (the default): every module output and activation gradient
+gets a probe (``hooks.py``). ``mode="light"`` (``NAND_MODE=light``): only
+the root module is hooked: its inputs (the data), its outputs (the loss a
+model returns, or its logits) and the gradient arriving there (the loss
+computation's). The rest of the step's checks are the same in both modes,
+and need no module hook: the loss given to ``watch.loss``, one multi-tensor
+norm of the gradients and of the parameters by the implied-finite rules
+(``optimizer.py``), the GradScaler's ``found_inf`` (``amp.py``), DDP's
+pre-all-reduce bucket check (``ddp.py``). No device work per module.
+
+On a hit the exact answer comes from a replay (``nand.agent.rerun``): the
+micro-step runs again with every module hooked for that replay only
+(:meth:`Tiers.probed`: the hooks are registered on a state and a buffer of
+their own and removed afterwards), and its first finding is the event the
+full mode would have given. Where no replay can be exact (read one step
+late, a value received through a collective, FSDP, a compiled model, the
+replays spent, inputs not held, a replay that raised or did not make the
+value again) the event says what was checked and :meth:`Tiers.go_full`
+hooks every module for the rest of the run, so that the next incident is
+exact. A model compiled before ``nand.watch`` runs in the full mode from
+the start: hooks added after its first compiled call are ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from torch import nn
+
+from nand.agent.detect.compiled import CompiledSlots
+from nand.agent.detect.hooks import Hooks
+from nand.agent.detect.modules import ModuleInfo
+from nand.agent.detect.probes import ProbeBuffer
+from nand.agent.detect.state import HookState
+from nand.agent.safety import Guard
+
+log = logging.getLogger("nand")
+
+#: What the light mode checked, said in an event it could not make exact
+#: (short: the server keeps 300 characters of an event's ``replay``).
+CHECKED = (
+    "light mode checked the root's inputs and outputs, the loss, the gradients and the "
+    "parameters, not each module"
+)
+#: Said when the watch switches to the full mode.
+SWITCHED = "every module is probed from now on (mode='full')"
+#: Said instead when the model runs compiled: hooks added now are not seen.
+COMPILED = (
+    "the model runs compiled, which ignores hooks added now: "
+    "watch it with mode='full' before compiling it"
+)
+
+
+class Tiers:
+    """The mode of one watch: ``light`` until :meth:`go_full` (or ``mode="full"``)."""
+
+    def __init__(self, hooks: Hooks, root: nn.Module, infos: dict[nn.Module, ModuleInfo]) -> None:
+        self.hooks = hooks
+        self.root = root
+        self.infos = infos
+        self.light = False
+        self._proxies = True
+
+    def install(self, mode: str, model: nn.Module, proxies: bool) -> None:
+        """Hook the root (light) or every module (full); see the module."""
+        self._proxies = proxies
+        compiled = type(model).__name__ == "OptimizedModule"
+        if mode == "light" and compiled:
+            log.warning("nand: mode='light' on a compiled model: every module probed instead")
+        self.light = mode == "light" and not compiled
+        self.hooks.install(self.root, self.infos, proxies=proxies, modules=not self.light)
+
+    def go_full(self, why: str) -> str:
+        """Hook every module from now on; said once in the log, and returned."""
+        said = COMPILED if self.compiled else SWITCHED
+        if self.light:
+            self.light = False
+            self.hooks.install_modules(self.root, self.infos, proxies=self._proxies)
+            log.warning("nand: %s; %s", why, said)
+        return said
+
+    def new_batch(self, batch: Any) -> None:
+        """``Watch.new_batch``: micro-steps are marked by batches, not by calls
+        of the root (Lightning's ``training_step`` calls the model's parts):
+        no replay can be exact, so every module is probed from the first one."""
+        if self.light:
+            self.go_full("micro-steps are marked by new_batch, which no replay can repeat")
+        self.hooks.new_batch(self.infos[self.root], batch)
+
+    @property
+    def compiled(self) -> bool:
+        """A hook of this watch ran under torch.compile: hooks added now are ignored."""
+        return self.hooks.state.slots.active
+
+    @contextmanager
+    def probed(self) -> Iterator[ProbeBuffer]:
+        """Every module hooked, into a buffer of its own, while the block runs
+        (a replay); the hooks are removed after it, also when it raises."""
+        buf = ProbeBuffer()
+        slots = CompiledSlots.for_model(self.root, self.infos.values())
+        hooks = Hooks(HookState(buf, Guard(), slots))
+        try:
+            hooks.install(self.root, self.infos, proxies=False)  # (.grad is not touched)
+            yield buf
+        finally:
+            hooks.remove()

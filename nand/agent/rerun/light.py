@@ -1,0 +1,57 @@
+"""The light mode's replay: the event the full mode would have given.
+
+In ``mode="light"`` (``nand.agent.detect.tiers``) a step's checks say that
+something went non-finite (the root's output, the loss, a gradient), not
+which module made it. The micro-step is replayed with every module hooked
+(``Tiers.probed``); the replay's probes are read and analysed as a step's
+window is (``step.analysis.first_finding``), and the first finding takes
+the place of the light event's where, phase and cause
+(:func:`make_exact`). Its step and sequence number stay.
+
+A gradient seen in light mode is the sum of every micro-step's: the
+micro-steps held are replayed in order, and the first that makes a
+non-finite value is the one named.
+"""
+
+from __future__ import annotations
+
+from nand.agent.detect.probes import ProbeBuffer
+from nand.agent.step.analysis import Finding, first_finding
+from nand.agent.step.boundary import Boundary
+from nand.agent.step.report import build_event
+from nand.events import Event
+
+#: Phases whose light event is not where the value was made: a replay names it.
+NEEDS_PROBES = ("forward", "backward", "grad")
+#: The event's fields a replay's finding decides (the rest: who, when, replay).
+EXACT_FIELDS = (
+    "micro_step", "phase", "module", "module_type", "order", "cause", "call", "nan", "posinf",
+    "neginf", "min", "max", "max_abs", "shape", "dtype", "message",
+)  # fmt: skip
+
+
+def needs_probes(event: Event) -> bool:
+    """Whether a light event needs the probed replay to be exact: not the
+    data, the loss's gradient, the update's values, nor a received value
+    (the same event as the full mode's). A gradient that reached the model's
+    output a second time in a micro-step (``call`` > 0: a gradient penalty's
+    second backward) went through the modules' backward first, unprobed."""
+    if event.phase == "loss":
+        return event.call > 0
+    return event.phase in NEEDS_PROBES and event.cause != "received"
+
+
+def probed_finding(buf: ProbeBuffer, micro: int) -> Finding | None:
+    """The first non-finite value the replay of micro-step ``micro`` probed."""
+    gathered = buf.gather()
+    if gathered is None:
+        return None
+    return first_finding(buf, gathered.tolist(), micro_base=micro)
+
+
+def make_exact(event: Event, finding: Finding, boundary: Boundary) -> None:
+    """Give ``event`` the where, phase and cause of the replay's ``finding``."""
+    scale = boundary.row.scale if boundary.row is not None else 1.0
+    exact = build_event(finding, boundary.who, event.step, event.seq, scale, boundary.root_type)
+    for name in EXACT_FIELDS:
+        setattr(event, name, getattr(exact, name))

@@ -1,0 +1,147 @@
+"""The light mode (``NAND_MODE=light``): no probe per module on a normal step,
+and on a hit the same first event as the full mode, from a probed replay.
+
+Every answer is checked twice: against the ground truth's twin run
+(:func:`~tests.integrations.check.assert_reported_as_the_truth_says`, which
+also holds the losses bit for bit) and against the full mode's first event
+on the same run. Steps are few: three, the fault at step 1.
+"""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+from nand.agent.detect.savable import SavableHook
+from tests.integrations.check import assert_reported_as_the_truth_says, planted_answer, same_losses
+from tests.integrations.faults import Fault, Planted
+from tests.integrations.loops import ACCUMULATION, FP32, Loop, expected, where, with_nand
+from tests.integrations.zoo import case
+
+pytest.importorskip("transformers")
+
+MODELS = ["gpt2", "bert", "resnet18"]
+KINDS = ["forward", "backward", "input", "lr"]
+#: The read the light mode is exact with: on CUDA ``read="auto"`` reads each
+#: step one boundary late, after the update, which no replay can undo (the
+#: first incident then switches to the full mode; see the README).
+SYNC = "sync"
+
+
+@pytest.fixture
+def light(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NAND_MODE", "light")
+
+
+def nand_hooked(model: nn.Module) -> list[nn.Module]:
+    """The modules that carry a forward hook of nand's."""
+    return [
+        module
+        for module in model.modules()
+        if any(
+            isinstance(hook, SavableHook)
+            for hooks in (module._forward_hooks, module._forward_pre_hooks)
+            for hook in hooks.values()
+        )
+    ]
+
+
+def full_mode_first(model: str, mode, fault: Fault, steps: int, monkeypatch) -> object:
+    monkeypatch.setenv("NAND_MODE", "full")
+    run = with_nand(model, mode, fault, steps)
+    assert run.watch is not None
+    return where(run.watch.first)
+
+
+@pytest.mark.parametrize(
+    "model,kind", [pytest.param(m, k, id=f"{m}-{k}") for m in MODELS for k in KINDS]
+)
+def test_a_fault_in_light_mode_is_reported_as_the_full_mode_and_the_ground_truth_report_it(
+    model, kind, light, monkeypatch
+):
+    steps = 4 if kind == "lr" else 3  # (the update of step 1 is read at step 2)
+    fault = Fault(kind, 1, case(model).sites[kind], "nan")
+    run = assert_reported_as_the_truth_says(model, FP32, fault, steps, read=SYNC)
+    assert run.watch is not None and run.watch.first is not None
+    if kind in ("forward", "backward"):  # found by the light checks, named by the replay
+        assert run.watch.first.reproduced is True, run.watch.first.replay
+    assert where(run.watch.first) == full_mode_first(model, FP32, fault, steps, monkeypatch)
+
+
+@pytest.mark.parametrize("kind,micro", [("input", 1), ("forward", 2)])
+def test_under_accumulation_the_light_mode_names_the_micro_step_the_full_mode_names(
+    kind, micro, light, monkeypatch
+):
+    """The root's inputs and outputs are checked per micro-step, and the
+    replay is of that micro-step. (Not a backward fault here: a gradient read
+    in light mode sums the micro-steps', each held one is replayed in turn,
+    and the planted fault is armed by state outside the model's inputs,
+    which every replay after its micro-step sees: see the README.)"""
+    fault = Fault(kind, 1, case("gpt2").sites[kind], "nan", micro)
+    run = assert_reported_as_the_truth_says("gpt2", ACCUMULATION, fault, 3, read=SYNC)
+    assert run.watch is not None
+    assert where(run.watch.first) == full_mode_first("gpt2", ACCUMULATION, fault, 3, monkeypatch)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_a_healthy_run_in_light_mode_is_silent_bit_identical_and_hooks_only_the_root(model, light):
+    truth_run = expected(model, FP32, None, 3)
+    assert truth_run.truth is not None and truth_run.truth.first is None
+    run = Loop(model, FP32, observer="nand")
+    try:
+        run.train(3)
+        assert nand_hooked(run.model) == [run.model]
+    finally:
+        run.close()
+    assert run.watch is not None
+    assert run.watch.events == []
+    assert run.watch.host_reads <= 3 + 1  # one a step, and the last look at close
+    assert same_losses(run.losses, truth_run.losses)
+
+
+def test_an_incident_light_mode_cannot_make_exact_switches_to_the_full_mode_for_the_next(
+    light,
+):
+    """The first fault is armed at micro-step 0 and disarmed before the step
+    ends: state outside the model's inputs, so its replay finds nothing. The
+    event says what was checked, every module is hooked from then on, and a
+    second fault two steps later is named as the ground truth names it."""
+    first = Fault("backward", 1, case("gpt2").sites["backward"], "nan", 0)
+    second = Fault("forward", 3, case("gpt2").sites["forward"], "nan", 0)
+
+    def plant_second(model: nn.Module, planted: Planted) -> None:
+        other, arm = Planted(second, model), planted.arm
+
+        def arm_both(step: int, micro: int = 0) -> None:
+            arm(step, micro)
+            other.arm(step, micro)
+
+        planted.arm = arm_both  # type: ignore[method-assign]
+
+    answer = planted_answer(expected("gpt2", ACCUMULATION, second, 5), second)
+    run = Loop("gpt2", ACCUMULATION, first, "nand", plant_second, on_nonfinite="skip")
+    try:
+        run.train(5)
+        assert len(nand_hooked(run.model)) > 1
+    finally:
+        run.close()
+    assert run.watch is not None
+    first_event, *later = run.watch.events
+    assert (first_event.step, first_event.phase) == (1, "grad")
+    assert "light mode checked" in first_event.replay
+    assert "mode='full'" in first_event.replay
+    assert [where(e) for e in later][:1] == [answer]
+
+
+@pytest.mark.parametrize("kind", ["forward", "backward"])
+def test_under_lightning_the_light_mode_probes_every_module_from_the_first_batch(kind, light):
+    """Lightning marks micro-steps with ``new_batch`` (its ``training_step``
+    calls the model's parts): no replay could repeat that, so the first batch
+    switches the watch to the full mode, and the first incident is exact."""
+    pytest.importorskip("lightning")
+    from tests.integrations.scenario import scenario
+    from tests.integrations.test_frameworks import run_lightning
+
+    s = scenario("gpt2", kind)
+    trained = run_lightning(s, 4)
+    assert trained.said() == s.answer
