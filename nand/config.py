@@ -24,8 +24,8 @@ from nand.runids import run_problem
 # --- agent ------------------------------------------------------------------
 
 NAND_SERVER = "NAND_SERVER"
-"""ZeroMQ endpoint of the nand server, e.g. ``tcp://head-node:5557``. Unset: the
-agent works alone (log + optional JSONL file)."""
+"""ZeroMQ endpoint of the nand server, e.g. ``tcp://head-node:5557``, or a list of them
+(ranks spread, fail over: ``nand.endpoints``). Unset: the agent works alone (log, JSONL)."""
 
 NAND_RUN = "NAND_RUN"
 """Run id shared by all ranks of a job. Default: ``TORCHELASTIC_RUN_ID``, then
@@ -181,7 +181,7 @@ NAND_NOTIFY_TIMEOUT_S = "NAND_NOTIFY_TIMEOUT_S"
 retried later. Default 5."""
 
 NAND_URL = "NAND_URL"
-"""Base URL of the REST API for the CLI (``nand runs``, ``nand verdict``...).
+"""Base URL of the REST API for the CLI (``nand runs``...), or a list (``nand.endpoints``).
 Default ``http://127.0.0.1:8080``. Set for a training job, rank 0's start line
 links the run's dashboard page there; set for the server, notifications link
 there (default: the address it serves on)."""

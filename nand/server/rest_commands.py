@@ -16,14 +16,27 @@ from typing import Any
 
 from nand import config, exitcodes
 from nand.client import ApiError, request_json, run_url, unreachable_reason
+from nand.endpoints import split_list
 from nand.errors import CommandError
 
 DEFAULT_URL = "http://127.0.0.1:8080"
 
 
+def base_urls(args: argparse.Namespace) -> list[str]:
+    """The servers' base URLs from ``--url`` / ``NAND_URL``: one, or several servers
+    sharing a database, separated by commas or spaces (``nand wait`` tries the next
+    when one is down); each refused if it is not one, e.g. ends in ``/api``."""
+    text = args.url or config.get_str(config.NAND_URL, DEFAULT_URL) or ""
+    return [_checked_base(url) for url in split_list(text) or [text]]
+
+
 def base_url(args: argparse.Namespace) -> str:
-    """The server's base URL from ``--url`` / ``NAND_URL``; refuses one ending in ``/api``."""
-    url = (args.url or config.get_str(config.NAND_URL, DEFAULT_URL) or "").rstrip("/")
+    """The first of :func:`base_urls`: the server the one-request commands ask."""
+    return base_urls(args)[0]
+
+
+def _checked_base(url: str) -> str:
+    url = url.rstrip("/")
     parsed = urllib.parse.urlsplit(url)
     if parsed.scheme not in ("http", "https") or not parsed.netloc:
         raise CommandError(

@@ -5,7 +5,10 @@ event with the run's summary whenever it changes, keep-alives in between)
 instead of polling. When the server goes away it reconnects with backoff, for
 ``--retry-for`` seconds (default: for as long as ``--timeout`` allows, or
 forever), saying once on stderr that it lost the server and once that it is
-back; a watchdog never goes blind because the server restarted.
+back; a watchdog never goes blind because the server restarted. Given several
+servers that share a database (``--url http://a:8080,http://b:8080``), it goes
+on at the next one at once when one goes away, and says nothing unless all of
+them are down.
 
 It follows the run's live attempt (:mod:`nand.server.attempts`): when a run id
 is used again the states that count are the new attempt's. ``--launch ID``
@@ -26,9 +29,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from nand import exitcodes
-from nand.client import ApiError, request_json, unreachable_reason
+from nand.client import ApiError, request_json, run_url, unreachable_reason
 from nand.errors import CommandError
-from nand.server.rest_commands import api_failure, base_url, run_endpoint, unreachable
+from nand.server.rest_commands import api_failure, base_urls, unreachable
 
 #: Exit code of ``nand wait`` for a state that is not the one waited for.
 STATE_EXIT = {
@@ -79,13 +82,21 @@ class Waiter:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.base = base_url(args)
+        #: Several servers on one database (``--url a,b``): any of them will do.
+        self.bases = base_urls(args)
+        self.index = 0
+        #: Servers that failed in a row since the last answer.
+        self.failed = 0
         now = time.monotonic()
         self.deadline = now + args.timeout if args.timeout is not None else None
         self.down_since: float | None = None
         self.announced_unknown = False
         #: The attempt last said to be another launch's (said once per attempt).
         self.announced_other: int | None = None
+
+    @property
+    def base(self) -> str:
+        return self.bases[self.index]
 
     def left(self) -> float | None:
         return None if self.deadline is None else self.deadline - time.monotonic()
@@ -101,6 +112,8 @@ class Waiter:
             except ApiError as exc:
                 raise api_failure(self.base, exc) from exc
             except OSError as exc:
+                if self._try_another():
+                    continue
                 self._server_down(exc)
                 backoff = min(backoff * 2, MAX_BACKOFF_S)
             left = self.left()
@@ -152,7 +165,7 @@ class Waiter:
     def _announce_if_unknown(self) -> None:
         """Say once that the run has not reported yet: waiting is not hanging."""
         try:
-            request_json(run_endpoint(self.args, "/verdict"))
+            request_json(run_url(self.base, self.args.run, "/verdict"))
         except ApiError as exc:
             if exc.status != 404 or str(exc).startswith("Not Found"):
                 raise
@@ -164,16 +177,26 @@ class Waiter:
                 )
         self._server_up()
 
+    def _try_another(self) -> bool:
+        """After a failed connection, go to the next server in the list; True
+        while one is left that has not failed since the last answer (no pause,
+        no word: a server of several going away is not news)."""
+        self.failed += 1
+        self.index = (self.index + 1) % len(self.bases)
+        return self.failed < len(self.bases)
+
     def _server_down(self, exc: OSError) -> None:
         now = time.monotonic()
+        where = ", ".join(self.bases)
         if self.down_since is None:
             self.down_since = now
-            _say(f"lost the server at {self.base} ({unreachable_reason(exc)}); retrying")
+            _say(f"lost the server at {where} ({unreachable_reason(exc)}); retrying")
         retry_for = self.args.retry_for
         if retry_for is not None and now - self.down_since > retry_for:
-            raise unreachable(self.base, exc) from exc
+            raise unreachable(where, exc) from exc
 
     def _server_up(self) -> None:
+        self.failed = 0
         if self.down_since is not None:
             self.down_since = None
             _say(f"reached the server at {self.base} again")

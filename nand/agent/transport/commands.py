@@ -15,6 +15,7 @@ from typing import Any
 
 from nand import exitcodes
 from nand.config import AgentConfig
+from nand.endpoints import split_list
 from nand.errors import CommandError
 
 
@@ -42,6 +43,9 @@ def _replay(args: argparse.Namespace) -> int:
             "spool replay needs a server; pass --server tcp://HOST:PORT or set NAND_SERVER",
             exitcodes.USAGE,
         )
+    # A list (NAND_SERVER="tcp://a:5557,tcp://b:5557"): its servers share one
+    # database, so the first is as good as any.
+    server = split_list(server)[0]
     files = _existing_spool_files(args.path)
     failed = 0
     for path in files:

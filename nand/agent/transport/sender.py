@@ -26,11 +26,13 @@ from zmq.utils.monitor import recv_monitor_message
 from nand import wire
 from nand.agent.transport import connection
 from nand.agent.transport.backlog import Backlog
+from nand.agent.transport.failover import Failover
 from nand.agent.transport.frames import Envelope, Frame
 from nand.agent.transport.mailbox import Mailbox, Outgoing
 from nand.agent.transport.outbox import Outbox
 from nand.agent.transport.silence import Silence
 from nand.config import TransportConfig
+from nand.endpoints import agent_endpoints
 from nand.errors import WireError
 
 log = logging.getLogger("nand.agent.transport")
@@ -53,10 +55,13 @@ class Sender(threading.Thread):
         spool_path: Path,
         on_idle: Callable[[], None] | None = None,
     ) -> None:
+        """``endpoint``: one ZeroMQ endpoint, or several (``NAND_SERVER``'s list;
+        this rank starts at its own, see :mod:`nand.agent.transport.failover`)."""
         super().__init__(name=f"nand-sender-{envelope.rank}", daemon=True)
         #: Called on every turn of the loop, on this thread (the sink's keepalive).
         self.on_idle = on_idle
         self.endpoint = endpoint
+        self.failover = Failover(agent_endpoints(endpoint), envelope.rank)
         self.envelope = envelope
         self.mailbox = mailbox
         self.settings = settings
@@ -127,13 +132,13 @@ class Sender(threading.Thread):
         self.ctx = zmq.Context()
         self.sock = connection.dealer(
             self.ctx,
-            self.endpoint,
+            self.failover.current,
             curve_server_key=self.settings.curve_server_key,
             immediate=True,
             sndhwm=self.settings.window * 2,
         )
         self.monitor = self.sock.get_monitor_socket(_UP_EVENTS | _DOWN_EVENTS | _FAIL_EVENTS)
-        self.sock.connect(self.endpoint)
+        self.sock.connect(self.failover.current)
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self.monitor, zmq.POLLIN)
@@ -145,6 +150,8 @@ class Sender(threading.Thread):
         """One turn of the loop; True when the thread should end."""
         self._poll(self._poll_timeout())
         self._read_monitor()
+        if self.failover.due(self.connected, self.outbox.failures):
+            self._move_on()
         self._read_incoming()
         self._route(self.mailbox.take_all())
         self.outbox.check_deadlines(self.connected, self._grace_until)
@@ -172,7 +179,10 @@ class Sender(threading.Thread):
 
     def _read_monitor(self) -> None:
         while self.monitor.poll(0):
-            event = recv_monitor_message(self.monitor)["event"]
+            message = recv_monitor_message(self.monitor)
+            if message["endpoint"].decode() != self.failover.current:
+                continue  # news of a server this agent has left
+            event = message["event"]
             if event & _UP_EVENTS:
                 self.connected = True
                 self.outbox.reconnected()
@@ -180,7 +190,21 @@ class Sender(threading.Thread):
                 self.connected = False
                 self.outbox.to_spool()
             elif event & _FAIL_EVENTS:
-                self._warn("handshake", f"nand: handshake with {self.endpoint} failed")
+                self._warn("handshake", f"nand: handshake with {self.failover.current} failed")
+
+    def _move_on(self) -> None:
+        """Leave a server judged dead for the next in the list; what it did not
+        acknowledge is resent there (from the spool, as after a reconnect)."""
+        old = self.failover.current
+        with contextlib.suppress(zmq.ZMQError):
+            self.sock.disconnect(old)
+        new = self.failover.advance()
+        self.sock.connect(new)
+        self.connected = False
+        self.outbox.failures = 0
+        self.outbox.to_spool()
+        self.stats["failovers"] = self.failover.moves
+        log.info("nand: no answer from the server at %s; reporting to %s now", old, new)
 
     def _read_incoming(self) -> None:
         while True:

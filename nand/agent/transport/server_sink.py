@@ -18,6 +18,9 @@ Semantics the server relies on (see :mod:`nand.wire` for the messages):
 - a ``command`` (``stop`` at a step, ``send_flight``) is handed to the agent
   core through :meth:`ServerSink.commands`; a ``reject`` makes the agent stop
   sending (counted as dropped ``rejected``);
+- ``endpoint`` may list several servers on one database (``NAND_SERVER``'s
+  list): the rank starts at its own and moves to the next when its server
+  dies (:mod:`nand.agent.transport.failover`);
 - the token (``token=`` or ``NAND_TOKEN``) rides in ``hello``; with
   ``NAND_CURVE_SERVER_KEY`` the connection is CURVE-encrypted with a key pair
   the agent makes up.
@@ -49,7 +52,6 @@ import atexit
 import contextlib
 import logging
 import os
-import re
 import sys
 import time
 import uuid
@@ -63,12 +65,11 @@ from nand.agent.transport.mailbox import Mailbox, Outgoing
 from nand.agent.transport.sender import Sender
 from nand.agent.transport.spool import spool_path
 from nand.config import TransportConfig
-from nand.errors import ConfigError
+from nand.endpoints import agent_endpoints
 from nand.events import Alert, Event, FlightWindow, StepSummary
 
 log = logging.getLogger("nand.agent.transport")
 _LIVE: weakref.WeakSet[ServerSink] = weakref.WeakSet()
-_ENDPOINT = re.compile(r"^(tcp|ipc|inproc|ws|wss)://.+")
 
 
 class ServerSink:
@@ -86,8 +87,7 @@ class ServerSink:
     ) -> None:
         """``settings``: as ``nand.watch`` resolved them (default: from the
         environment); ``overrides`` (``token=``, ``queue_max=``...) win."""
-        if not _ENDPOINT.match(endpoint):
-            raise ConfigError(f"server endpoint {endpoint!r} is not like tcp://host:port")
+        agent_endpoints(endpoint)  # raises ConfigError for a bad one
         self.endpoint = endpoint
         self.identity = identity
         self.settings = (settings or TransportConfig.resolve()).but(**overrides)
