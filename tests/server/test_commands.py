@@ -119,6 +119,27 @@ def test_wait_gives_up_on_an_unreachable_server() -> None:
     assert main(args) == exitcodes.UNREACHABLE
 
 
+def test_wait_given_several_servers_goes_on_at_one_that_answers_without_a_word(srv, capsys) -> None:
+    bad = _agent(srv, "listed")
+    bad.event(step=12, phase="forward", module="x", nan=1)
+    bad.wait_acked()
+    down = "http://127.0.0.1:1"  # first in the list: a server that is gone
+    args = ["wait", "listed", "--until", "any", "--interval", "0.1", "--retry-for", "5"]
+    assert main([*args, "--url", f"{down},{srv.http_url}"]) == exitcodes.DIVERGED
+    assert "lost the server" not in capsys.readouterr().err
+    bad.close()
+
+
+def test_wait_given_several_servers_gives_up_only_when_none_answers(capsys) -> None:
+    urls = "http://127.0.0.1:1 http://127.0.0.1:2"
+    args = ["wait", "r", "--url", urls, "--retry-for", "0.3", "--interval", "0.1"]
+    assert main(args) == exitcodes.UNREACHABLE
+    err = capsys.readouterr().err
+    assert "lost the server at http://127.0.0.1:1, http://127.0.0.1:2" in err
+    assert main(["wait", "r", "--url", "http://127.0.0.1:1,127.0.0.1:2"]) == exitcodes.USAGE
+    assert "'127.0.0.1:2' is not an http(s) URL" in capsys.readouterr().err
+
+
 def test_wait_exit_code_table() -> None:
     assert waiting.wait_exit_code("diverged", "diverged") == 0
     assert waiting.wait_exit_code("finished", "diverged") == 3
