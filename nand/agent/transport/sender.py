@@ -130,21 +130,35 @@ class Sender(threading.Thread):
 
     def _setup(self) -> None:
         self.ctx = zmq.Context()
+        self.poller = zmq.Poller()
+        self.poller.register(self._wake_r, zmq.POLLIN)
+        self._open(self.failover.current)
+        if self.backlog.adopt_orphans(self.envelope.rank):
+            self.outbox.mode = "spool"
+
+    def _open(self, endpoint: str) -> None:
+        """A socket connected to ``endpoint``, and its monitor, both polled."""
+        assert self.ctx is not None
         self.sock = connection.dealer(
             self.ctx,
-            self.failover.current,
+            endpoint,
             curve_server_key=self.settings.curve_server_key,
             immediate=True,
             sndhwm=self.settings.window * 2,
         )
         self.monitor = self.sock.get_monitor_socket(_UP_EVENTS | _DOWN_EVENTS | _FAIL_EVENTS)
-        self.sock.connect(self.failover.current)
-        self.poller = zmq.Poller()
+        self.sock.connect(endpoint)
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self.monitor, zmq.POLLIN)
-        self.poller.register(self._wake_r, zmq.POLLIN)
-        if self.backlog.adopt_orphans(self.envelope.rank):
-            self.outbox.mode = "spool"
+
+    def _close_socket(self) -> None:
+        with contextlib.suppress(Exception):
+            self.poller.unregister(self.sock)
+            self.poller.unregister(self.monitor)
+        with contextlib.suppress(Exception):
+            self.sock.disable_monitor()
+            self.monitor.close(0)
+            self.sock.close(0)
 
     def _step(self) -> bool:
         """One turn of the loop; True when the thread should end."""
@@ -179,10 +193,7 @@ class Sender(threading.Thread):
 
     def _read_monitor(self) -> None:
         while self.monitor.poll(0):
-            message = recv_monitor_message(self.monitor)
-            if message["endpoint"].decode() != self.failover.current:
-                continue  # news of a server this agent has left
-            event = message["event"]
+            event = recv_monitor_message(self.monitor)["event"]
             if event & _UP_EVENTS:
                 self.connected = True
                 self.outbox.reconnected()
@@ -194,12 +205,12 @@ class Sender(threading.Thread):
 
     def _move_on(self) -> None:
         """Leave a server judged dead for the next in the list; what it did not
-        acknowledge is resent there (from the spool, as after a reconnect)."""
+        acknowledge is resent there (from the spool, as after a reconnect). A new
+        socket: no event or ack of the old connection can be taken for the new one's."""
         old = self.failover.current
-        with contextlib.suppress(zmq.ZMQError):
-            self.sock.disconnect(old)
+        self._close_socket()
         new = self.failover.advance()
-        self.sock.connect(new)
+        self._open(new)
         self.connected = False
         self.outbox.failures = 0
         self.outbox.to_spool()
@@ -323,10 +334,8 @@ class Sender(threading.Thread):
 
     def _release(self) -> None:
         self.backlog.close()
+        self._close_socket()
         with contextlib.suppress(Exception):
-            self.sock.disable_monitor()
-            self.monitor.close(0)
-            self.sock.close(0)
             if self.ctx is not None:
                 self.ctx.term()
         self._close_pipe()
