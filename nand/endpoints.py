@@ -8,14 +8,12 @@ list, separated by commas or spaces::
     nand wait "$RUN" --url "http://nand-a:8080 http://nand-b:8080"
 
 A rank starts at the server ``rank % len(list)`` (so the ranks spread evenly)
-and moves to the next in the list when its connection is judged dead
-(:mod:`nand.agent.transport.failover`). One address (a single server, or a TCP
-load balancer in front of several) is a list of one.
+and moves to the next in its own order (:func:`order_for_rank`) when its
+connection is judged dead (:mod:`nand.agent.transport.failover`). One address
+(a single server, or a TCP load balancer in front of several) is a list of one.
 
 >>> agent_endpoints("tcp://a:5557, tcp://b:5557")
 ['tcp://a:5557', 'tcp://b:5557']
->>> first_for_rank(5, 3)
-2
 """
 
 from __future__ import annotations
@@ -43,6 +41,16 @@ def agent_endpoints(text: str) -> list[str]:
     return endpoints
 
 
-def first_for_rank(rank: int, count: int) -> int:
-    """Index of the server a rank starts with: consecutive ranks on different servers."""
-    return rank % count if count > 0 else 0
+def order_for_rank(rank: int, count: int) -> list[int]:
+    """The servers (indices) a rank tries, in turn: its own first (``rank % count``,
+    consecutive ranks on different servers), then all the others, rotated by rank
+    so that the ranks of a server that dies spread over the rest instead of all
+    landing on the next one.
+
+    >>> [order_for_rank(rank, 3) for rank in (0, 3, 6, 1)]
+    [[0, 1, 2], [0, 2, 1], [0, 1, 2], [1, 2, 0]]
+    """
+    first = rank % count
+    others = [first + k for k in range(1, count)]
+    turn = (rank // count) % len(others) if others else 0
+    return [first] + [i % count for i in others[turn:] + others[:turn]]

@@ -89,8 +89,25 @@ def test_a_rank_on_a_killed_server_moves_on_and_its_unacknowledged_messages_foll
     sink.close()
 
 
+def test_the_ranks_of_a_dead_server_spread_over_the_others_and_each_rank_tries_them_all() -> None:
+    servers = ["tcp://a:1", "tcp://b:1", "tcp://c:1", "tcp://d:1"]
+    on_a = [Failover(servers, rank=rank) for rank in range(0, 24, 4)]
+    assert {f.current for f in on_a} == {"tcp://a:1"}
+    moved = [f.advance() for f in on_a]
+    assert sorted(moved) == [
+        "tcp://b:1",
+        "tcp://b:1",
+        "tcp://c:1",
+        "tcp://c:1",
+        "tcp://d:1",
+        "tcp://d:1",
+    ]
+    for failover in on_a:
+        assert {failover.advance() for _ in servers} == set(servers)
+
+
 def test_with_one_server_the_agent_never_moves_however_long_it_is_down() -> None:
-    alone = Failover(["tcp://127.0.0.1:1"], start=3, after_s=0.0)
+    alone = Failover(["tcp://127.0.0.1:1"], rank=3, after_s=0.0)
     assert not alone.due(connected=False, ack_failures=99)
     assert alone.current == "tcp://127.0.0.1:1"
 

@@ -1,9 +1,10 @@
 """Which of the servers in ``NAND_SERVER`` this agent talks to, and when it moves on.
 
-Used by the sender thread only. The agent holds one connection at a time, to
-``endpoints[current]``; it starts at ``rank % len(endpoints)``
-(:func:`nand.endpoints.first_for_rank`). The connection is judged dead, and
-the agent moves to the next endpoint (wrapping around), when:
+Used by the sender thread only. The agent holds one connection at a time; it
+starts at ``endpoints[rank % len(endpoints)]`` and tries the others in an
+order of its own (:func:`nand.endpoints.order_for_rank`: the ranks of a dead
+server spread over the rest). The connection is judged dead, and the agent
+moves to the next endpoint of its order (wrapping around), when:
 
 - it has not been up for ``after_s`` seconds: the server was killed (the
   ZeroMQ monitor says *disconnected* at once), the network is cut (ZeroMQ's
@@ -24,6 +25,8 @@ from __future__ import annotations
 
 import time
 
+from nand.endpoints import order_for_rank
+
 #: Seconds without a connection before trying the next server.
 AFTER_S = 2.0
 #: Acknowledgement deadlines missed in a row, while connected, before moving on.
@@ -31,16 +34,17 @@ ACK_FAILURES = 2
 
 
 class Failover:
-    def __init__(self, endpoints: list[str], start: int, after_s: float = AFTER_S) -> None:
+    def __init__(self, endpoints: list[str], rank: int, after_s: float = AFTER_S) -> None:
         self.endpoints = endpoints
-        self.index = start % len(endpoints)
+        self.order = order_for_rank(rank, len(endpoints))
+        self.turn = 0  # position in ``order``
         self.after_s = after_s
         self.moves = 0
         self._down_since: float | None = time.monotonic()
 
     @property
     def current(self) -> str:
-        return self.endpoints[self.index]
+        return self.endpoints[self.order[self.turn]]
 
     def due(self, connected: bool, ack_failures: int) -> bool:
         """Whether to leave the current server now (called on every turn)."""
@@ -56,8 +60,8 @@ class Failover:
         return ack_failures >= ACK_FAILURES
 
     def advance(self) -> str:
-        """Move to the next endpoint; return it."""
-        self.index = (self.index + 1) % len(self.endpoints)
+        """Move to the next endpoint of this rank's order; return it."""
+        self.turn = (self.turn + 1) % len(self.order)
         self.moves += 1
         self._down_since = time.monotonic()
         return self.current
