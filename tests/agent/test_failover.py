@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from nand.agent.identity import Identity
@@ -48,14 +50,17 @@ def test_each_rank_starts_at_the_server_its_rank_picks_and_stays_there(receivers
 
 
 def test_a_rank_whose_server_is_down_moves_to_the_next_and_sends_everything_there(
-    receivers, tmp_path
+    receivers, tmp_path, caplog
 ):
+    caplog.set_level(logging.WARNING, logger="nand")
     dead = free_endpoint()
     sink = ServerSink(f"{dead},{receivers[0].endpoint}", _me(0), spool_dir=tmp_path, **FAST)
     _report(sink, 5)
     assert sink.flush(15), sink.stats()
     assert receivers[0].seqs(sink.agent) == [1, 2, 3, 4, 5, 6]
     assert sink.stats()["failovers"] == 1 and sink.dropped() == {}
+    said = f"the server at {dead} does not answer; reporting to {receivers[0].endpoint} now"
+    assert said in caplog.text
     sink.close()
 
 
@@ -122,3 +127,17 @@ def test_a_list_with_a_bad_endpoint_is_refused_naming_it(tmp_path) -> None:
         "tcp://b:2",
         "tcp://c:3",
     ]
+
+
+def test_spool_replay_given_the_list_sends_to_its_first_server(receivers, tmp_path, capsys):
+    from nand.agent.transport.spool import spool_path
+    from nand.cli import main
+
+    sink = ServerSink(free_endpoint(), _me(0), spool_dir=tmp_path, connect_grace_s=0.1)
+    _report(sink, 2)
+    sink.close(1.0)
+    left = spool_path(tmp_path, "spread", 0)
+    listed = f"{receivers[0].endpoint},{free_endpoint()}"
+    assert main(["spool", "replay", str(left), "--server", listed, "--timeout", "10"]) == 0
+    assert "3/3 acknowledged, done" in capsys.readouterr().out
+    assert receivers[0].seqs(sink.agent) == [1, 2, 3]

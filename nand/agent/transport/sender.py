@@ -215,7 +215,8 @@ class Sender(threading.Thread):
         self.outbox.failures = 0
         self.outbox.to_spool()
         self.stats["failovers"] = self.failover.moves
-        log.info("nand: no answer from the server at %s; reporting to %s now", old, new)
+        said = f"nand: the server at {old} does not answer; reporting to {new} now"
+        self._warn(f"failover {new}", said)  # once per server: all down, it cycles
 
     def _read_incoming(self) -> None:
         while True:
