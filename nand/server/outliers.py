@@ -33,7 +33,7 @@ import math
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,6 +84,8 @@ def standing_out(norms: Mapping[int, float], factor: float) -> list[Outlier]:
     """
     if len(norms) < MIN_RANKS:
         return []
+    if _within_factor(norms.values(), factor):
+        return []
     logs = {rank: math.log(norm) for rank, norm in norms.items() if norm > 0}
     if len(logs) * 2 <= len(norms):
         return []  # most ranks had no gradient at all: nothing to measure against
@@ -96,6 +98,15 @@ def standing_out(norms: Mapping[int, float], factor: float) -> list[Outlier]:
         for rank, norm in sorted(norms.items())
         if norm <= 0 or abs(math.log(norm) - center) > limit
     ]
+
+
+def _within_factor(norms: Iterable[float], factor: float) -> bool:
+    """All norms positive and within ``factor`` of each other, with room to spare
+    for rounding: then none is further than ``log(factor)`` from the median of
+    their logs, which lies between the smallest and the largest, so none stands
+    out (the usual step, told apart without a logarithm or a median)."""
+    low, high = min(norms), max(norms)
+    return low > 0 and high < low * factor * (1 - 1e-9)
 
 
 def store(conn: Connection, beats: list[dict[str, Any]], run_ids: RunIds, factor: float) -> None:

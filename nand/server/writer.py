@@ -364,17 +364,21 @@ def _touch_runs(
     stats: dict[int, dict[str, Any]] = {}
     for message in fresh:
         run_id = run_ids.of(message)
-        entry = stats.setdefault(run_id, {"rid": run_id, "now": now, "step": 0, "n": 0, "ws": 0})
-        body = message["body"]
-        kind = message["kind"]
-        if kind in ("heartbeat", "bye"):
-            entry["step"] = max(entry["step"], body["step"])
+        entry = stats.get(run_id)
+        if entry is None:
+            entry = stats[run_id] = {"rid": run_id, "now": now, "step": 0, "n": 0, "ws": 0}
+        kind, body = message["kind"], message["body"]
+        world = message["rank"] + 1
+        if kind == "heartbeat" or kind == "bye":
+            if body["step"] > entry["step"]:
+                entry["step"] = body["step"]
         elif kind == "event":
             entry["n"] += 1
-            entry["ws"] = max(entry["ws"], build.int_or_zero(body["event"].get("world_size")))
+            world = max(world, build.int_or_zero(body["event"].get("world_size")))
         elif kind == "hello":
-            entry["ws"] = max(entry["ws"], body["world_size"])
-        entry["ws"] = max(entry["ws"], message["rank"] + 1)
+            world = max(world, body["world_size"])
+        if world > entry["ws"]:
+            entry["ws"] = world
     conn.execute(_RUN_TOUCH, list(stats.values()))
 
 
