@@ -75,7 +75,9 @@ class Commander:
         """Answer a committed batch with the commands its senders are due."""
         stops = self._pending_stops({m["run"] for _, m in accepted})
         now = time.time()
-        for ident in {ident for ident, m in accepted if (m["run"], m["rank"]) in stops}:
+        for ident in (
+            () if not stops else {ident for ident, m in accepted if (m["run"], m["rank"]) in stops}
+        ):
             peer = self.peers.get(ident)
             if peer is not None and now - peer.commanded >= COMMAND_EVERY_S:
                 self._stop(ident, peer, *stops[(peer.run, peer.rank)], now)
