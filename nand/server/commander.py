@@ -127,9 +127,10 @@ class Commander:
     def _ask_for_flights(self, accepted: Accepted) -> None:
         wanted: dict[tuple[str, int], bytes] = {}
         for ident, message in accepted:
+            if message["kind"] != "event" or message["body"].get("flight"):
+                continue  # (the usual case, told first: once a message, full rate)
             key = (message["run"], message["rank"])
-            bare = message["kind"] == "event" and not message["body"].get("flight")
-            if bare and key not in self._flight_asked:
+            if key not in self._flight_asked:
                 wanted[key] = ident
         if not wanted:
             return
