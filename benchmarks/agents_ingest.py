@@ -17,7 +17,9 @@ heartbeat of an agent that once lost a message carries.
 1. **Throughput**: a ``nand server`` process (SQLite file). After a 3 s
    warm-up, stored messages/s over ``--seconds`` from the database's count of
    the run's ``messages`` rows, and the server process's CPU time per stored
-   message (/proc: what one free core could take, 1e6 / µs per message).
+   message (/proc: what one free core could take, 1e6 / µs per message), and
+   that of its busiest thread, the ingest thread (``--py-spy FILE``: sample the
+   server process over the window with py-spy, ``pip install py-spy``).
    Then each agent flushes and says bye: every message must be acknowledged
    and stored, none dropped (0 lost).
 2. **Count** (``--count-seconds``, 0 to skip): the same agents against the

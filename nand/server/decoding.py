@@ -6,8 +6,8 @@ take a fast path (:func:`_plain_heartbeat`): one unpack and inline tests that
 are each at least as strict as the full checks; anything they do not pass
 plainly — another kind, an odd value, a bad frame — goes through the full
 checks from the start, so every refusal keeps its reason and its text. The
-full checks cost a heartbeat about three times the fast path (thirty function
-calls, most of the ingest thread's decoding time).
+full checks cost a heartbeat more than twice the fast path (thirty function
+calls: 5.6 against 2.4 µs, besides the unpack's 2.6).
 """
 
 from __future__ import annotations

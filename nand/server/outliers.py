@@ -33,7 +33,7 @@ import math
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -160,7 +160,7 @@ _WAITING_SQLITE = (
 _PRUNE = text("DELETE FROM local_grad_norms WHERE run_id = :run_id AND step < :before")
 
 
-def _waiting(conn: Connection, run_id: int, first: int, last: int) -> list[Any]:
+def _waiting(conn: Connection, run_id: int, first: int, last: int) -> Sequence[Any]:
     """``(step, rank, norm)`` of the rows waiting for steps ``first`` to ``last``;
     on SQLite as the driver's tuples (thousands a batch at full rate)."""
     if conn.dialect.name == "sqlite":
