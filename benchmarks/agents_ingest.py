@@ -17,7 +17,9 @@ heartbeat of an agent that once lost a message carries.
 1. **Throughput**: a ``nand server`` process (SQLite file). After a 3 s
    warm-up, stored messages/s over ``--seconds`` from the database's count of
    the run's ``messages`` rows, and the server process's CPU time per stored
-   message (/proc: what one free core could take, 1e6 / µs per message).
+   message (/proc: what one free core could take, 1e6 / µs per message), and
+   that of its busiest thread, the ingest thread (``--py-spy FILE``: sample the
+   server process over the window with py-spy, ``pip install py-spy``).
    Then each agent flushes and says bye: every message must be acknowledged
    and stored, none dropped (0 lost).
 2. **Count** (``--count-seconds``, 0 to skip): the same agents against the
@@ -49,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 from nand.agent.identity import Identity  # noqa: E402
 from nand.agent.transport.server_sink import ServerSink  # noqa: E402
 from nand.events import StepSummary  # noqa: E402
-from nand.server import embedded  # noqa: E402
+from nand.server import collector, embedded  # noqa: E402
 from nand.server.models import Message, Run  # noqa: E402
 from nand.testing import free_port  # noqa: E402
 from tests.server.processes import ServerProcess  # noqa: E402
@@ -115,7 +117,15 @@ def stored(engine: Any, run: str) -> int:
         return int(conn.scalar(statement) or 0)
 
 
-def drive(endpoint: str, db_url: str, opts: argparse.Namespace, seconds: float, cpu: Any) -> dict:
+def drive(
+    endpoint: str,
+    db_url: str,
+    opts: argparse.Namespace,
+    seconds: float,
+    cpu: Any,
+    threads: Any = dict,
+    pid: int | None = None,
+) -> dict:
     """Start the agents, measure a window of ``seconds`` after the warm-up, check nothing lost."""
     run = f"bench-{uuid.uuid4().hex[:8]}"
     args = {"dropped": opts.dropped, "in_flight": opts.in_flight}
@@ -129,9 +139,12 @@ def drive(endpoint: str, db_url: str, opts: argparse.Namespace, seconds: float, 
     for p in procs:
         p.start()
     time.sleep(opts.warmup)
-    n0, c0, t0 = stored(engine, run), cpu(), time.monotonic()
+    spy = _py_spy(pid, seconds, opts.py_spy) if opts.py_spy and pid else None
+    n0, c0, t0, th0 = stored(engine, run), cpu(), time.monotonic(), threads()
     time.sleep(seconds)
-    n1, c1, t1 = stored(engine, run), cpu(), time.monotonic()
+    n1, c1, t1, th1 = stored(engine, run), cpu(), time.monotonic(), threads()
+    if spy is not None:
+        spy.wait()
     results = [out.get(timeout=300) for _ in procs]
     for p in procs:
         p.join()
@@ -141,6 +154,10 @@ def drive(endpoint: str, db_url: str, opts: argparse.Namespace, seconds: float, 
     return {
         "msg_per_s": (n1 - n0) / (t1 - t0),
         "cpu_us": 1e6 * (c1 - c0) / max(n1 - n0, 1),
+        # The busiest thread's CPU per message: the ingest thread (one core at most).
+        "thread_us": 1e6
+        * max((th1[t] - th0.get(t, 0.0) for t in th1), default=0.0)
+        / max(n1 - n0, 1),
         "window": n1 - n0,
         "submitted": submitted,
         "stored": final,
@@ -151,11 +168,35 @@ def drive(endpoint: str, db_url: str, opts: argparse.Namespace, seconds: float, 
     }
 
 
+def thread_cpu(pid: int) -> dict[int, float]:
+    """User + system CPU seconds of each thread of process ``pid`` (Linux /proc)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    seconds = {}
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended
+            continue
+        seconds[int(task)] = (int(fields[11]) + int(fields[12])) / ticks
+    return seconds
+
+
+def _py_spy(pid: int, seconds: float, path: str) -> Any:
+    """Sample the server process with py-spy (``pip install py-spy``) over the window."""
+    import subprocess
+
+    command = ["py-spy", "record", "--pid", str(pid), "--duration", str(int(seconds))]
+    command += ["--format", "raw", "--output", path, "--threads", "--nonblocking"]
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def report(title: str, result: dict) -> None:
     lost = result["submitted"] - result["stored"]
     print(
         f"{title}: {result['msg_per_s']:,.0f} msg/s stored, server CPU {result['cpu_us']:.1f} "
-        f"us/msg (~{1e6 / result['cpu_us']:,.0f} msg/s per core); submitted "
+        f"us/msg, its busiest thread (ingest) {result['thread_us']:.1f} us/msg (~"
+        f"{1e6 / max(result['thread_us'], 1e-9):,.0f} msg/s on one core); submitted "
         f"{result['submitted']:,}, stored {result['stored']:,}, lost {lost}, every message "
         f"acked: {result['all_acked']}, dropped by the agents: {result['dropped'] or 'none'}; "
         f"agents' CPU {result['agent_us']:.1f} us/msg"
@@ -166,7 +207,17 @@ def throughput(opts: argparse.Namespace, root: Path) -> None:
     db_url = f"sqlite:///{root / 'agents.db'}"
     server = ServerProcess(db_url, free_port()).start()
     try:
-        result = drive(server.zmq_endpoint, db_url, opts, opts.seconds, server.cpu_seconds)
+        assert server.proc is not None
+        pid = server.proc.pid
+        result = drive(
+            server.zmq_endpoint,
+            db_url,
+            opts,
+            opts.seconds,
+            server.cpu_seconds,
+            lambda: thread_cpu(pid),
+            pid,
+        )
     finally:
         server.stop()
     report(f"nand server process, {opts.agents} agents, {opts.seconds:g} s", result)
@@ -176,6 +227,7 @@ def count(opts: argparse.Namespace, root: Path) -> None:
     """SQL statements and transactions per stored message, the server in this process."""
     db_url = f"sqlite:///{root / 'count.db'}"
     server = embedded.start(db_url, zmq_endpoint=f"tcp://127.0.0.1:{free_port()}")
+    collector.spare_long_lived()  # as `nand server` does
     engine = server.app.state.nand.engine
     ingest = server.app.state.nand.ingest
     counts = {"statements": 0, "commits": 0}
@@ -244,6 +296,7 @@ def main() -> None:
     parser.add_argument("--count-seconds", type=float, default=10.0)
     parser.add_argument("--in-flight", type=int, default=2000, help="per agent, unacknowledged")
     parser.add_argument("--profile", help="count phase: cProfile the ingest thread into this file")
+    parser.add_argument("--py-spy", help="throughput phase: py-spy the server into this file")
     parser.add_argument("--no-dropped", dest="dropped", action="store_false")
     opts = parser.parse_args()
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")

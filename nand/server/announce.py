@@ -36,6 +36,10 @@ def bye_line(message: dict[str, Any]) -> str:
     return f"run {message['run']}: rank {message['rank']} left at step {step} ({reason})"
 
 
+#: The kinds :func:`stored` logs.
+ANNOUNCED = ("hello", "bye")
+
+
 def stored(messages: Iterable[dict[str, Any]]) -> None:
     """Log the hellos and byes of a committed batch."""
     for message in messages:

@@ -75,7 +75,9 @@ class Commander:
         """Answer a committed batch with the commands its senders are due."""
         stops = self._pending_stops({m["run"] for _, m in accepted})
         now = time.time()
-        for ident in {ident for ident, m in accepted if (m["run"], m["rank"]) in stops}:
+        for ident in (
+            () if not stops else {ident for ident, m in accepted if (m["run"], m["rank"]) in stops}
+        ):
             peer = self.peers.get(ident)
             if peer is not None and now - peer.commanded >= COMMAND_EVERY_S:
                 self._stop(ident, peer, *stops[(peer.run, peer.rank)], now)
@@ -125,9 +127,10 @@ class Commander:
     def _ask_for_flights(self, accepted: Accepted) -> None:
         wanted: dict[tuple[str, int], bytes] = {}
         for ident, message in accepted:
+            if message["kind"] != "event" or message["body"].get("flight"):
+                continue  # (the usual case, told first: once a message, full rate)
             key = (message["run"], message["rank"])
-            bare = message["kind"] == "event" and not message["body"].get("flight")
-            if bare and key not in self._flight_asked:
+            if key not in self._flight_asked:
                 wanted[key] = ident
         if not wanted:
             return

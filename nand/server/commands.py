@@ -174,7 +174,7 @@ def _duration(text: str) -> float:
 
 
 def cmd_server(args: argparse.Namespace) -> int:
-    from nand.server import descriptors, embedded, preflight
+    from nand.server import collector, descriptors, embedded, preflight
     from nand.server.settings import Settings
 
     descriptors.raise_descriptor_limit()
@@ -203,6 +203,7 @@ def cmd_server(args: argparse.Namespace) -> int:
         raise preflight.bind_failed(
             "HTTP", "--http", f"{host}:{port}", exc.errno, exc.strerror or str(exc)
         ) from exc
+    collector.spare_long_lived()  # (after start-up: what exists now lives as long as the server)
     print(f"nand server: http={server.http_url} zmq={server.zmq_endpoint}", flush=True)
     _warn_if_open(host, zmq_endpoint, settings.token)
     stopping.wait()

@@ -89,10 +89,14 @@ def store(
     heartbeats), then recompute ``ranks.dropped`` of the ranks they came from;
     counts ``committed`` already has are left out. The rows written."""
     latest: dict[tuple[str, str], dict[str, Any]] = {}
+    # An agent's heartbeats repeat its counts until it loses another message:
+    # counts equal to its previous heartbeat's in this batch change nothing.
+    previous: dict[str, dict[str, Any]] = {}
     for beat in beats:
         dropped = beat["body"].get("dropped")
-        if not dropped:
+        if not dropped or previous.get(beat["agent"]) == dropped:
             continue
+        previous[beat["agent"]] = dropped
         run_id = run_ids.of(beat)
         for reason, count in dropped.items():
             if committed is not None and committed.has((beat["agent"], reason, run_id), count):

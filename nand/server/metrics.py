@@ -43,6 +43,7 @@ from prometheus_client import (
 from nand.events import RUN_STATES, WARNING_KINDS
 from nand.server import losses
 from nand.server.admission import IDENTITY_REASONS
+from nand.server.observe import observe_all
 from nand.wire import REASONS
 
 __all__ = ["CONTENT_TYPE", "Metrics"]
@@ -176,8 +177,7 @@ class Metrics:
         self._duplicates.inc(duplicates)
         self._acked.inc(acked)
         self._batch_seconds.observe(seconds)
-        for lag in lags:
-            self._lag.observe(max(lag, 0.0))
+        observe_all(self._lag, [max(lag, 0.0) for lag in lags])
 
     def write_error(self) -> None:
         self._write_errors.inc()

@@ -33,11 +33,11 @@ import math
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, delete, exists, select, text
+from sqlalchemy import Connection, bindparam, exists, select, text
 
 from nand.server import alerts
 from nand.server.attempts import RunIds
@@ -84,6 +84,8 @@ def standing_out(norms: Mapping[int, float], factor: float) -> list[Outlier]:
     """
     if len(norms) < MIN_RANKS:
         return []
+    if _within_factor(norms.values(), factor):
+        return []
     logs = {rank: math.log(norm) for rank, norm in norms.items() if norm > 0}
     if len(logs) * 2 <= len(norms):
         return []  # most ranks had no gradient at all: nothing to measure against
@@ -96,6 +98,15 @@ def standing_out(norms: Mapping[int, float], factor: float) -> list[Outlier]:
         for rank, norm in sorted(norms.items())
         if norm <= 0 or abs(math.log(norm) - center) > limit
     ]
+
+
+def _within_factor(norms: Iterable[float], factor: float) -> bool:
+    """All norms positive and within ``factor`` of each other, with room to spare
+    for rounding: then none is further than ``log(factor)`` from the median of
+    their logs, which lies between the smallest and the largest, so none stands
+    out (the usual step, told apart without a logarithm or a median)."""
+    low, high = min(norms), max(norms)
+    return low > 0 and high < low * factor * (1 - 1e-9)
 
 
 def store(conn: Connection, beats: list[dict[str, Any]], run_ids: RunIds, factor: float) -> None:
@@ -116,7 +127,7 @@ def _store_run(
     complete steps are compared (and their waiting rows deleted), the rest wait."""
     first, last = min(steps), max(steps)
     world_size = conn.execute(_WORLD_SIZE, {"run_id": run_id}).scalar_one()
-    waiting = conn.execute(_WAITING, {"run_id": run_id, "first": first, "last": last}).all()
+    waiting = _waiting(conn, run_id, first, last)
     new_rows = [(step, rank) for step, norms in steps.items() for rank in norms]
     for step, rank, norm in waiting:
         steps[step].setdefault(rank, norm)
@@ -143,7 +154,19 @@ _WAITING = text(
     "SELECT step, rank, norm FROM local_grad_norms "
     "WHERE run_id = :run_id AND step BETWEEN :first AND :last"
 )
+_WAITING_SQLITE = (
+    "SELECT step, rank, norm FROM local_grad_norms WHERE run_id = ? AND step BETWEEN ? AND ?"
+)
 _PRUNE = text("DELETE FROM local_grad_norms WHERE run_id = :run_id AND step < :before")
+
+
+def _waiting(conn: Connection, run_id: int, first: int, last: int) -> Sequence[Any]:
+    """``(step, rank, norm)`` of the rows waiting for steps ``first`` to ``last``;
+    on SQLite as the driver's tuples (thousands a batch at full rate)."""
+    if conn.dialect.name == "sqlite":
+        found = conn.exec_driver_sql(_WAITING_SQLITE, (run_id, first, last))
+        return found.cursor.fetchall()
+    return list(conn.execute(_WAITING, {"run_id": run_id, "first": first, "last": last}))
 
 
 def _insert_waiting(conn: Connection, rows: list[tuple[int, int, int, float]]) -> None:
@@ -166,11 +189,12 @@ def _insert_waiting(conn: Connection, rows: list[tuple[int, int, int, float]]) -
 def _forget(conn: Connection, run_id: int, steps: list[int]) -> None:
     """Delete the waiting rows of steps now compared."""
     for at in range(0, len(steps), 500):  # (bounded statements)
-        conn.execute(
-            delete(LocalGradNorm).where(
-                LocalGradNorm.run_id == run_id, LocalGradNorm.step.in_(steps[at : at + 500])
-            )
-        )
+        conn.execute(_FORGET, {"run_id": run_id, "steps": steps[at : at + 500]})
+
+
+_FORGET = text("DELETE FROM local_grad_norms WHERE run_id = :run_id AND step IN :steps").bindparams(
+    bindparam("steps", expanding=True)
+)
 
 
 def _warn(conn: Connection, run_id: int, step: int, outlier: Outlier) -> None:

@@ -99,10 +99,13 @@ def _write_batch(
         result.stored = len(fresh)
         written: list[dict[str, Any]] = []
         if fresh:
-            written = _store(conn, fresh, run_ids, now, grad_outlier_factor, drops)
-            result.events = sum(1 for m in fresh if m["kind"] == "event")
+            by_kind: dict[str, list[dict[str, Any]]] = defaultdict(list)
+            for message in fresh:
+                by_kind[message["kind"]].append(message)
+            written = _store(conn, fresh, by_kind, run_ids, now, grad_outlier_factor, drops)
+            result.events = len(by_kind["event"])
             result.runs = {m["run"] for m in fresh}
-            result.kinds = Counter(m["kind"] for m in fresh)
+            result.kinds = Counter({kind: len(some) for kind, some in by_kind.items() if some})
     if drops is not None:
         drops.add(written)  # committed now
     return result
@@ -114,8 +117,11 @@ def _first_sent(messages: Iterable[dict[str, Any]], now: float) -> dict[str, flo
     brought its first message (the dashboard's strip and charts start there)."""
     first: dict[str, float] = {}
     for message in messages:
-        sent = min(now, message["time"])
-        first[message["run"]] = min(first.get(message["run"], sent), sent)
+        run, sent = message["run"], message["time"]
+        if sent < first.get(run, now):
+            first[run] = sent
+        elif run not in first:
+            first[run] = now
     return first
 
 
@@ -179,15 +185,14 @@ def insert_rows(
 def _store(
     conn: Connection,
     fresh: list[dict[str, Any]],
+    by_kind: dict[str, list[dict[str, Any]]],
     run_ids: RunIds,
     now: float,
     grad_outlier_factor: float,
     drops: losses.Committed | None,
 ) -> list[dict[str, Any]]:
-    """Everything but the dedup keys; the drop rows written (``losses.store``)."""
-    by_kind: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for message in fresh:
-        by_kind[message["kind"]].append(message)
+    """Everything but the dedup keys (``by_kind``: ``fresh`` by kind, a defaultdict);
+    the drop rows written (``losses.store``)."""
     rank_ids = _ensure_ranks(conn, fresh, run_ids, now)
     _store_hellos(conn, by_kind["hello"], run_ids, rank_ids)
     _store_heartbeats(conn, by_kind["heartbeat"], run_ids, rank_ids, now)
@@ -364,17 +369,21 @@ def _touch_runs(
     stats: dict[int, dict[str, Any]] = {}
     for message in fresh:
         run_id = run_ids.of(message)
-        entry = stats.setdefault(run_id, {"rid": run_id, "now": now, "step": 0, "n": 0, "ws": 0})
-        body = message["body"]
-        kind = message["kind"]
-        if kind in ("heartbeat", "bye"):
-            entry["step"] = max(entry["step"], body["step"])
+        entry = stats.get(run_id)
+        if entry is None:
+            entry = stats[run_id] = {"rid": run_id, "now": now, "step": 0, "n": 0, "ws": 0}
+        kind, body = message["kind"], message["body"]
+        world = message["rank"] + 1
+        if kind == "heartbeat" or kind == "bye":
+            if body["step"] > entry["step"]:
+                entry["step"] = body["step"]
         elif kind == "event":
             entry["n"] += 1
-            entry["ws"] = max(entry["ws"], build.int_or_zero(body["event"].get("world_size")))
+            world = max(world, build.int_or_zero(body["event"].get("world_size")))
         elif kind == "hello":
-            entry["ws"] = max(entry["ws"], body["world_size"])
-        entry["ws"] = max(entry["ws"], message["rank"] + 1)
+            world = max(world, body["world_size"])
+        if world > entry["ws"]:
+            entry["ws"] = world
     conn.execute(_RUN_TOUCH, list(stats.values()))
 
 
