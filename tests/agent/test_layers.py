@@ -96,4 +96,4 @@ def test_no_module_imports_itself_back():
 
 def test_the_check_sees_a_known_import():
     # The graph is read right: watch wires the layers, so it imports each.
-    assert {"detect.hooks", "step.boundary", "output.session"} <= graph()["watch"]
+    assert {"detect.hooks", "step.build", "output.session"} <= graph()["watch"]

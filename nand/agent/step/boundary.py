@@ -57,25 +57,28 @@ class Boundary:
     def __init__(
         self,
         buf: ProbeBuffer,
+        *,
         who: Identity,
         recorder: FlightRecorder,
-        n_modules: int,
         root_type: str,
         agree: bool,
+        slots: CompiledSlots | None = None,
+        params: ParamSource | None = None,
+        fingerprints: Fingerprints | None = None,
+        deferred: bool = False,
+        skip_on_device: bool = False,
     ) -> None:
         self.buf = buf
         self.who = who
         self.recorder = recorder
-        self.n_modules = n_modules
+        self.n_modules = len(recorder.modules)
         self.root_type = root_type
-        self.agree = agree  # all-reduce the flag (policy skip/stop, torch.distributed up)
-        self.amp: AmpWatch | None = None
-        #: Probes taken under torch.compile (see compiled.py).
-        self.slots: CompiledSlots | None = None
+        self.agree = agree  # all-reduce the flag (agrees_across_ranks, torch.distributed up)
+        self.amp: AmpWatch | None = None  # (adopted when a GradScaler steps the optimizer)
+        self.slots = slots  # probes taken under torch.compile (see compiled.py)
         #: DDP: this rank's gradients checked before the all-reduce (see ddp.py).
         self.ddp: LocalGradCheck | None = None
-        #: A wrapper (DDP, FSDP) averages gradients across ranks.
-        self.grads_reduced = False
+        self.grads_reduced = False  # a wrapper (DDP, FSDP) averages gradients across ranks
         #: FSDP all-gathers parameters: a shard's NaN reaches every rank's forward.
         self.params_gathered = False
         self.loss_tensor: Tensor | None = None
@@ -92,8 +95,7 @@ class Boundary:
         #: The norms of the last window read, and where gradients and parameters sat.
         self.read_norms: list[float] = []
         self.read_spans: dict[str, tuple[int, int]] = {}
-        #: Slow path: a forward finding explained by a non-finite parameter.
-        self.params: ParamSource | None = None
+        self.params = params  # slow path: a forward finding explained by a non-finite param
         #: Deferred read (``read="deferred"``): each window is read one boundary late.
         self.deferred: DeferredRead[tuple[Window, list[str], bool]] | None = None
         #: Deferred ``skip``: the window's non-finite flag, on the device (see ``_put``).
@@ -101,8 +103,9 @@ class Boundary:
         self.flag: Tensor | None = None
         #: The step of the window read last (deferred: the one before ``check``'s).
         self.read_step = 0
-        #: DDP replicas' fingerprints, taken here every N steps (see fingerprint.py).
-        self.fingerprints: Fingerprints | None = None
+        self.fingerprints = fingerprints  # DDP replicas', taken every N steps (fingerprint.py)
+        if deferred:  # (read_mode in deferred.py)
+            self.defer(skip_on_device)
 
     def wrapped_in(self, wrapper: Any, local_check: bool) -> None:
         """The watched model runs inside ``wrapper`` (DDP, FSDP): its gradients

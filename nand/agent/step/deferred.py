@@ -55,11 +55,11 @@ def read_mode(settings: AgentConfig, model: nn.Module, optimizer: Any) -> tuple[
     ``skip`` the optimizer cannot do on the device falls back to sync, said once.
     """
     policy, read = settings.on_nonfinite, settings.read
-    if read == "sync" or policy in ("raise", "stop") or settings.disabled:
+    if read == "sync" or policy.reads_in_sync or settings.disabled:
         return False, False
     p = next(model.parameters(), None)
     wanted = read == "deferred" or (p is not None and p.is_cuda)
-    if policy != "skip" or not wanted:
+    if not policy.skips_update or not wanted:
         return wanted, False
     if optimizer is not None and skips_on_device(optimizer):
         return True, True
