@@ -238,11 +238,13 @@ class ServerSink:
                 if self._hello_due and kind != "hello":
                     self._hello_due = False
                     self._seq += 1
+                    hello = self._hello_body
+                    at = time.time()
                     self._mailbox.put(
-                        Outgoing("hello", self._seq, time.time(), self._hello_body, True)
+                        Outgoing(kind="hello", seq=self._seq, time=at, body=hello, keep=True)
                     )
                 self._seq += 1
-                message = Outgoing(kind, self._seq, time.time(), body, keep)
+                message = Outgoing(kind=kind, seq=self._seq, time=time.time(), body=body, keep=keep)
                 self._mailbox.put(message)
                 sender = self._ensure_sender()
                 wake = wake or len(self._mailbox.intake) >= self._mailbox.capacity // 2
@@ -269,7 +271,7 @@ class ServerSink:
         sender = self._sender
         if sender is not None:
             return sender
-        envelope = Envelope(self.agent, self.identity.run, self.identity.rank)
+        envelope = Envelope(agent=self.agent, run=self.identity.run, rank=self.identity.rank)
         path = spool_path(self.settings.spool_dir, self.identity.run, self.identity.rank)
         sender = Sender(
             self.endpoint, envelope, self._mailbox, self.settings, path, on_idle=self._keepalive
