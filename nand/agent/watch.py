@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from nand.agent import patches
 from nand.agent.detect import amp, ddp
 from nand.agent.detect.compiled import CompiledSlots
 from nand.agent.detect.hooks import Hooks
@@ -93,8 +94,7 @@ class Watch:
         )  # fmt: skip
         self._hooks = Hooks(state)
         self._tiers = Tiers(self._hooks, self._root, self._infos)  # (the mode: see tiers.py)
-        live = optimizer is not None and not settings.disabled
-        cache = param_cache(optimizer, self._root, self._infos, wrapped) if live else None
+        cache = param_cache(settings, optimizer, self._root, self._infos, wrapped)
         self._boundary = build_boundary(
             settings, session, root=self._root, buf=self._buf, recorder=self.recorder,
             slots=self._slots, optimizer=optimizer, params=cache, read=(deferred, on_device),
@@ -129,7 +129,7 @@ class Watch:
             if scaler is not None:
                 self._adopt_scaler(scaler)
             # Frameworks make their own scaler: learn it when it steps this optimizer.
-            self._unlisten = amp.listen(optimizer, self._adopt_scaler)
+            self._unlisten = patches.listen_to_scalers(optimizer, self._adopt_scaler)
         # A wrapper nand was not given (HF Trainer, accelerate's DDP): found at its first call.
         if model is self._root and distributed_up() and self.session.who.world_size > 1:
             self._looking = ddp.find_wrapper(self._root, self._found_wrapper)

@@ -29,9 +29,16 @@ from nand.config import AgentConfig
 
 
 def param_cache(
-    optimizer: Any, root: nn.Module, infos: dict[nn.Module, ModuleInfo], wrapped: bool
-) -> ParamCache:
-    """The optimizer's parameters by name, for its hooks and for the boundary."""
+    settings: AgentConfig,
+    optimizer: Any,
+    root: nn.Module,
+    infos: dict[nn.Module, ModuleInfo],
+    wrapped: bool,
+) -> ParamCache | None:
+    """The optimizer's parameters by name, for its hooks and for the boundary
+    (None: no optimizer, or a watch that is disabled)."""
+    if optimizer is None or settings.disabled:
+        return None
     owners = {module: (info.name, info.type) for module, info in infos.items()}
     return ParamCache(optimizer, param_owners(root, owners, wrapped))
 

@@ -27,7 +27,6 @@ event, so the tests exercise the ordering on any machine.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import weakref
 from collections import deque
@@ -37,6 +36,7 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch import Tensor, nn
 
+from nand.agent import patches
 from nand.agent.detect.optimizer import skips_on_device
 from nand.config import AgentConfig
 
@@ -142,8 +142,7 @@ def flush_at_exit(flush: Callable[[], None]) -> None:
     lives: a watch never closed still reports the window it had not read.
     Registered on first use, so it runs before the transport's own exit
     handler (registered at import, and ``atexit`` runs the last first)."""
-    if not _at_exit:
-        atexit.register(_flush_all)
+    patches.at_exit("deferred reads", _flush_all)  # (once)
     _at_exit[:] = [ref for ref in _at_exit if ref() is not None]  # (watches gone)
     _at_exit.append(weakref.WeakMethod(flush))
 

@@ -34,7 +34,8 @@ child gets a fresh agent id, no thread and no socket; they are re-created on
 its first message, which is preceded by a hello with its pid.
 
 >>> import tempfile
->>> from nand.agent.identity import Identity
+>>> from nand.agent import patches
+from nand.agent.identity import Identity
 >>> me = Identity(run="r1", rank=0, local_rank=0, world_size=1, host="h", pid=1)
 >>> sink = ServerSink("tcp://127.0.0.1:1", me, spool_dir=tempfile.mkdtemp())
 >>> sink.heartbeat(StepSummary(step=1))
@@ -45,7 +46,6 @@ its first message, which is preceded by a hello with its pid.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
 import os
@@ -57,6 +57,7 @@ import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from nand.agent import patches
 from nand.agent.identity import Identity
 from nand.agent.transport.frames import Envelope
 from nand.agent.transport.mailbox import Mailbox, Outgoing
@@ -346,6 +347,5 @@ def _after_fork_in_child() -> None:
             log.warning("nand: could not reset the transport after fork: %r", exc)
 
 
-atexit.register(_close_all_at_exit)
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+patches.at_exit("transport", _close_all_at_exit)
+patches.after_fork_in_child("transport", _after_fork_in_child)
