@@ -37,7 +37,13 @@ def per_call_us(call: Callable[[StepRow], object], rows: list[StepRow]) -> float
 def main() -> None:
     norms = [0.5 + 0.01 * i for i in range(60)]
     rows = [
-        StepRow(step, [0.1, 0.2] * 40, [None] * 40, [], loss=2.0 + 0.01 * (step % 7))
+        StepRow(
+            step=step,
+            values=[0.1, 0.2] * 40,
+            sites=[None] * 40,
+            norm_sites=[],
+            loss=2.0 + 0.01 * (step % 7),
+        )
         for step in range(STEPS)
     ]
     watch = BlowUpWatch(rank=0)

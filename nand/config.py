@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from nand.errors import ConfigError
+from nand.policy import OnNonfinite
 from nand.runids import run_problem
 
 # --- agent ------------------------------------------------------------------
@@ -299,8 +300,6 @@ class TransportConfig:
             raise ConfigError("queue_max and window must be >= 1 and ack_timeout_s > 0")
 
 
-Policy = Literal["warn", "raise", "skip", "stop"]
-POLICIES: tuple[Policy, ...] = get_args(Policy)
 WarningPolicy = Literal["log", "raise", "skip"]
 WARNING_POLICIES: tuple[WarningPolicy, ...] = get_args(WarningPolicy)
 Read = Literal["auto", "sync", "deferred"]
@@ -314,7 +313,8 @@ class AgentConfig:
     """What one ``nand.watch`` runs with: its arguments, else ``NAND_*``, else
     the defaults written here (and nowhere else)."""
 
-    on_nonfinite: Policy = "warn"
+    #: Given as a string (``"warn"``…); held as the enum (``nand/policy.py``).
+    on_nonfinite: OnNonfinite = OnNonfinite.WARN
     on_warning: WarningPolicy = "log"
     read: Read = "auto"
     mode: Mode = "full"
@@ -379,13 +379,14 @@ class AgentConfig:
     def __post_init__(self) -> None:
         """Raise :class:`ConfigError` naming the first value that makes no sense
         (here, so that no AgentConfig, however made, holds one)."""
-        choices = {"on_nonfinite": POLICIES, "on_warning": WARNING_POLICIES, "read": READS}
-        for name, allowed in {**choices, "mode": MODES}.items():
+        object.__setattr__(self, "on_nonfinite", OnNonfinite.parse(self.on_nonfinite))  # (frozen)
+        choices = {"on_warning": WARNING_POLICIES, "read": READS, "mode": MODES}
+        for name, allowed in choices.items():
             if (value := getattr(self, name)) not in allowed:
                 raise ConfigError(f"{name}={value!r}: use one of {', '.join(allowed)}")
-        if self.read == "deferred" and self.on_nonfinite in ("raise", "stop"):
+        if self.read == "deferred" and self.on_nonfinite.reads_in_sync:
             raise ConfigError(
-                f"read='deferred' with on_nonfinite={self.on_nonfinite!r}: the decision to "
+                f"read='deferred' with on_nonfinite='{self.on_nonfinite}': the decision to "
                 "raise is taken before the update, so it reads in sync; use 'auto' or 'sync'"
             )
         if self.flight_steps < 1 or self.max_events < 1:

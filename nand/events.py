@@ -121,7 +121,7 @@ def cause_of(value: str) -> Cause:
     raise ValueError(f"unknown cause {value!r}; known: {', '.join(CAUSES)}")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Event:
     """One non-finite observation on one rank.
 
@@ -245,7 +245,7 @@ def replay_words(event: Event) -> str:
     return f"made by {where}; the replay made it again (look at the batch, the layer)"
 
 
-@dataclass
+@dataclass(kw_only=True)
 class StepSummary:
     """What a heartbeat says about the training progress of one rank.
 
@@ -281,7 +281,7 @@ class StepSummary:
         return cls(**{k: v for k, v in data.items() if k in known})
 
 
-@dataclass
+@dataclass(kw_only=True)
 class FlightWindow:
     """The telemetry of the last N steps before an incident ("flight recorder").
 
@@ -319,7 +319,7 @@ def finite_or_none(value: float | None) -> float | None:
     return value
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Alert:
     """An early warning on one rank: still finite, but heading for trouble.
 

@@ -19,12 +19,14 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from nand.agent import patches
 from nand.agent.detect import amp, ddp
 from nand.agent.detect.compiled import CompiledSlots
 from nand.agent.detect.hooks import Hooks
 from nand.agent.detect.modules import described, module_table
-from nand.agent.detect.names import param_owners, unwrap
+from nand.agent.detect.names import unwrap
 from nand.agent.detect.optimizer import OptimizerHooks
+from nand.agent.detect.param_cache import ParamCache
 from nand.agent.detect.probes import ProbeBuffer
 from nand.agent.detect.state import HookState
 from nand.agent.detect.tiers import Tiers
@@ -32,9 +34,9 @@ from nand.agent.identity import distributed_up
 from nand.agent.output.session import Session
 from nand.agent.rerun import Rerun
 from nand.agent.safety import Guard
-from nand.agent.step.boundary import Boundary
+from nand.agent.step.build import build_boundary, param_cache
 from nand.agent.step.deferred import flush_at_exit, read_mode
-from nand.agent.step.fingerprint import Fingerprints, ended_cleanly
+from nand.agent.step.fingerprint import ended_cleanly
 from nand.agent.step.incidents import Incidents
 from nand.agent.step.policy import StepPolicy
 from nand.agent.step.recorder import FlightRecorder
@@ -68,8 +70,6 @@ class Watch:
         """With ``settings.disabled`` (``NAND_DISABLE=1``): an inert watch,
         nothing installed on the model, the optimizer, DDP or the scaler."""
         self.settings = settings
-        self.policy = settings.on_nonfinite
-        self._policy = StepPolicy(self.policy, self._drop_grads, on_stop, settings.on_warning)
         self.session = session
         self.step = 0
         self._incidents = Incidents(settings.max_events)
@@ -82,14 +82,23 @@ class Watch:
         names = [info.name for info in self._infos.values()]
         self.recorder = FlightRecorder(settings.flight_steps, names)
         self._slots = CompiledSlots.for_model(self._root, self._infos.values())
-        state = HookState(self._buf, self._guard, self._slots)
-        state.window_full = self._window_full
+        deferred, on_device = read_mode(settings, self._root, optimizer)  # (step/deferred.py)
+        self._policy = StepPolicy(
+            settings.on_nonfinite, drop_grads=self._drop_grads, on_stop=on_stop,
+            on_warning=settings.on_warning, lagged=deferred,
+        )  # fmt: skip
+        root_step = self._root_step if optimizer is None else None  # (each root call a step)
+        state = HookState(
+            self._buf, self._guard, self._slots,
+            before_root=root_step, window_full=self._window_full,
+        )  # fmt: skip
         self._hooks = Hooks(state)
         self._tiers = Tiers(self._hooks, self._root, self._infos)  # (the mode: see tiers.py)
-        agree = self.policy in ("skip", "stop") and distributed_up() and session.who.world_size > 1
-        kind = type(self._root).__name__
-        self._boundary = Boundary(self._buf, session.who, self.recorder, len(names), kind, agree)
-        self._boundary.slots = self._slots
+        cache = param_cache(settings, optimizer, self._root, self._infos, wrapped)
+        self._boundary = build_boundary(
+            settings, session, root=self._root, buf=self._buf, recorder=self.recorder,
+            slots=self._slots, optimizer=optimizer, params=cache, read=(deferred, on_device),
+        )  # fmt: skip
         self._opt: OptimizerHooks | None = None
         self._amp: amp.AmpWatch | None = None
         self._unlisten: Callable[[], None] | None = None
@@ -99,35 +108,30 @@ class Watch:
             self._closed = True  # nothing to remove, nobody to tell
             self._guard.off = True  # new_batch, loss(): nothing recorded
             return
-        self._install(model, optimizer, scaler, wrapped)
+        self._install(model, optimizer, cache, scaler)
         self.recorder.set_dtype_of(self._root)
         self._hello(optimizer)
 
     def _install(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, scaler: Any, wrapped: bool
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        cache: ParamCache | None,
+        scaler: Any,
     ) -> None:
         """Hook the model, the optimizer, the scaler and the DDP wrapper."""
-        deferred, on_device = read_mode(self.settings, self._root, optimizer)
-        if deferred:  # (see step/deferred.py)
-            self._boundary.defer(on_device)
-            self._policy.lagged = True
+        if self.deferred:
             flush_at_exit(self._exit)
         self._boundary.wrapped_in(model, self.settings.ddp_local_check)  # (DDP: its check)
-        self._boundary.fingerprints = Fingerprints.wanted(
-            self.settings, self._root, self.session, optimizer
-        )
         self._tiers.install(self.settings.mode, model, proxies=not self._boundary.grads_reduced)
-        if optimizer is None:
-            self._hooks.state.before_root = self._root_step
-        else:
-            self._opt = self._hook_optimizer(optimizer, wrapped)
-            self._boundary.params = self._opt.cache
+        if optimizer is not None and cache is not None:
+            self._opt = self._hook_optimizer(optimizer, cache)
             if scaler is not None:
                 self._adopt_scaler(scaler)
             # Frameworks make their own scaler: learn it when it steps this optimizer.
-            self._unlisten = amp.listen(optimizer, self._adopt_scaler)
+            self._unlisten = patches.listen_to_scalers(optimizer, self._adopt_scaler)
         # A wrapper nand was not given (HF Trainer, accelerate's DDP): found at its first call.
-        if not wrapped and distributed_up() and self.session.who.world_size > 1:
+        if model is self._root and distributed_up() and self.session.who.world_size > 1:
             self._looking = ddp.find_wrapper(self._root, self._found_wrapper)
         self._rerun.install(self.settings.replays)  # (after nand's own root hooks: see rerun)
 
@@ -242,14 +246,8 @@ class Watch:
             self._looking = None
         outcome = self._guarded_check(skipped=False)
         self._serve_session()
-        if outcome is not None:
-            if outcome.overflow:
-                if not self._policy.lagged:
-                    self._drop_grads()  # a fused optimizer got found_inf; nothing to apply
-            elif outcome.event is not None or outcome.any_rank_bad:
-                self._policy.apply(outcome, self._boundary.read_step)
-            else:  # early warnings of a clean step (step/blowup.py)
-                self._policy.alerted(outcome.alerts, self._boundary.read_step)
+        if outcome is not None:  # (the policy: see step/policy.py)
+            self._policy.act(outcome, self._boundary.read_step)
         if not self._guard.off:  # switched off by its own error: nothing counted from here on
             self.step += 1
 
@@ -381,11 +379,12 @@ class Watch:
 
     # --- setup ------------------------------------------------------------------
 
-    def _hook_optimizer(self, optimizer: torch.optim.Optimizer, wrapped: bool) -> OptimizerHooks:
-        owners = {module: (info.name, info.type) for module, info in self._infos.items()}
+    def _hook_optimizer(
+        self, optimizer: torch.optim.Optimizer, cache: ParamCache
+    ) -> OptimizerHooks:
         return OptimizerHooks(
-            optimizer, self._buf, self._guard, param_owners(self._root, owners, wrapped),
-            self._on_step, window=self._boundary, evaluated=self._on_evaluation,
+            optimizer, self._buf, self._guard, cache, self._on_step, window=self._boundary,
+            evaluated=self._on_evaluation,
             # Deferred, no plan can wait for the window read one step late.
             read_params_every_step=self.settings.read_params_every_step or self.deferred,
         )  # fmt: skip
@@ -394,7 +393,8 @@ class Watch:
         p = next(iter(self._root.parameters()), None)
         optimizer_type = type(optimizer).__name__ if optimizer is not None else None
         device = str(p.device) if p is not None else "cpu"
-        self.session.hello(device, described(self._infos), optimizer_type, self.policy)
+        policy = self.settings.on_nonfinite
+        self.session.hello(device, described(self._infos), optimizer_type, policy)
 
     def _summary(self, steps_per_s: float) -> StepSummary:  # (a heartbeat's)
         return self.recorder.summary(self.step, steps_per_s, self._amp)

@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 import nand
 from nand.demo.faults import Fault, maybe_explode_lr, plant, plant_in_optimizer, poison_batch
 from nand.demo.model import TinyGPT, make_batch
+from nand.policy import OnNonfinite
 
 EXIT_NONFINITE = 3
 EXIT_STOPPED = 4
@@ -40,7 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--fault", type=Fault.parse, default=None, help="e.g. overflow:rank=1:step=30"
     )
-    parser.add_argument("--policy", choices=("warn", "raise", "skip", "stop"), default="raise")
+    parser.add_argument("--policy", choices=[p.value for p in OnNonfinite], default="raise")
     parser.add_argument("--fsdp", action="store_true", help="FSDP2 fully_shard instead of DDP")
     parser.add_argument(
         "--no-dist", action="store_true", help="independent ranks: no process group, no DDP"

@@ -21,7 +21,7 @@ from tests.integrations.zoo import case
 
 
 def row(step: int, loss: float | None) -> StepRow:
-    return StepRow(step, [], [], [], loss=loss)
+    return StepRow(step=step, values=[], sites=[], norm_sites=[], loss=loss)
 
 
 def feed(watch: BlowUpWatch, losses: list[float], norms: list[float] | None = None) -> list:

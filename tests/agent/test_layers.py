@@ -16,7 +16,7 @@ AGENT = Path(__file__).resolve().parents[2] / "nand" / "agent"
 #: Lowest first. Modules at the top of nand/agent outside this list are shared
 #: by all (identity, sink, safety); watch wires everything, api is the entry point.
 LAYERS = ["transport", "output", "detect", "step", "rerun", "watch", "api"]
-SHARED = {"identity", "sink", "safety", "__init__"}
+SHARED = {"identity", "sink", "safety", "patches", "__init__"}
 
 
 def module_name(path: Path) -> str:
@@ -96,4 +96,4 @@ def test_no_module_imports_itself_back():
 
 def test_the_check_sees_a_known_import():
     # The graph is read right: watch wires the layers, so it imports each.
-    assert {"detect.hooks", "step.boundary", "output.session"} <= graph()["watch"]
+    assert {"detect.hooks", "step.build", "output.session"} <= graph()["watch"]

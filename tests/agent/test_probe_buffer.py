@@ -14,7 +14,7 @@ from nand.agent.detect.probes import SLAB_START, ProbeBuffer, Site
 
 
 def site(name: str) -> Site:
-    return Site("forward", name, "Linear")
+    return Site(phase="forward", module=name, module_type="Linear")
 
 
 def read(buf: ProbeBuffer) -> list[float]:

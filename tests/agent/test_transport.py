@@ -298,10 +298,16 @@ def test_the_sender_never_holds_more_frames_than_queue_max_even_mid_batch(tmp_pa
     settings = TransportConfig.resolve(queue_max=5, spool_dir=tmp_path)
     mailbox = Mailbox(settings.queue_max)
     sender = Sender(
-        "tcp://127.0.0.1:9", Envelope("a1", "run-t", 1), mailbox, settings, tmp_path / "spool"
+        "tcp://127.0.0.1:9",
+        Envelope(agent="a1", run="run-t", rank=1),
+        mailbox,
+        settings,
+        tmp_path / "spool",
     )
     sender.outbox.queue = recording = _DequeThatRecordsItsPeak()
-    sender._route([Outgoing("heartbeat", seq, 0.0, {"step": seq}) for seq in range(1, 13)])
+    sender._route(
+        [Outgoing(kind="heartbeat", seq=seq, time=0.0, body={"step": seq}) for seq in range(1, 13)]
+    )
     assert recording.peak <= 5
     assert sender.mode == "spool" and sender.stats["spooled"] == 12
     seqs = [wire.decode(payload)["seq"] for _, payload in sp.read_records(tmp_path / "spool")]

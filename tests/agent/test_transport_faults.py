@@ -284,8 +284,11 @@ def test_a_frame_the_spool_cannot_take_waits_in_memory_with_those_after_it_all_c
     settings = TransportConfig.resolve(queue_max=4, spool_dir=tmp_path)
     outbox = Outbox("a1", settings, backlog, mailbox, {"spooled": 0})
     outbox.mode = "spool"  # the server is away
-    frames = [Frame("a1", seq, "heartbeat", False, b"beat%d" % seq) for seq in range(1, 9)]
-    frames[1] = Frame("a1", 2, "novel", True, b"novel")
+    frames = [
+        Frame(agent="a1", seq=seq, kind="heartbeat", keep=False, data=b"beat%d" % seq)
+        for seq in range(1, 9)
+    ]
+    frames[1] = Frame(agent="a1", seq=2, kind="novel", keep=True, data=b"novel")
     for frame in frames:
         outbox.add(frame)
     assert [payload for _, payload in sp.read_records(path)] == [b"beat1"]

@@ -14,16 +14,14 @@ Reported gradient figures are divided by the scale that was in effect.
 Nobody needs to tell nand which scaler is in use: Lightning
 (``precision="16-mixed"``), HF ``Trainer`` (``fp16=True``) and accelerate
 create their own. While a watch with an optimizer is open, ``GradScaler.step``
-is wrapped on the class (:func:`listen`): when a scaler steps a watched
-optimizer, that watch adopts it, before the scaler unscales or steps anything.
-The class is restored when the last such watch is closed or, never closed,
-garbage collected (its model and optimizer gone).
+is wrapped on the class (``nand/agent/patches.py``, which owns every change
+nand makes to the process): when a scaler steps a watched optimizer, that
+watch adopts it (:class:`AmpWatch`), before the scaler unscales or steps anything.
 """
 
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -109,55 +107,3 @@ class AmpWatch:
         if not self.stepped():
             self.skipped_step()
         self._update(new_scale)
-
-
-#: The class whose ``step`` meets the optimizer (torch.cuda.amp's subclasses it).
-_SCALER_CLASS: Any = torch.amp.GradScaler
-#: id(optimizer) -> the watch's "a scaler steps my optimizer" method, held weakly.
-_listeners: dict[int, weakref.WeakMethod[Callable[[Any], None]]] = {}
-_original_step: Any = None
-
-
-def listen(optimizer: Any, adopt: Callable[[Any], None]) -> Callable[[], None]:
-    """Call ``adopt(scaler)`` whenever a GradScaler steps ``optimizer``; returns
-    the function that stops listening. The wrap comes off the class with the
-    last listener: at its ``close``, or once its watch is garbage collected
-    (a watch never closed must not leave the class patched for the process)."""
-    global _original_step
-    if _original_step is None:
-        _original_step = _SCALER_CLASS.step
-        _SCALER_CLASS.step = _scaler_step
-    key = id(optimizer)
-    reference = weakref.WeakMethod(adopt)
-    _listeners[key] = reference
-
-    def unlisten() -> None:
-        if _listeners.get(key) is reference:  # (not a later watch's of the same optimizer)
-            del _listeners[key]
-        _restore_when_unheard()
-
-    # Held by weakref's registry, not by the watch: runs when the watch is collected.
-    collected = weakref.finalize(getattr(adopt, "__self__", adopt), unlisten)
-    collected.atexit = False
-    return unlisten
-
-
-def _restore_when_unheard() -> None:
-    """Put ``GradScaler.step`` back once no live watch listens."""
-    global _original_step
-    if any(reference() is not None for reference in list(_listeners.values())):
-        return
-    _listeners.clear()  # (only watches that are gone)
-    if _original_step is not None:
-        if _SCALER_CLASS.__dict__.get("step") is _scaler_step:
-            _SCALER_CLASS.step = _original_step
-        _original_step = None
-
-
-def _scaler_step(self: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-    """``GradScaler.step`` while a watch listens: tell it, then step as usual."""
-    reference = _listeners.get(id(optimizer))
-    adopt = reference() if reference is not None else None
-    if adopt is not None:
-        adopt(self)  # guarded by the watch: never raises into the loop
-    return _original_step(self, optimizer, *args, **kwargs)

@@ -123,7 +123,7 @@ class ModuleInfo:
         """The site of the root's input data at ``slot`` (argument path)."""
         site = self._outputs.get("input:" + slot)
         if site is None:
-            site = Site("input", self.name, self.type, self.index, slot, "input")
+            site = self._site("input", slot, "input")
             self._outputs["input:" + slot] = site
         return site
 
@@ -131,7 +131,7 @@ class ModuleInfo:
         """The site of the gradient arriving at the root output ``slot``."""
         site = self._outputs.get("loss:" + slot)
         if site is None:
-            site = Site("loss", self.name, self.type, self.index, slot, "loss")
+            site = self._site("loss", slot, "loss")
             site.forward = self.output_site(slot)
             self._outputs["loss:" + slot] = site
         return site
@@ -143,11 +143,18 @@ class ModuleInfo:
         return self._inline
 
     def _new_site(self, phase: Phase, slot: str, kind: str) -> Site:
-        site = Site(phase, self.name, self.type, self.index, slot, kind)
-        site.backward = Site("backward", self.name, self.type, self.index, slot, kind)
+        site = self._site(phase, slot, kind)
+        site.backward = self._site("backward", slot, kind)
         site.backward.forward = site
         site.allow_neginf = self.allow_neginf and kind == "output"
         return site
+
+    def _site(self, phase: Phase, slot: str, kind: str) -> Site:
+        """A site of this module (its name, type and place in the table)."""
+        return Site(
+            phase=phase, module=self.name, module_type=self.type, index=self.index, slot=slot,
+            kind=kind,
+        )  # fmt: skip
 
 
 def described(infos: dict[nn.Module, ModuleInfo]) -> list[dict[str, Any]]:

@@ -94,7 +94,7 @@ class OptimizerHooks:
         optimizer: torch.optim.Optimizer,
         buf: ProbeBuffer,
         guard: Guard,
-        names: dict[Any, tuple[str, str]],
+        cache: ParamCache,
         boundary: Callable[[], None],
         window: ReadWindow,
         evaluated: Callable[[int], None],
@@ -103,7 +103,7 @@ class OptimizerHooks:
         self.optimizer = optimizer
         self.buf = buf
         self.guard = guard
-        self.cache = ParamCache(optimizer, names)
+        self.cache = cache  # (built first: the step boundary reads it too)
         self.boundary = boundary  # counts the step when the update goes ahead
         #: A closure evaluated again within one step (LBFGS): its window is checked.
         self.evaluated = evaluated

@@ -140,6 +140,8 @@ class ParamCache:
         if site is None:
             name, owner_type = self.names.get(p, (f"param{len(self._sites)}", ""))
             module = f"{name}:{key}" if key else name
-            site = Site(phase, module, owner_type, -1, key, "norm", param=p)
+            site = Site(
+                phase=phase, module=module, module_type=owner_type, slot=key, kind="norm", param=p
+            )
             self._sites[(id(p), phase, key)] = site
         return site

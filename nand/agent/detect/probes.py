@@ -30,7 +30,7 @@ from nand.events import Phase
 MICRO = None
 
 
-@dataclasses.dataclass(eq=False, slots=True)
+@dataclasses.dataclass(eq=False, slots=True, kw_only=True)
 class Site:
     """Where a probe was taken; one object per (module, phase, output slot).
 

@@ -24,7 +24,15 @@ class HookState:
         "slots", "window_full",
     )  # fmt: skip
 
-    def __init__(self, buf: ProbeBuffer, guard: Guard, slots: CompiledSlots) -> None:
+    def __init__(
+        self,
+        buf: ProbeBuffer,
+        guard: Guard,
+        slots: CompiledSlots,
+        *,
+        before_root: Callable[[], None] | None = None,
+        window_full: Callable[[], None] | None = None,
+    ) -> None:
         self.buf = buf
         self.guard = guard
         #: Where probes go once any hook ran under torch.compile (see compiled.py).
@@ -37,8 +45,8 @@ class HookState:
         #: when a module's hook runs makes it an entry point (entry.py).
         self.depth = 0
         #: Without an optimizer, each root call ends the last step: its boundary.
-        self.before_root: Callable[[], None] | None = None
+        self.before_root = before_root
         #: The buffer passed :data:`MAX_WINDOW` entries: read it now.
-        self.window_full: Callable[[], None] | None = None
+        self.window_full = window_full
         #: Micro-steps are marked by ``Watch.new_batch``, not by root calls.
         self.external_batches = False

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -37,14 +37,14 @@ from nand.events import PHASE_RANK, Cause, Phase
 
 _ACT_KINDS = frozenset({"output", "inline"})
 
-
 #: Below this max|x| no activation can be near any float dtype's limit (fp16:
 #: 65504), so the per-site headroom check is skipped.
 HEADROOM_FRACTION = 0.5
 HEADROOM_FLOOR = HEADROOM_FRACTION * 65504.0
 
 
-class StepRow(NamedTuple):
+@dataclasses.dataclass(slots=True, kw_only=True)
+class StepRow:
     """One step's raw figures, as read; the flight recorder keeps these.
 
     Turning them into per-module telemetry (:func:`telemetry`) happens only
@@ -61,7 +61,7 @@ class StepRow(NamedTuple):
     loss: float | None = None
 
 
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass(slots=True, kw_only=True)
 class Telemetry:
     act: list[float | None]  # per module index: max |activation|
     grad: list[float | None]  # per module index: max |gradient out of it|, unscaled
@@ -118,10 +118,10 @@ def telemetry(row: StepRow, n_modules: int) -> Telemetry:
     squares = [n * n for n, s in zip(norms, row.norm_sites, strict=False) if s.phase == "grad"]
     grad_norm = math.sqrt(sum(squares)) / row.norm_scale if squares else None
     max_act = max((a for a in act if a is not None), default=None)
-    return Telemetry(act, grad, grad_norm, max_act)
+    return Telemetry(act=act, grad=grad, grad_norm=grad_norm, max_act=max_act)
 
 
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass(slots=True, kw_only=True)
 class Finding:
     """The logically first non-finite entry of a step."""
 
@@ -131,7 +131,7 @@ class Finding:
     module_type: str
     micro: int
     order: int
-    call: int
+    call: int = 0  # the module's calls before this one in its micro-step
     lo: float
     hi: float
     cause: Cause
@@ -246,9 +246,10 @@ def _activation_findings(buf: Probed, values: list[float], micro_base: int) -> l
             module = "" if site.phase == "loss" else site.module
             found.append(
                 Finding(
-                    site, site.phase, module, site.module_type, micro, order, call, lo, hi, cause
+                    site=site, phase=site.phase, module=module, module_type=site.module_type,
+                    micro=micro, order=order, call=call, lo=lo, hi=hi, cause=cause,
                 )
-            )
+            )  # fmt: skip
     return found
 
 
@@ -256,11 +257,12 @@ def _backward_finding(
     site: Site, before: Site | None, micro: int, order: int, lo: float, hi: float
 ) -> Finding:
     """A non-finite gradient: blamed on the module whose backward ran just before."""
-    if before is None:  # nothing finite fired before: it came in with the loss gradient
-        return Finding(site, "loss", "", site.module_type, micro, order, 0, lo, hi, "produced")
+    phase: Phase = "loss" if before is None else "backward"  # (none: the loss gradient)
+    owner = site if before is None else before
     return Finding(
-        site, "backward", before.module, before.module_type, micro, order, 0, lo, hi, "produced"
-    )
+        site=site, phase=phase, module=owner.module if before is not None else "",
+        module_type=owner.module_type, micro=micro, order=order, lo=lo, hi=hi, cause="produced",
+    )  # fmt: skip
 
 
 def _norm_findings(
@@ -282,9 +284,10 @@ def _norm_findings(
         cause = grad_cause if site.phase == "grad" else "produced"
         found.append(
             Finding(
-                site, site.phase, site.module, site.module_type, micro, order, 0, norm, norm, cause
+                site=site, phase=site.phase, module=site.module, module_type=site.module_type,
+                micro=micro, order=order, lo=norm, hi=norm, cause=cause,
             )
-        )
+        )  # fmt: skip
         if lagged:
             if site.param is None or site.param.dtype is torch.float64:
                 found[-1].note = LAGGED_NOTE
@@ -391,7 +394,7 @@ def param_behind(finding: Finding, micro: int, source: ParamSource) -> Finding |
         if not bool(torch.isfinite(local(p)).all()):
             site = source.param_site(p)
             return Finding(
-                site, "param", site.module, site.module_type, micro, 0, 0,
-                math.nan, math.nan, "produced", tensor=local(p),
+                site=site, phase="param", module=site.module, module_type=site.module_type,
+                micro=micro, order=0, lo=math.nan, hi=math.nan, cause="produced", tensor=local(p),
             )  # fmt: skip
     return None

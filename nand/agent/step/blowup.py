@@ -66,10 +66,16 @@ class BlowUpWatch:
         mean = sum(window) / len(window) if window else 0.0
         if len(window) >= WARMUP and mean > 0 and loss > (1 + LOSS_RTOL) * mean:
             return Alert(
-                "loss_spike", step, self.rank, "", loss, mean,
-                f"loss spike at step {step}: {loss:.4g}, {loss / mean:.1f}x the mean of the "
-                f"last {len(window)} steps ({mean:.4g}); still finite",
-            )  # fmt: skip
+                kind="loss_spike",
+                step=step,
+                rank=self.rank,
+                value=loss,
+                reference=mean,
+                message=(
+                    f"loss spike at step {step}: {loss:.4g}, {loss / mean:.1f}x the mean of the "
+                    f"last {len(window)} steps ({mean:.4g}); still finite"
+                ),
+            )
         window.append(loss)
         return None
 
@@ -80,10 +86,16 @@ class BlowUpWatch:
         median = self._grad_median()
         if median > 0 and norm > GRAD_GROWTH * median:
             return Alert(
-                "grad_growth", step, self.rank, "", norm, median,
-                f"gradient norm growing at step {step}: {norm:.4g}, {norm / median:.0f}x the "
-                f"median of the last {len(window)} steps ({median:.4g}); still finite",
-            )  # fmt: skip
+                kind="grad_growth",
+                step=step,
+                rank=self.rank,
+                value=norm,
+                reference=median,
+                message=(
+                    f"gradient norm growing at step {step}: {norm:.4g}, {norm / median:.0f}x the "
+                    f"median of the last {len(window)} steps ({median:.4g}); still finite"
+                ),
+            )
         window.append(norm)
         return None
 
@@ -105,12 +117,20 @@ class BlowUpWatch:
         site, value = near
         limit = torch.finfo(site.dtype).max if site.dtype is not None else math.inf
         dtype = str(site.dtype).removeprefix("torch.")
+        where = f"{site.module or '<root>'} ({site.module_type})"
         return Alert(
-            "headroom", row.step, self.rank, site.module, value, limit,
-            f"overflow headroom: {site.module or '<root>'} ({site.module_type}) reached max |x| "
-            f"{value:.4g} at step {row.step}, {100 * value / limit:.0f}% of the {dtype} limit "
-            f"{limit:.4g}; still finite, but close to overflowing",
-        )  # fmt: skip
+            kind="headroom",
+            step=row.step,
+            rank=self.rank,
+            module=site.module,
+            value=value,
+            reference=limit,
+            message=(
+                f"overflow headroom: {where} reached max |x| {value:.4g} at step {row.step}, "
+                f"{100 * value / limit:.0f}% of the {dtype} limit {limit:.4g}; still finite, "
+                "but close to overflowing"
+            ),
+        )
 
     def _due(self, alert: Alert) -> bool:
         """Once per kind and module per QUIET_STEPS steps."""

@@ -57,27 +57,28 @@ class Boundary:
     def __init__(
         self,
         buf: ProbeBuffer,
+        *,
         who: Identity,
         recorder: FlightRecorder,
-        n_modules: int,
         root_type: str,
         agree: bool,
+        slots: CompiledSlots | None = None,
+        params: ParamSource | None = None,
+        fingerprints: Fingerprints | None = None,
+        deferred: bool = False,
+        skip_on_device: bool = False,
     ) -> None:
         self.buf = buf
         self.who = who
         self.recorder = recorder
-        self.n_modules = n_modules
+        self.n_modules = len(recorder.modules)
         self.root_type = root_type
-        self.agree = agree  # all-reduce the flag (policy skip/stop, torch.distributed up)
-        self.amp: AmpWatch | None = None
-        #: Probes taken under torch.compile (see compiled.py).
-        self.slots: CompiledSlots | None = None
-        #: DDP: this rank's gradients checked before the all-reduce (see ddp.py).
-        self.ddp: LocalGradCheck | None = None
-        #: A wrapper (DDP, FSDP) averages gradients across ranks.
-        self.grads_reduced = False
-        #: FSDP all-gathers parameters: a shard's NaN reaches every rank's forward.
-        self.params_gathered = False
+        self.agree = agree  # all-reduce the flag (agrees_across_ranks, torch.distributed up)
+        self.amp: AmpWatch | None = None  # (adopted when a GradScaler steps the optimizer)
+        self.slots = slots  # probes taken under torch.compile (see compiled.py)
+        self.ddp: LocalGradCheck | None = None  # DDP: this rank's grads before the all-reduce
+        self.grads_reduced = False  # a wrapper (DDP, FSDP) averages gradients across ranks
+        self.params_gathered = False  # FSDP: a shard's NaN reaches every rank's forward
         self.loss_tensor: Tensor | None = None
         self.seq = 0
         self.blowup = BlowUpWatch(who.rank)  # early warnings (see blowup.py)
@@ -92,17 +93,16 @@ class Boundary:
         #: The norms of the last window read, and where gradients and parameters sat.
         self.read_norms: list[float] = []
         self.read_spans: dict[str, tuple[int, int]] = {}
-        #: Slow path: a forward finding explained by a non-finite parameter.
-        self.params: ParamSource | None = None
+        self.params = params  # slow path: a forward finding explained by a non-finite param
         #: Deferred read (``read="deferred"``): each window is read one boundary late.
         self.deferred: DeferredRead[tuple[Window, list[str], bool]] | None = None
         #: Deferred ``skip``: the window's non-finite flag, on the device (see ``_put``).
         self.skip_on_device = False
         self.flag: Tensor | None = None
-        #: The step of the window read last (deferred: the one before ``check``'s).
-        self.read_step = 0
-        #: DDP replicas' fingerprints, taken here every N steps (see fingerprint.py).
-        self.fingerprints: Fingerprints | None = None
+        self.read_step = 0  # of the window read last (deferred: the one before check's)
+        self.fingerprints = fingerprints  # DDP replicas', taken every N steps (fingerprint.py)
+        if deferred:  # (read_mode in deferred.py)
+            self.defer(skip_on_device)
 
     def wrapped_in(self, wrapper: Any, local_check: bool) -> None:
         """The watched model runs inside ``wrapper`` (DDP, FSDP): its gradients
@@ -120,8 +120,7 @@ class Boundary:
         ``skip_on_device`` hand the optimizer each window's flag (see ``_put``)."""
         self.deferred = DeferredRead()
         self.skip_on_device = skip_on_device
-        # Read late, a norm has no tensor left to be verified with: exact ones.
-        self.buf.exact_norms = True
+        self.buf.exact_norms = True  # read late, a norm has no tensor left to verify: exact
 
     def check(
         self,
@@ -199,9 +198,10 @@ class Boundary:
         spans, buf.spans = buf.spans, {}  # handed over, not copied: the hooks fill a fresh one
         scaled = self.amp is not None and self.amp.grads_scaled()
         return Window(
-            step, prev_step, prev_micro, skipped, record, micro_base, buf.sites[:],
-            buf.norm_sites[:], n_pairs, len(buf.norms), spans, buf.slotted is not None,
-            scaled, self.deferred is not None,
+            step=step, prev_step=prev_step, prev_micro=prev_micro, skipped=skipped, record=record,
+            micro_base=micro_base, sites=buf.sites[:], norm_sites=buf.norm_sites[:],
+            n_pairs=n_pairs, n_norms=len(buf.norms), spans=spans,
+            compiled=buf.slotted is not None, grads_scaled=scaled, lagged=self.deferred is not None,
         )  # fmt: skip
 
     def _analyse(self, values: list[float], any_bad: bool, extras: list[str], w: Window) -> Outcome:
@@ -209,7 +209,10 @@ class Boundary:
         self.read_step = w.step
         scale, norm_scale, overflow = self._amp_figures(values, extras, w)
         loss = values[-1] if "loss" in extras else None
-        row = StepRow(w.step, values, w.sites, w.norm_sites, scale, norm_scale, loss)
+        row = StepRow(
+            step=w.step, values=values, sites=w.sites, norm_sites=w.norm_sites,
+            scale=scale, norm_scale=norm_scale, loss=loss,
+        )  # fmt: skip
         self._keep(row, w)
         if "ddp_local" in extras and w.record:  # (DDP buckets hold the AMP-scaled gradients)
             self.recorder.local_norm(w.step, self._extra(values, extras, "ddp_local") / scale)
@@ -225,7 +228,7 @@ class Boundary:
         alerts = self._alerts(row, w) if not overflow else ()
         if event is None and not any_bad and not overflow and not alerts:
             return HEALTHY
-        return Outcome(event, any_bad, overflow, alerts)
+        return Outcome(event=event, any_rank_bad=any_bad, overflow=overflow, alerts=alerts)
 
     def _alerts(self, row: StepRow, w: Window) -> tuple[Alert, ...]:
         grad_norm = global_norm(self.read_norms, self.read_spans.get("grad"), row.norm_scale)
@@ -274,7 +277,7 @@ class Boundary:
             return HEALTHY
         if self.params_gathered:  # the others settle where their NaN came from
             shard_bad_elsewhere(None, self.buf.device)
-        return Outcome(None, any_bad)
+        return Outcome(any_rank_bad=any_bad)
 
     def _finding(self, values: list[float], extras: list[str], w: Window) -> Finding | None:
         """The slow path: the window's first verified non-finite entry.

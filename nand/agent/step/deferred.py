@@ -27,7 +27,6 @@ event, so the tests exercise the ordering on any machine.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import weakref
 from collections import deque
@@ -37,6 +36,7 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch import Tensor, nn
 
+from nand.agent import patches
 from nand.agent.detect.optimizer import skips_on_device
 from nand.config import AgentConfig
 
@@ -55,11 +55,11 @@ def read_mode(settings: AgentConfig, model: nn.Module, optimizer: Any) -> tuple[
     ``skip`` the optimizer cannot do on the device falls back to sync, said once.
     """
     policy, read = settings.on_nonfinite, settings.read
-    if read == "sync" or policy in ("raise", "stop") or settings.disabled:
+    if read == "sync" or policy.reads_in_sync or settings.disabled:
         return False, False
     p = next(model.parameters(), None)
     wanted = read == "deferred" or (p is not None and p.is_cuda)
-    if policy != "skip" or not wanted:
+    if not policy.skips_update or not wanted:
         return wanted, False
     if optimizer is not None and skips_on_device(optimizer):
         return True, True
@@ -142,8 +142,7 @@ def flush_at_exit(flush: Callable[[], None]) -> None:
     lives: a watch never closed still reports the window it had not read.
     Registered on first use, so it runs before the transport's own exit
     handler (registered at import, and ``atexit`` runs the last first)."""
-    if not _at_exit:
-        atexit.register(_flush_all)
+    patches.at_exit("deferred reads", _flush_all)  # (once)
     _at_exit[:] = [ref for ref in _at_exit if ref() is not None]  # (watches gone)
     _at_exit.append(weakref.WeakMethod(flush))
 

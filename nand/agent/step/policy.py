@@ -24,9 +24,10 @@ import logging
 from collections.abc import Callable
 
 from nand.agent.step.window import Outcome
-from nand.config import Policy, WarningPolicy
+from nand.config import WarningPolicy
 from nand.errors import EarlyWarning, NandError, NonFiniteError, StopRequested
 from nand.events import Alert
+from nand.policy import OnNonfinite
 
 log = logging.getLogger("nand")
 
@@ -34,36 +35,49 @@ log = logging.getLogger("nand")
 class StepPolicy:
     def __init__(
         self,
-        name: Policy,
+        policy: OnNonfinite,
+        *,
         drop_grads: Callable[[], None],
         on_stop: Callable[[], None] | None,
         on_warning: WarningPolicy = "log",
+        lagged: bool = False,
     ) -> None:
-        self.name = name
+        self.policy = policy
         self.on_warning = on_warning
         self.drop_grads = drop_grads
         self.on_stop = on_stop
         self._stopping = False
         #: Deferred read: the outcome is the previous step's, whose update was
         #: already skipped on the device (``skip``) or applied (``warn``).
-        self.lagged = False
+        self.lagged = lagged
 
     @property
     def raises(self) -> bool:
         """Whether a non-finite step ends training (``raise`` or ``stop``)."""
-        return self.name in ("raise", "stop")
+        return self.policy.raises
+
+    def act(self, outcome: Outcome, step: int) -> None:
+        """What the step boundary read (before the update): a GradScaler
+        overflow, a non-finite step (``on_nonfinite``) or early warnings."""
+        if outcome.overflow:
+            if not self.lagged:
+                self.drop_grads()  # a fused optimizer got found_inf; nothing to apply
+        elif outcome.event is not None or outcome.any_rank_bad:
+            self.apply(outcome, step)
+        else:  # early warnings of a clean step (step/blowup.py)
+            self.alerted(outcome.alerts, step)
 
     def apply(self, outcome: Outcome, step: int) -> None:
         """A non-finite step (here or, agreed, on another rank)."""
         event = outcome.event
-        if self.name == "warn":
+        if not self.policy.acts:
             return
-        if self.name == "skip":
+        if self.policy.skips_update:
             if not self.lagged:
                 self.drop_grads()
             where = " on the device" if self.lagged else ""
             log.warning("nand: skipped optimizer step %d%s (non-finite)", step, where)
-        elif self.name == "raise" and event is not None:
+        elif self.policy is OnNonfinite.RAISE and event is not None:
             raise NonFiniteError(event)
         elif event is not None and event.cause != "received":
             self.stop(NonFiniteError(event), step)

@@ -3,13 +3,14 @@ and the :class:`Window` the analysis reads a window's values with."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from dataclasses import dataclass
 
 from nand.agent.detect.probes import Site
 from nand.events import Alert, Event
 
 
-class Outcome(NamedTuple):
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Outcome:
     """What one boundary found that the caller acts on (what it read stays
     on the boundary: ``row``, ``micro_steps``)."""
 
@@ -19,7 +20,8 @@ class Outcome(NamedTuple):
     alerts: tuple[Alert, ...] = ()  # early warnings of a clean step (``blowup.py``)
 
 
-class Window(NamedTuple):
+@dataclass(slots=True, kw_only=True)
+class Window:
     """What the analysis of one window needs besides its values, taken from
     the probe buffer when the window closed (deferred, the buffer holds the
     next window by the time this one is read)."""

@@ -9,7 +9,7 @@ import msgpack
 from nand.agent.transport import spool as spool_mod
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Frame:
     agent: str
     seq: int
@@ -26,7 +26,7 @@ class Frame:
         return self.deadline > 0.0
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Envelope:
     """What the sender needs to wrap bodies into wire messages."""
 
@@ -45,4 +45,6 @@ def spooled_frame(payload: bytes, tag: int, start: int = 0) -> Frame:
         agent, seq = "?", -1  # sent anyway: the server counts what it rejects
     kind = spool_mod.KIND_NAMES.get(tag & 0x0F, "event")
     keep = bool(tag & spool_mod.KEEP)
-    return Frame(agent, seq, kind, keep, payload, from_spool=True, start=start)
+    return Frame(
+        agent=agent, seq=seq, kind=kind, keep=keep, data=payload, from_spool=True, start=start
+    )

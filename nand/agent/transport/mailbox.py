@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Outgoing:
     """A message before it is encoded (encoding happens on the sender thread)."""
 

@@ -282,7 +282,7 @@ class Sender(threading.Thread):
             self._warn("too_large", f"nand: dropping a {out.kind} of {len(data)} bytes")
             self.mailbox.drop("too_large")
             return None
-        return Frame(env.agent, out.seq, out.kind, out.keep, data)
+        return Frame(agent=env.agent, seq=out.seq, kind=out.kind, keep=out.keep, data=data)
 
     # --- sending --------------------------------------------------------------
 

@@ -37,7 +37,8 @@ child gets a fresh agent id, no thread and no socket; they are re-created on
 its first message, which is preceded by a hello with its pid.
 
 >>> import tempfile
->>> from nand.agent.identity import Identity
+>>> from nand.agent import patches
+from nand.agent.identity import Identity
 >>> me = Identity(run="r1", rank=0, local_rank=0, world_size=1, host="h", pid=1)
 >>> sink = ServerSink("tcp://127.0.0.1:1", me, spool_dir=tempfile.mkdtemp())
 >>> sink.heartbeat(StepSummary(step=1))
@@ -48,7 +49,6 @@ its first message, which is preceded by a hello with its pid.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
 import os
@@ -59,6 +59,7 @@ import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from nand.agent import patches
 from nand.agent.identity import Identity
 from nand.agent.transport.frames import Envelope
 from nand.agent.transport.mailbox import Mailbox, Outgoing
@@ -238,11 +239,13 @@ class ServerSink:
                 if self._hello_due and kind != "hello":
                     self._hello_due = False
                     self._seq += 1
+                    hello = self._hello_body
+                    at = time.time()
                     self._mailbox.put(
-                        Outgoing("hello", self._seq, time.time(), self._hello_body, True)
+                        Outgoing(kind="hello", seq=self._seq, time=at, body=hello, keep=True)
                     )
                 self._seq += 1
-                message = Outgoing(kind, self._seq, time.time(), body, keep)
+                message = Outgoing(kind=kind, seq=self._seq, time=time.time(), body=body, keep=keep)
                 self._mailbox.put(message)
                 sender = self._ensure_sender()
                 wake = wake or len(self._mailbox.intake) >= self._mailbox.capacity // 2
@@ -269,7 +272,7 @@ class ServerSink:
         sender = self._sender
         if sender is not None:
             return sender
-        envelope = Envelope(self.agent, self.identity.run, self.identity.rank)
+        envelope = Envelope(agent=self.agent, run=self.identity.run, rank=self.identity.rank)
         path = spool_path(self.settings.spool_dir, self.identity.run, self.identity.rank)
         sender = Sender(
             self.endpoint, envelope, self._mailbox, self.settings, path, on_idle=self._keepalive
@@ -344,6 +347,5 @@ def _after_fork_in_child() -> None:
             log.warning("nand: could not reset the transport after fork: %r", exc)
 
 
-atexit.register(_close_all_at_exit)
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+patches.at_exit("transport", _close_all_at_exit)
+patches.after_fork_in_child("transport", _after_fork_in_child)
