@@ -247,24 +247,52 @@ def _diverged(
     head = to_event(head_row)
     evidence = views.origin_evidence(session, run.id, head)
     hint = correlate.hint(head, evidence)
-    rows = relations(session, run.id, head_row)
-    rel = {rank: relation for rank, relation, _ in rows}
     world = max(run.world_size, session.scalar(_rank_count(run.id)) or 0)
     device = session.scalar(select(Rank.device).where(Rank.id == _rank_id(run.id, head.rank)))
-    phases = [(rank, phase) for rank, _, phase in rows]
-    nonfinite = summary.diverged_sentence(head, rel, phases, world, hint, evidence, device or "")
+    where = str(session.get_bind().url)
+    key = (where, run.id, run.event_count, head_row.id, world, hint, repr(evidence), device or "")
+    if key not in SPREAD:
+        _remember(key, _spread(session, run.id, head_row, key))
+    affected, received, simultaneous, nonfinite = SPREAD[key]
     return Verdict(
         **common,
         origin=origin_out(head_row, [], together),
-        ranks_affected=sorted(rel),
-        ranks_received=[r for r, k in rel.items() if k == "received"],
-        simultaneous=any(k == "simultaneous" for k in rel.values()),
+        ranks_affected=affected,
+        ranks_received=received,
+        simultaneous=simultaneous,
         hint=hint,
         summary=views.joined(
             views.replica_text(run, state), views.failures_text(found, settings, nonfinite)
         ),
         since=head.time,
     )
+
+
+Spread = tuple[list[int], list[int], bool, str]
+#: How the NaN spread (every diverged rank's relation, in lists and words), by run,
+#: its event count, origin, world size, hint, evidence and the origin's device: it
+#: changes only with a new event, and a scheduler polls the verdict of a 100,000-rank
+#: run between events. Derived from the database (any server computes the same).
+SPREAD: dict[tuple[Any, ...], Spread] = {}
+SPREAD_KEPT = 8
+
+
+def _remember(key: tuple[Any, ...], spread: Spread) -> None:
+    while len(SPREAD) >= SPREAD_KEPT:
+        del SPREAD[next(iter(SPREAD))]
+    SPREAD[key] = spread
+
+
+def _spread(session: Session, run_id: int, head_row: EventRow, key: tuple[Any, ...]) -> Spread:
+    *_, world, hint, _, device = key
+    rows = relations(session, run_id, head_row)
+    rel = {rank: relation for rank, relation, _ in rows}
+    phases = [(rank, phase) for rank, _, phase in rows]
+    head = to_event(head_row)
+    evidence = views.origin_evidence(session, run_id, head)
+    sentence = summary.diverged_sentence(head, rel, phases, world, hint, evidence, device)
+    received = [r for r, k in rel.items() if k == "received"]
+    return sorted(rel), received, any(k == "simultaneous" for k in rel.values()), sentence
 
 
 def _rank_count(run_id: int):  # type: ignore[no-untyped-def]

@@ -190,6 +190,7 @@ def _statements(engine: Engine, call: Callable[[Session], object]) -> int:
     def counted(*_: object) -> None:
         count[0] += 1
 
+    bigrun.SPREAD.clear()  # (the uncached path: each run's first verdict)
     event.listen(engine, "before_cursor_execute", counted)
     try:
         with Session(engine) as session:
@@ -215,3 +216,23 @@ def test_a_request_about_a_run_runs_as_many_statements_at_3000_ranks_as_at_600(
         for name in ("narrow", "wide")
     }
     assert counts["wide"] == counts["narrow"] < 20, counts
+
+
+def test_a_new_event_in_a_big_run_shows_in_the_next_verdict(mixed) -> None:
+    engine, now = mixed
+    quiet = 2  # (no event yet, see _later)
+    with Session(engine) as session:
+        assert (
+            quiet
+            not in bigrun.verdict(session, _run(session, "narrow"), SETTINGS, now).ranks_affected
+        )
+    event = _message("narrow", quiet, 9, "event", _nan(quiet, 5, "grad", "received", 600))
+    write_batch(engine, [event], now - 5)
+    with Session(engine) as session:
+        run = _run(session, "narrow")
+        counted = bigrun.verdict(session, run, SETTINGS, now)
+        recounted = views.verdict(
+            session, run, store.ranks_of(session, [run.id])[run.id], SETTINGS, now
+        )
+    assert quiet in counted.ranks_affected
+    assert counted.model_dump() == recounted.model_dump()
