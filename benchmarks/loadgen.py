@@ -48,6 +48,8 @@ from nand.events import Event, StepSummary  # noqa: E402
 
 #: Step of the first probe; probe i is at PROBE_STEP - i (each earlier than the last).
 PROBE_STEP = 1_000_000
+#: Seconds without room in the window before its messages count as unacknowledged.
+STALL_S = 10.0
 PARAMS = ["blocks.0.fc.weight", "blocks.0.fc.bias", "head.weight"]
 MODULES = [{"name": n, "type": "Linear", "order": i, "params": 1} for i, n in enumerate(PARAMS)]
 
@@ -84,6 +86,8 @@ class Tally:
     sent: int = 0
     acked: int = 0
     rejected: int = 0
+    #: Messages given up on after STALL_S without an acknowledgement.
+    unacked: int = 0
     started: float = 0.0
     ended: float = 0.0
     probes_sent: dict[int, float] = field(default_factory=dict)
@@ -114,8 +118,12 @@ class Ranks:
     def send(self, rank: int, kind: str, body: dict) -> None:
         """Frame and send one message of ``rank``, first waiting for room in the window."""
         index = rank % len(self.sockets)
+        waited = time.monotonic()
         while self.in_flight[index] >= self.plan.window:
-            self.receive(5.0)
+            self.receive(1.0)
+            if time.monotonic() - waited > STALL_S:  # (an agent would resend; we count them)
+                self.tally.unacked += self.in_flight[index]
+                self.in_flight[index] = 0
         self.seq[rank] += 1
         message = wire.agent_message(
             kind,
@@ -294,6 +302,8 @@ def summarise(tallies: list[dict]) -> dict:
         "sent": sum(t["sent"] for t in tallies),
         "acked": acked,
         "rejected": sum(t["rejected"] for t in tallies),
+        "unacked": sum(t["unacked"] for t in tallies)
+        + sum(t["sent"] - t["acked"] - t["rejected"] - t["unacked"] for t in tallies),
         "seconds": ended - began,
         "msg_per_s": acked / max(ended - began, 1e-9),
     }

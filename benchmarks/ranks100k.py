@@ -69,15 +69,16 @@ def ingest(args: argparse.Namespace) -> None:
                         world=args.ranks,
                         servers=tuple(s.zmq_endpoint for s in servers),
                         seconds=args.seconds,
-                        heartbeat_s=0.0,
+                        heartbeat_s=args.heartbeat_s,
                         fingerprint_every=0,
                     )
                     result = loadgen.summarise(loadgen.run(plan, args.procs))
                     rss = ", ".join(f"{peak_rss_mb(s):.0f}" for s in servers)
                     print(
                         f"{count} server(s), {args.ranks:,} ranks: {result['msg_per_s']:,.0f} "
-                        f"msg/s stored ({result['acked']:,} acked, {result['rejected']} "
-                        f"rejected, {result['seconds']:.0f} s); peak RSS MB: {rss}",
+                        f"msg/s stored ({result['acked']:,} acked, {result['rejected']} rejected, "
+                        f"{result['unacked']} unacked, {result['seconds']:.0f} s); "
+                        f"peak RSS MB: {rss}",
                         flush=True,
                     )
                 finally:
@@ -243,6 +244,7 @@ def main() -> None:
     one.add_argument("--ranks", type=int, default=20_000)
     one.add_argument("--seconds", type=float, default=30.0)
     one.add_argument("--procs", type=int, default=2)
+    one.add_argument("--heartbeat-s", type=float, default=0.0, help="0: as fast as acked")
     two = sub.add_parser("latency")
     two.add_argument("--ranks", default="1000,20000")
     two.add_argument("--probes", type=int, default=20)

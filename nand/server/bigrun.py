@@ -17,9 +17,9 @@ them equal); the API takes this path for a run of more than
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import ColumnElement, and_, case, func, or_, select, tuple_
+from sqlalchemy import ColumnElement, ScalarSelect, Select, and_, case, func, or_, select, tuple_
 from sqlalchemy.orm import Session
 
 from nand.events import RankState, Relation
@@ -62,7 +62,7 @@ def state_counts(
     counts: Counter[RankState] = Counter()
     live, latest = 0, 0
     for name, unfinished, count, step in session.execute(statement):
-        counts[name] += count
+        counts[cast(RankState, name)] += count
         live += count if unfinished and name in views.LIVE_STATES else 0
         latest = max(latest, step or 0)
     return dict(counts), live, latest
@@ -91,7 +91,9 @@ _FACT_COLUMNS = (
 )
 
 
-def _facts(rank, step, last_seen, changed, diverged, finished, bye, rate, dropped) -> RankFacts:  # type: ignore[no-untyped-def]
+def _facts(*row: Any) -> RankFacts:
+    """A rank's facts from the row of :data:`_FACT_COLUMNS`."""
+    rank, step, last_seen, changed, diverged, finished, bye, rate, dropped = row
     return RankFacts(
         rank=rank,
         step=step,
@@ -172,7 +174,7 @@ def relations(session: Session, run_id: int, head: EventRow) -> list[tuple[int, 
         .where(Rank.run_id == run_id)
         .order_by(Rank.rank)
     )
-    found = [(rank, relation, phase) for rank, relation, phase in session.execute(statement)]
+    found = [(rank, cast(Relation, k), phase) for rank, k, phase in session.execute(statement)]
     if sum(1 for _, r, _ in found if r in ("origin", "simultaneous")) > 1:
         # The origin's rank was only the lowest of those at the point (correlate.relations_to).
         found = [(r, "simultaneous" if k == "origin" else k, p) for r, k, p in found]
@@ -221,7 +223,7 @@ def _common(
     }
 
 
-def _with_drops(run_id: int):  # type: ignore[no-untyped-def]
+def _with_drops(run_id: int) -> Select[Rank]:
     return select(Rank).where(Rank.run_id == run_id, Rank.dropped.is_not(None))
 
 
@@ -249,7 +251,7 @@ def _diverged(
     hint = correlate.hint(head, evidence)
     world = max(run.world_size, session.scalar(_rank_count(run.id)) or 0)
     device = session.scalar(select(Rank.device).where(Rank.id == _rank_id(run.id, head.rank)))
-    where = str(session.get_bind().url)
+    where = str(session.get_bind().engine.url)
     key = (where, run.id, run.event_count, head_row.id, world, hint, repr(evidence), device or "")
     if key not in SPREAD:
         _remember(key, _spread(session, run.id, head_row, key))
@@ -295,11 +297,11 @@ def _spread(session: Session, run_id: int, head_row: EventRow, key: tuple[Any, .
     return sorted(rel), received, any(k == "simultaneous" for k in rel.values()), sentence
 
 
-def _rank_count(run_id: int):  # type: ignore[no-untyped-def]
+def _rank_count(run_id: int) -> Select[int]:
     return select(func.count()).select_from(Rank).where(Rank.run_id == run_id)
 
 
-def _rank_id(run_id: int, rank: int):  # type: ignore[no-untyped-def]
+def _rank_id(run_id: int, rank: int) -> ScalarSelect[int]:
     return select(Rank.id).where(Rank.run_id == run_id, Rank.rank == rank).scalar_subquery()
 
 

@@ -10,7 +10,9 @@ time (``after``, ``limit``), so the body of a 100,000-rank run stays bounded.
 
 from __future__ import annotations
 
-from sqlalchemy import func, select
+from typing import Any
+
+from sqlalchemy import Select, func, select
 from sqlalchemy.orm import Session
 
 from nand.server.models import Heartbeat, Rank
@@ -40,12 +42,11 @@ def series(
     )
     result: dict[int, list[Point]] = {}
     for rank, *point in session.execute(statement):
-        result.setdefault(rank, []).append(tuple(point))  # type: ignore[arg-type]
+        result.setdefault(rank, []).append(tuple(point))
     return result
 
 
-def _numbered(run_id: int, after: int | None, last: int | None):  # type: ignore[no-untyped-def]
-    by_rank = {"partition_by": Heartbeat.rank}
+def _numbered(run_id: int, after: int | None, last: int | None) -> Select[Any]:
     statement = select(
         Heartbeat.rank,
         Heartbeat.time,
@@ -54,8 +55,8 @@ def _numbered(run_id: int, after: int | None, last: int | None):  # type: ignore
         Heartbeat.grad_norm,
         Heartbeat.steps_per_s,
         Heartbeat.max_activation,
-        func.row_number().over(**by_rank, order_by=Heartbeat.id).label("n"),
-        func.count().over(**by_rank).label("total"),
+        func.row_number().over(partition_by=Heartbeat.rank, order_by=Heartbeat.id).label("n"),
+        func.count().over(partition_by=Heartbeat.rank).label("total"),
     ).where(Heartbeat.run_id == run_id)
     if after is not None:
         statement = statement.where(Heartbeat.rank > after)
