@@ -225,6 +225,8 @@ def run_slice(plan: Plan, ranks: list[int]) -> Tally:
     sim.drain(120.0)
     start = time.monotonic()
     for due, what, rank in _schedule(plan, ranks, start):
+        if time.monotonic() >= start + plan.seconds:  # (behind schedule: stop on time)
+            break
         while (wait := due - time.monotonic()) > 0:
             sim.receive(wait)
         _send_scheduled(sim, what, rank)
