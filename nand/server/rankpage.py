@@ -12,13 +12,11 @@ summary the same way (what the event streams' poller sends for a big run).
 
 from __future__ import annotations
 
-from collections import Counter
-
-from sqlalchemy import and_, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from nand.events import RankState, Relation
-from nand.server import correlate, losses, runsummary, store, views
+from nand.events import Relation
+from nand.server import bigrun, correlate, losses, runsummary, store, views
 from nand.server.failures import RankFacts
 from nand.server.models import EventRow, Rank, Run
 from nand.server.runsummary import RunFacts
@@ -30,10 +28,11 @@ def rank_page(
     session: Session, run: Run, settings: Settings, now: float, after: int | None, limit: int
 ) -> RankPage:
     """The ranks above ``after`` (all when None), at most ``limit`` of them."""
+    settings = settings.for_world(run.world_size)
     rows = _page_rows(session, run.id, after, limit + 1)
     more = len(rows) > limit
     rows = rows[:limit]
-    states = _state_counts(session, run.id, settings, now)
+    states = bigrun.state_counts(session, run.id, settings, now)[0]
     relations = _relations(session, run.id, [e for _, e in rows if e is not None])
     flights = store.ranks_with_flight(session, run.id)
     items = views.rank_statuses(run, rows, settings, now, flights, relations)
@@ -59,13 +58,6 @@ def _page_rows(
     if after is not None:
         statement = statement.where(Rank.rank > after)
     return [(rank, event) for rank, event in session.execute(statement).all()]
-
-
-def _state_counts(
-    session: Session, run_id: int, settings: Settings, now: float
-) -> dict[RankState, int]:
-    facts = RunFacts(_rank_facts(session, run_id))
-    return dict(Counter(runsummary.rank_states(facts, settings, now).values()))
 
 
 def _rank_facts(session: Session, run_id: int) -> list[RankFacts]:
@@ -99,48 +91,11 @@ def _rank_facts(session: Session, run_id: int) -> list[RankFacts]:
     ]
 
 
-def _origin(session: Session, run_id: int) -> EventRow | None:
-    """The least cached first event of the run's ranks (ties: the lowest rank)."""
-    statement = (
-        select(EventRow)
-        .join(Rank, EventRow.id == Rank.first_event_id)
-        .where(Rank.run_id == run_id)
-        .order_by(
-            Rank.first_step,
-            Rank.first_micro_step,
-            Rank.first_phase_rank,
-            Rank.first_order,
-            Rank.rank,
-        )
-        .limit(1)
-    )
-    return session.scalars(statement).first()
-
-
-def _same_point(session: Session, run_id: int, head: EventRow) -> list[int]:
-    """The ranks whose first event is at the origin's point (the origin's among them)."""
-    statement = (
-        select(Rank.rank)
-        .join(EventRow, EventRow.id == Rank.first_event_id)
-        .where(
-            and_(
-                Rank.run_id == run_id,
-                Rank.first_step == head.step,
-                Rank.first_micro_step == head.micro_step,
-                Rank.first_phase_rank == head.phase_rank,
-                EventRow.module == head.module,
-            )
-        )
-        .order_by(Rank.rank)
-    )
-    return list(session.scalars(statement))
-
-
 def _relations(session: Session, run_id: int, firsts: list[EventRow]) -> dict[int, Relation]:
-    head = _origin(session, run_id)
+    head = bigrun.origin(session, run_id)
     if head is None or not firsts:
         return {}
-    together = len(_same_point(session, run_id, head)) > 1
+    together = len(bigrun.same_point(session, run_id, head)) > 1
     return correlate.relations_to(
         [views.to_event(e) for e in firsts], views.to_event(head), together
     )
@@ -148,8 +103,8 @@ def _relations(session: Session, run_id: int, firsts: list[EventRow]) -> dict[in
 
 def run_facts(session: Session, run: Run) -> RunFacts:
     """A run's facts without loading every rank row and first event."""
-    head = _origin(session, run.id)
-    together = _same_point(session, run.id, head) if head is not None else []
+    head = bigrun.origin(session, run.id)
+    together = bigrun.same_point(session, run.id, head) if head is not None else []
     return RunFacts(_rank_facts(session, run.id), head, together)
 
 

@@ -78,6 +78,7 @@ def run_state(run: Run, found: Sequence[Failure], states: dict[int, RankState]) 
 
 def build(run: Run, facts: RunFacts, settings: Settings, now: float) -> RunSummary:
     """The run's summary: every field of :class:`RunSummary` is decided here."""
+    settings = settings.for_world(run.world_size)
     states = rank_states(facts, settings, now)
     dropped = losses.summed(r.dropped for r in facts.ranks)
     head = facts.head

@@ -7,10 +7,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from urllib.parse import urlsplit
 
-from nand import config
+from nand import cadence, config
 from nand.errors import ConfigError
 
 
@@ -85,6 +85,24 @@ class Settings:
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]
+
+    def for_world(self, world_size: int) -> Settings:
+        """These settings for a job of ``world_size`` ranks: a big job's ranks report
+        less often (:mod:`nand.cadence`), so silence and stalls count from the
+        same stretched period.
+
+        >>> Settings().for_world(100_000).lost_after_s
+        600.0
+        """
+        factor = cadence.stretch(self.heartbeat_s, world_size)
+        if factor == 1.0:
+            return self
+        return replace(
+            self,
+            lost_after_s=self.lost_after_s * factor,
+            stalled_after_s=self.stalled_after_s * factor,
+            heartbeat_s=self.heartbeat_s * factor,
+        )
 
 
 def _names(text: str | None, separators: str = ",") -> tuple[str, ...]:

@@ -7,7 +7,6 @@ first events, and one flight-evidence row: no scan of the events table.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -159,58 +158,6 @@ def events_page(
     )
     statement = _filtered(select(EventRow), run_id, where).order_by(*order)
     return session.scalars(statement.offset(offset).limit(limit)).all(), int(total)
-
-
-def series(session: Session, run_id: int, points: int) -> dict[int, list[tuple]]:
-    """Heartbeats per rank, averaged into at most ``points`` buckets of equal count.
-
-    Buckets use the row number within the rank, so every bucket holds the same
-    number of heartbeats; ``grad_norm`` and ``max_activation`` keep the
-    bucket's maximum (a spike must stay visible), the others its mean.
-    """
-    statement = (
-        select(Heartbeat.rank, func.count())
-        .where(Heartbeat.run_id == run_id)
-        .group_by(Heartbeat.rank)
-    )
-    counts = {rank: count for rank, count in session.execute(statement)}
-    result: dict[int, list[tuple]] = {}
-    for rank, count in sorted(counts.items()):
-        stride = max(1, math.ceil(count / points))
-        result[rank] = _bucketed(session, run_id, rank, stride)
-    return result
-
-
-def _bucketed(session: Session, run_id: int, rank: int, stride: int) -> list[tuple]:
-    number = func.row_number().over(order_by=Heartbeat.id).label("n")
-    inner = (
-        select(Heartbeat, number)
-        .where(Heartbeat.run_id == run_id, Heartbeat.rank == rank)
-        .subquery()
-    )
-    bucket = ((inner.c.n - 1) // stride).label("bucket")
-    statement = (
-        select(
-            func.max(inner.c.time),
-            func.max(inner.c.step),
-            func.avg(inner.c.loss),
-            func.max(inner.c.grad_norm),
-            func.avg(inner.c.steps_per_s),
-            func.max(inner.c.max_activation),
-        )
-        .group_by(bucket)
-        .order_by(bucket)
-    )
-    if stride == 1:
-        statement = select(
-            inner.c.time,
-            inner.c.step,
-            inner.c.loss,
-            inner.c.grad_norm,
-            inner.c.steps_per_s,
-            inner.c.max_activation,
-        ).order_by(inner.c.n)
-    return [tuple(row) for row in session.execute(statement)]
 
 
 def request_stop(session: Session, run_id: int, step: int, reason: str, now: float) -> None:

@@ -100,10 +100,10 @@ def _lone_producer(head: Event, hint_name: str, device: str) -> str:
     return f"{who} produced it."
 
 
-def _channel(event: Event) -> str:
-    if event.phase == "grad":
+def _channel(phase: str) -> str:
+    if phase == "grad":
         return "the gradient all-reduce"
-    if event.phase == "forward":
+    if phase == "forward":
         return "the parameter all-gather of the next step"
     return "a collective"
 
@@ -120,13 +120,29 @@ def diverged_summary(
     if head is None:
         return ""
     rel = relations(firsts)
+    phases = [(e.rank, e.phase) for e in firsts]
+    device = (devices or {}).get(head.rank, "")
+    return diverged_sentence(head, rel, phases, world_size, hint_name, evidence, device)
+
+
+def diverged_sentence(
+    head: Event,
+    rel: Mapping[int, str],
+    phases: Sequence[tuple[int, str]],
+    world_size: int,
+    hint_name: str,
+    evidence: FlightEvidence | None = None,
+    device: str = "",
+) -> str:
+    """:func:`diverged_summary` from the origin, every diverged rank's relation to
+    it and the phase of its first event (``phases``: (rank, phase), in the order
+    to name them), as a big run's verdict has them without loading the events."""
     together = [r for r, k in rel.items() if k in ("origin", "simultaneous")]
     world = max(world_size, len(rel))
     parts = [_opening(head, together, world)]
-    parts.extend(_followers(firsts, rel, head, world, len(together)))
+    parts.extend(_followers(phases, rel, world, len(together)))
     sentence = "; ".join(parts) + "."
     if len(together) == 1 and world > 1 and head.phase != "loss":
-        device = (devices or {}).get(head.rank, "")
         sentence += " " + _lone_producer(head, hint_name, device)
     extras = (_replay_sentence(head), _hint_sentence(hint_name, evidence, head))
     extra = " ".join(s for s in extras if s)
@@ -152,18 +168,18 @@ def _opening(head: Event, together: list[int], world: int) -> str:
 
 
 def _followers(
-    firsts: Sequence[Event], rel: Mapping[int, str], head: Event, world: int, n_together: int
+    phases: Sequence[tuple[int, str]], rel: Mapping[int, str], world: int, n_together: int
 ) -> list[str]:
     by_channel: dict[str, list[int]] = {}
-    for event in firsts:
-        if rel[event.rank] == "received":
-            by_channel.setdefault(_channel(event), []).append(event.rank)
+    for rank, phase in phases:
+        if rel[rank] == "received":
+            by_channel.setdefault(_channel(phase), []).append(rank)
     parts = []
     for channel, ranks in by_channel.items():
         others = world - n_together
         who = f"the other {others} ranks" if len(ranks) == others and others > 1 else _ranks(ranks)
         parts.append(f"{who} received it through {channel}")
-    later = [e.rank for e in firsts if rel[e.rank] == "produced"]
+    later = [rank for rank, _ in phases if rel[rank] == "produced"]
     if later:
         parts.append(f"{_ranks(later)} went non-finite later on their own")
     return parts

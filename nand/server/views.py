@@ -57,6 +57,7 @@ def _gaps(ranks: RankRows) -> dict[str, Any]:
 
 
 def verdict(session: Session, run: Run, ranks: RankRows, settings: Settings, now: float) -> Verdict:
+    settings = settings.for_world(run.world_size)
     facts = runsummary.of_rows(ranks)
     states = runsummary.rank_states(facts, settings, now)
     found = runsummary.failures_of(facts, states, settings)
@@ -65,9 +66,9 @@ def verdict(session: Session, run: Run, ranks: RankRows, settings: Settings, now
     stoppable = run.superseded_at is None and bool(_live(ranks, states))
     common: dict[str, Any] = {
         "run": run.name,
-        **_attempt_fields(run),
+        **attempt_fields(run),
         "state": state,
-        "failures": [_failure_out(f) for f in found],
+        "failures": [failure_out(f) for f in found],
         "stop": _stop(run, ranks),
         "stoppable": stoppable,
         "replica": replicas.check(run),
@@ -76,17 +77,17 @@ def verdict(session: Session, run: Run, ranks: RankRows, settings: Settings, now
     }
     head_row = facts.head
     if head_row is None:
-        text = _joined(_replica_text(run, state), _failures_text(found, settings, ""))
+        text = joined(replica_text(run, state), failures_text(found, settings, ""))
         calm = summary.calm_summary(state, [r.step for r, _ in ranks])
         return Verdict(**common, summary=text or calm)
     head = to_event(head_row)
-    evidence = _evidence(session, run.id, head)
-    hint = correlate.hint(head, evidence)
+    found_evidence = origin_evidence(session, run.id, head)
+    hint = correlate.hint(head, found_evidence)
     firsts = [to_event(e) for _, e in ranks if e is not None]
     relations = correlate.relations(firsts)
     world = max(run.world_size, len(ranks))
     devices = {r.rank: r.device for r, _ in ranks}
-    nonfinite = summary.diverged_summary(firsts, world, hint, evidence, devices=devices)
+    nonfinite = summary.diverged_summary(firsts, world, hint, found_evidence, devices=devices)
     return Verdict(
         **common,
         origin=origin_out(head_row, ranks),
@@ -94,27 +95,27 @@ def verdict(session: Session, run: Run, ranks: RankRows, settings: Settings, now
         ranks_received=sorted(r for r, k in relations.items() if k == "received"),
         simultaneous=any(k == "simultaneous" for k in relations.values()),
         hint=hint,
-        summary=_joined(_replica_text(run, state), _failures_text(found, settings, nonfinite)),
+        summary=joined(replica_text(run, state), failures_text(found, settings, nonfinite)),
         since=head.time,
     )
 
 
-def _failures_text(found: list[Failure], settings: Settings, nonfinite: str) -> str:
+def failures_text(found: list[Failure], settings: Settings, nonfinite: str) -> str:
     return summary.failures_summary(
         found, nonfinite, settings.lost_after_s, settings.stalled_after_s
     )
 
 
-def _replica_text(run: Run, state: str) -> str:
+def replica_text(run: Run, state: str) -> str:
     """The replica mismatch in words, when it is what the run's state says."""
     return replicas.sentence(run) if state == "replica_mismatch" else ""
 
 
-def _joined(*sentences: str) -> str:
+def joined(*sentences: str) -> str:
     return " ".join(s for s in sentences if s)
 
 
-def _failure_out(failure: Failure) -> FailureOut:
+def failure_out(failure: Failure) -> FailureOut:
     return FailureOut(
         state=failure.state,
         ranks=list(failure.ranks),
@@ -124,7 +125,7 @@ def _failure_out(failure: Failure) -> FailureOut:
     )
 
 
-def _evidence(session: Session, run_id: int, head: Event) -> FlightEvidence | None:
+def origin_evidence(session: Session, run_id: int, head: Event) -> FlightEvidence | None:
     """The origin rank's latest flight window, else its heartbeats' gradient norms
     (not looked up when the phase alone decides the hint)."""
     if correlate.hint(head) in ("input_data", "loss", "optimizer_update"):
@@ -157,11 +158,15 @@ def _live(ranks: RankRows, states: dict[int, RankState]) -> list[int]:
 
 
 def _stop(run: Run, ranks: RankRows) -> StopInfo | None:
+    return stop_info(run, [r.step for r, _ in ranks if correlate.stopped_bye(r.bye_reason or "")])
+
+
+def stop_info(run: Run, stopped: list[int]) -> StopInfo | None:
+    """The run's stop; ``stopped``: the steps of the ranks that left by it."""
     if run.stop_step is None:
         return None
     # The agents do not report the step a stop took effect; their byes do: a rank
     # that stopped leaves with StopRequested at the step it reached.
-    stopped = [r.step for r, _ in ranks if correlate.stopped_bye(r.bye_reason or "")]
     return StopInfo(
         step=run.stop_step,
         requested_at=run.stop_requested_at or 0.0,
@@ -216,21 +221,33 @@ def run_detail(
     session: Session, run: Run, ranks: RankRows, settings: Settings, now: float
 ) -> RunDetail:
     summary = run_summary(run, ranks, settings, now)
+    found = verdict(session, run, ranks, settings, now)
+    return detail_of(session, run, summary, found, losses.per_rank(r for r, _ in ranks))
+
+
+def detail_of(
+    session: Session,
+    run: Run,
+    summary: RunSummary,
+    found: Verdict,
+    gaps: dict[int, dict[str, int]],
+) -> RunDetail:
+    """The run's detail from its summary, verdict and losses by rank."""
     return RunDetail(
         **summary.model_dump(),
-        verdict=verdict(session, run, ranks, settings, now),
+        verdict=found,
         attempts=[_attempt_info(a) for a in store.attempts_of(session, run.name)],
         modules=_modules(run.modules),
         optimizer=run.optimizer,
         versions={str(k): str(v) for k, v in (run.versions or {}).items()},
         gaps=[
             RankGap(rank=rank, messages_dropped=losses.total(dropped), dropped=dropped)
-            for rank, dropped in losses.per_rank(r for r, _ in ranks).items()
+            for rank, dropped in gaps.items()
         ],
     )
 
 
-def _attempt_fields(run: Run) -> dict[str, Any]:
+def attempt_fields(run: Run) -> dict[str, Any]:
     """Which attempt a summary or verdict speaks for."""
     return {"attempt": run.attempt, "launch": run.launch, "live": run.superseded_at is None}
 

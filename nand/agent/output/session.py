@@ -26,6 +26,7 @@ from urllib.parse import quote
 import torch
 
 import nand
+from nand import cadence
 from nand.agent.identity import Identity, resolve_identity
 from nand.agent.output.sinks import JsonlSink, LogSink, server_sink
 from nand.agent.sink import Sink
@@ -47,7 +48,8 @@ class Session:
         for sink in sinks:
             self.add_sink(sink)
         self.stop_at: int | None = None
-        self.heartbeat_s = self.settings.heartbeat_s
+        # A big job's ranks report less often (nand.cadence: one rule with the server).
+        self.heartbeat_s = cadence.heartbeat_s(self.settings.heartbeat_s, who.world_size)
         self._last_beat = time.monotonic()
         self._last_step = 0
 

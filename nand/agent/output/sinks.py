@@ -15,6 +15,7 @@ import queue
 import threading
 from typing import Any
 
+from nand import cadence
 from nand.agent.sink import LocalSink
 from nand.config import TransportConfig
 from nand.events import Alert, Event, FlightWindow, finite_or_none
@@ -101,6 +102,10 @@ def server_sink(endpoint: str, identity: Any, settings: TransportConfig) -> Any 
     except ImportError as exc:
         log.error("nand: cannot report to %s (%s); going on without the server", endpoint, exc)
         return None
+    # The keepalive (two heartbeat periods) follows a big job's slower heartbeats
+    # (nand.cadence), as the server's lost threshold does.
+    pace = cadence.stretch(settings.keepalive_s / 2, int(getattr(identity, "world_size", 1)))
+    settings = settings.but(keepalive_s=settings.keepalive_s * pace)
     try:
         return ServerSink(endpoint, identity, settings=settings)
     except Exception as exc:  # a bad endpoint must not stop training

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Query
 
-from nand.server import rankpage, store, views
+from nand.server import bigrun, rankpage, series, store, views
 from nand.server.api.deps import UNKNOWN_RUN, RunDep, SessionDep, SettingsDep
 from nand.server.sanitize import INT32, finite
 from nand.server.schemas import (
@@ -40,6 +40,8 @@ def list_runs(
     "/{run}", responses=UNKNOWN_RUN, response_model=RunDetail, summary="One run, with its verdict"
 )
 def get_run(run: RunDep, session: SessionDep, settings: SettingsDep) -> RunDetail:
+    if run.world_size > settings.big_run_ranks:  # counted by the database (nand.server.bigrun)
+        return bigrun.run_detail(session, run, settings, time.time())
     ranks = store.ranks_of(session, [run.id])[run.id]
     return views.run_detail(session, run, ranks, settings, time.time())
 
@@ -67,14 +69,23 @@ def get_ranks(
     "/{run}/series",
     responses=UNKNOWN_RUN,
     response_model=list[RankSeries],
-    summary="Heartbeat telemetry per rank, downsampled to at most `points` per rank",
+    summary=(
+        "Heartbeat telemetry per rank, downsampled to at most `points` per rank, "
+        "`limit` ranks at a time"
+    ),
 )
 def get_series(
-    run: RunDep, session: SessionDep, points: Annotated[int, Query(ge=2, le=5000)] = 500
+    run: RunDep,
+    session: SessionDep,
+    points: Annotated[int, Query(ge=2, le=5000)] = 500,
+    after: Annotated[
+        int | None, Query(ge=0, le=INT32, description="Ranks above this one (paging by rank)")
+    ] = None,
+    limit: Annotated[int, Query(ge=1, le=5000, description="Most ranks in the answer")] = 1000,
 ) -> list[RankSeries]:
     return [
         RankSeries(rank=rank, points=[_point(row) for row in rows])
-        for rank, rows in store.series(session, run.id, points).items()
+        for rank, rows in series.series(session, run.id, points, after, limit).items()
     ]
 
 
@@ -103,7 +114,7 @@ def get_flight(
     rank: Annotated[int | None, Query(ge=0, le=INT32)] = None,
 ) -> FlightOut:
     if rank is None:
-        summary = views.run_summary(run, store.ranks_of(session, [run.id])[run.id], settings, 0.0)
+        summary = rankpage.run_summary(session, run, settings, 0.0)
         if summary.origin is None:
             raise HTTPException(404, f"run {run.name!r} has no origin yet: pass ?rank=")
         # Simultaneous ranks have no first one: show the lowest of them.

@@ -6,7 +6,7 @@ import time
 
 from fastapi import APIRouter
 
-from nand.server import store, views
+from nand.server import bigrun, store, views
 from nand.server.api.deps import UNKNOWN_RUN, RunDep, SessionDep, SettingsDep
 from nand.server.schemas import Verdict
 
@@ -25,5 +25,7 @@ router = APIRouter(prefix="/api/runs", tags=["verdict"])
     ),
 )
 def get_verdict(run: RunDep, session: SessionDep, settings: SettingsDep) -> Verdict:
+    if run.world_size > settings.big_run_ranks:  # counted by the database (nand.server.bigrun)
+        return bigrun.verdict(session, run, settings, time.time())
     ranks = store.ranks_of(session, [run.id])[run.id]
     return views.verdict(session, run, ranks, settings, time.time())

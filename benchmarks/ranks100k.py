@@ -1,0 +1,262 @@
+"""100,000 ranks: ingest over 1-3 servers on one PostgreSQL, event → verdict, and
+the reads of a 100,000-rank run (verdict, run page, /ranks, /series).
+
+    python benchmarks/ranks100k.py ingest --servers 1,2,3 --ranks 20000 --seconds 30
+    python benchmarks/ranks100k.py latency --ranks 1000,20000 --probes 20
+    python benchmarks/ranks100k.py reads --ranks 20000 --copies 5   # a 100,000-rank run
+
+``ingest``: a throwaway PostgreSQL (``tests/server/pg.py``), N ``nand server``
+processes on it, ``benchmarks/loadgen.py`` with ``--procs`` processes of
+simulated ranks spread over the servers, heartbeats as fast as the servers
+acknowledge (``--heartbeat-s 0``): stored msg/s, and each server's peak RSS.
+
+``latency``: one server on PostgreSQL, a job of N simulated ranks at the
+heartbeat period of ``nand.cadence``; every second a fresh rank sends a NaN
+earlier than the last, and the verdict is polled until it names it: p50/p99.
+
+``reads``: ``--ranks`` ranks through the real ingest (``write_batch``: hello,
+two heartbeats, a third of them a received NaN, one produced), then the run's
+rows copied ``--copies`` times under new rank numbers in SQL (the ingest of
+100,000 hellos takes longer than this machine can spare); one server on that
+SQLite file; each endpoint timed over HTTP, median of 5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sqlite3
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+from sqlalchemy import create_engine
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import loadgen  # noqa: E402
+from nand import wire  # noqa: E402
+from nand.server import migrate  # noqa: E402
+from nand.server.writer import write_batch  # noqa: E402
+from nand.testing import free_port  # noqa: E402
+from tests.server import pg  # noqa: E402
+from tests.server.processes import ServerProcess  # noqa: E402
+
+ALIVE = {"NAND_LOST_AFTER_S": "1e9", "NAND_STALLED_AFTER_S": "1e9"}
+
+
+def peak_rss_mb(server: ServerProcess) -> float:
+    assert server.proc is not None
+    for line in Path(f"/proc/{server.proc.pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def ingest(args: argparse.Namespace) -> None:
+    cluster = pg.start_cluster()
+    try:
+        for count in [int(n) for n in args.servers.split(",")]:
+            with cluster.database() as url:
+                servers = [ServerProcess(url, free_port()).start() for _ in range(count)]
+                try:
+                    plan = loadgen.Plan(
+                        run="flood",
+                        world=args.ranks,
+                        servers=tuple(s.zmq_endpoint for s in servers),
+                        seconds=args.seconds,
+                        heartbeat_s=args.heartbeat_s,
+                        fingerprint_every=0,
+                    )
+                    result = loadgen.summarise(loadgen.run(plan, args.procs))
+                    rss = ", ".join(f"{peak_rss_mb(s):.0f}" for s in servers)
+                    print(
+                        f"{count} server(s), {args.ranks:,} ranks: {result['msg_per_s']:,.0f} "
+                        f"msg/s stored ({result['acked']:,} acked, {result['rejected']} rejected, "
+                        f"{result['unacked']} unacked, {result['seconds']:.0f} s); "
+                        f"peak RSS MB: {rss}",
+                        flush=True,
+                    )
+                finally:
+                    for server in servers:
+                        server.stop()
+    finally:
+        cluster.stop()
+
+
+def latency(args: argparse.Namespace) -> None:
+    cluster = pg.start_cluster()
+    try:
+        for world in [int(n) for n in args.ranks.split(",")]:
+            with cluster.database() as url:
+                server = ServerProcess(url, free_port(), **ALIVE).start()
+                try:
+                    print(_latency_at(server, world, args), flush=True)
+                finally:
+                    server.stop()
+    finally:
+        cluster.stop()
+
+
+def _latency_at(server: ServerProcess, world: int, args: argparse.Namespace) -> str:
+    plan = loadgen.Plan(
+        run=f"lat{world}",
+        world=world,
+        servers=(server.zmq_endpoint,),
+        seconds=args.probe_at + args.probes + 5,
+        probes=args.probes,
+        probe_at=args.probe_at,
+        probe_every=1.0,
+    )
+    tallies: list[dict] = []
+    sender = threading.Thread(target=lambda: tallies.extend(loadgen.run(plan, args.procs)))
+    sender.start()
+    seen = _watch_origins(server, plan)
+    sender.join()
+    sent = {int(i): t for tally in tallies for i, t in tally["probes_sent"].items()}
+    waits = sorted(seen[i] - sent[i] for i in sent if i in seen)
+    if not waits:
+        return f"{world:,} ranks: no probe seen"
+    p99 = waits[min(len(waits) - 1, int(0.99 * len(waits)))]
+    return (
+        f"{world:,} ranks: event -> verdict p50 {1000 * statistics.median(waits):.0f} ms, "
+        f"p99 {1000 * p99:.0f} ms ({len(waits)}/{len(sent)} probes seen); "
+        f"peak RSS {peak_rss_mb(server):.0f} MB"
+    )
+
+
+def _watch_origins(server: ServerProcess, plan: loadgen.Plan) -> dict[int, float]:
+    """When the verdict first named each probe as the origin (probe i is at PROBE_STEP - i)."""
+    client = httpx.Client(base_url=server.http_url, timeout=60)
+    seen: dict[int, float] = {}
+    deadline = time.time() + plan.seconds + 600
+    while len(seen) < plan.probes and time.time() < deadline:
+        response = client.get(f"/api/runs/{plan.run}/verdict")
+        if response.status_code == 200 and (origin := response.json().get("origin")):
+            seen.setdefault(loadgen.PROBE_STEP - origin["step"], time.time())
+        time.sleep(0.02)
+    client.close()
+    return seen
+
+
+def _messages(plan: loadgen.Plan, rank: int) -> list[dict]:
+    def message(kind: str, seq: int, body: dict) -> dict:
+        who = {"agent": f"a{rank}", "seq": seq, "run": plan.run, "rank": rank}
+        return wire.decode(wire.encode(wire.agent_message(kind, **who, body=body)))
+
+    out = [message("hello", 1, loadgen.hello(plan, rank))]
+    out += [message("heartbeat", 1 + s, {"step": s, "loss": 2.0, "grad_norm": 1.0}) for s in (1, 2)]
+    if rank == 4321 % plan.world:
+        out.append(message("event", 4, loadgen.nan_event(plan, rank, 500, produced=True)))
+    elif rank % 3:
+        out.append(message("event", 4, loadgen.nan_event(plan, rank, 501, produced=False)))
+    return out
+
+
+def populate(path: Path, ranks: int, copies: int) -> None:
+    engine = create_engine(f"sqlite:///{path}")
+    migrate.upgrade(engine)
+    plan = loadgen.Plan(run="wide", world=ranks, servers=(), seconds=0)
+    batch: list[dict] = []
+    for rank in range(ranks):
+        batch += _messages(plan, rank)
+        if len(batch) >= 2000 or rank == ranks - 1:
+            write_batch(engine, batch, time.time())
+            batch = []
+    engine.dispose()
+    _copy(path, ranks, copies)
+
+
+def _copy(path: Path, ranks: int, copies: int) -> None:
+    """The run's rank rows, first events and heartbeats again under ranks + k * ranks."""
+    db = sqlite3.connect(path)
+    (run_id,) = db.execute("select id from runs where name = 'wide'").fetchone()
+    for k in range(1, copies):
+        for table in ("events", "heartbeats", "ranks"):
+            columns = [r[1] for r in db.execute(f"pragma table_info({table})") if r[1] != "id"]
+            values = [
+                f"rank + {k * ranks}" if c == "rank" else "NULL" if c == "first_event_id" else c
+                for c in columns
+            ]
+            db.execute(
+                f"insert into {table} ({', '.join(columns)}) select {', '.join(values)} "
+                f"from {table} where run_id = ? and rank < ?",
+                (run_id, ranks),
+            )
+    db.execute(
+        "update ranks set first_event_id = (select min(e.id) from events e where "
+        "e.run_id = ranks.run_id and e.rank = ranks.rank) where run_id = ? and rank >= ? "
+        "and first_step is not null",
+        (run_id, ranks),
+    )
+    db.execute("update runs set world_size = ? where id = ?", (ranks * copies, run_id))
+    db.commit()
+    db.close()
+
+
+def reads(args: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(args.db or f"{tmp}/nand.db")
+        if not path.exists():
+            populate(path, args.ranks, args.copies)
+        for label, env in (("alive", ALIVE), ("every rank lost", {})):
+            server = ServerProcess(f"sqlite:///{path}", free_port(), **env).start()
+            try:
+                _time_reads(server, label)
+            finally:
+                server.stop()
+
+
+def _time_reads(server: ServerProcess, label: str) -> None:
+    client = httpx.Client(base_url=server.http_url, timeout=300)
+    paths = {
+        "verdict": "/api/runs/wide/verdict",
+        "run page (detail)": "/api/runs/wide",
+        "/ranks first page": "/api/runs/wide/ranks",
+        "/ranks page after 50,000": "/api/runs/wide/ranks?after=50000",
+        "/series (1,000 ranks)": "/api/runs/wide/series",
+    }
+    for name, url in paths.items():
+        times, size = [], 0
+        for _ in range(5):
+            started = time.perf_counter()
+            response = client.get(url)
+            times.append(time.perf_counter() - started)
+            response.raise_for_status()
+            size = len(response.content)
+        print(
+            f"[{label}] {name}: {1000 * statistics.median(times):.0f} ms, {size / 1e3:.0f} kB",
+            flush=True,
+        )
+    print(f"[{label}] server peak RSS {peak_rss_mb(server):.0f} MB", flush=True)
+    client.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="what", required=True)
+    one = sub.add_parser("ingest")
+    one.add_argument("--servers", default="1,2,3")
+    one.add_argument("--ranks", type=int, default=20_000)
+    one.add_argument("--seconds", type=float, default=30.0)
+    one.add_argument("--procs", type=int, default=2)
+    one.add_argument("--heartbeat-s", type=float, default=0.0, help="0: as fast as acked")
+    two = sub.add_parser("latency")
+    two.add_argument("--ranks", default="1000,20000")
+    two.add_argument("--probes", type=int, default=20)
+    two.add_argument("--probe-at", type=float, default=10.0)
+    two.add_argument("--procs", type=int, default=2)
+    three = sub.add_parser("reads")
+    three.add_argument("--ranks", type=int, default=20_000)
+    three.add_argument("--copies", type=int, default=5)
+    three.add_argument("--db", help="an SQLite file made by an earlier run (kept)")
+    args = parser.parse_args()
+    {"ingest": ingest, "latency": latency, "reads": reads}[args.what](args)
+
+
+if __name__ == "__main__":
+    main()
