@@ -30,8 +30,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 from torch import nn
 
+from nand.agent.detect.compile_switch import CompileSwitch
 from nand.agent.detect.compiled import CompiledSlots
 from nand.agent.detect.hooks import Hooks
 from nand.agent.detect.modules import ModuleInfo
@@ -40,6 +42,7 @@ from nand.agent.detect.state import HookState
 from nand.agent.safety import Guard
 
 log = logging.getLogger("nand")
+_is_compiling = torch.compiler.is_dynamo_compiling
 
 #: What the light mode checked, said in an event it could not make exact
 #: (short: the server keeps 300 characters of an event's ``replay``).
@@ -65,6 +68,7 @@ class Tiers:
         self.infos = infos
         self.light = False
         self._proxies = True
+        self._switch: CompileSwitch | None = None
 
     def install(self, mode: str, model: nn.Module, proxies: bool) -> None:
         """Hook the root (light) or every module (full); see the module."""
@@ -74,10 +78,16 @@ class Tiers:
             log.warning("nand: mode='light' on a compiled model: every module probed instead")
         self.light = mode == "light" and not compiled
         self.hooks.install(self.root, self.infos, proxies=proxies, modules=not self.light)
+        if self.light:  # compiled later: full from the first compiled call (compile_switch.py)
+            self._switch = CompileSwitch(self.root, self._compiled_now)
+            self.hooks.handles.append(self._switch.handle)
+
+    def _compiled_now(self) -> None:
+        self.go_full("the model is being compiled, and compiled code ignores hooks added later")
 
     def go_full(self, why: str) -> str:
         """Hook every module from now on; said once in the log, and returned."""
-        said = COMPILED if self.compiled else SWITCHED
+        said = COMPILED if self.compiled and not _is_compiling() else SWITCHED
         if self.light:
             self.light = False
             self.hooks.install_modules(self.root, self.infos, proxies=self._proxies)
