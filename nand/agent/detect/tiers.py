@@ -102,6 +102,15 @@ class Tiers:
             self.go_full("micro-steps are marked by new_batch, which no replay can repeat")
         self.hooks.new_batch(self.infos[self.root], batch)
 
+    def window_read(self, micro_steps: int, stepped: bool) -> int:
+        """A step's window was read (``stepped``: by a step, not at close).
+        A step without a root call entered the model elsewhere (a loop that
+        calls its parts): its inputs are never held, no replay can repeat
+        it, so every module is probed from then on (the entry points too)."""
+        if self.light and stepped and not micro_steps:
+            self.go_full("a step ran without calling the watched model, which no replay can repeat")
+        return micro_steps
+
     @property
     def compiled(self) -> bool:
         """A hook of this watch ran under torch.compile: hooks added now are ignored."""
