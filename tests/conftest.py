@@ -9,7 +9,7 @@ import pytest
 # One thread per test process: the CI machine has 2 cores, and multi-rank
 # tests start several processes at once.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-#: ``NAND_TEST_MODE=full`` (or ``light``, the default) runs every test's watch
+#: ``NAND_TEST_MODE=light`` (or ``full``, the default) runs every test's watch
 #: in that mode (``NAND_MODE``), so that the suite holds both; read before the
 #: isolation below. A test about one mode's probes is marked
 #: ``@pytest.mark.nand_mode("full")`` and keeps it (an argument ``mode=`` too).

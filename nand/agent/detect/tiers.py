@@ -1,14 +1,16 @@
 """Which probes run on every step: :class:`Tiers`.
 
-``mode="full"`` (the default): every module output and activation gradient
-gets a probe (``hooks.py``). ``mode="light"`` (``NAND_MODE=light``): only
-the root module is hooked: its inputs (the data), its outputs (the loss a
-model returns, or its logits) and the gradient arriving there (the loss
-computation's). The rest of the step's checks are the same in both modes,
-and need no module hook: the loss given to ``watch.loss``, one multi-tensor
-norm of the gradients and of the parameters by the implied-finite rules
-(``optimizer.py``), the GradScaler's ``found_inf`` (``amp.py``), DDP's
-pre-all-reduce bucket check (``ddp.py``). No device work per module.
+``mode="light"`` (``NAND_MODE=light``): only the root module is hooked: its
+inputs (the data), its outputs (the loss a model returns, or its logits)
+and the gradient arriving there (the loss computation's). The rest of the
+step's checks are the same in both modes, and need no module hook: the loss
+given to ``watch.loss``, one multi-tensor norm of the gradients and of the
+parameters by the implied-finite rules (``optimizer.py``), the GradScaler's
+``found_inf`` (``amp.py``), DDP's pre-all-reduce bucket check (``ddp.py``).
+No device work per module.
+``mode="full"`` (the default, and the mode for hunting by hand): every
+module output and activation gradient gets a probe (``hooks.py``) on every
+step.
 
 On a hit the exact answer comes from a replay (``nand.agent.rerun``): the
 micro-step runs again with every module hooked for that replay only
@@ -19,8 +21,13 @@ late, a value received through a collective, FSDP, a compiled model, the
 replays spent, inputs not held, a replay that raised or did not make the
 value again) the event says what was checked and :meth:`Tiers.go_full`
 hooks every module for the rest of the run, so that the next incident is
-exact. A model compiled before ``nand.watch`` runs in the full mode from
-the start: hooks added after its first compiled call are ignored.
+exact. Where no replay could ever be exact the watch goes full before any
+incident: micro-steps marked by ``new_batch`` (:meth:`Tiers.new_batch`), a
+step that never called the root (:meth:`Tiers.window_read`), and a compiled
+model: compiled code ignores hooks added after dynamo traced it, so a model
+compiled before ``nand.watch`` runs full from the start, and one compiled
+after it turns full while its first compiled call is traced
+(``compile_switch.py``).
 """
 
 from __future__ import annotations
