@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 import nand
-from tests.agent.test_rerun import Streamed, batch
+from tests.agent.test_rerun import Log, Streamed, batch, model_with, train
 
 
 def test_a_light_replay_that_raises_says_what_was_checked_and_the_next_incident_is_exact():
@@ -115,3 +115,17 @@ def test_a_loop_calling_the_parts_of_a_light_watched_model_is_probed_as_in_the_f
     # the light event was a parameter's gradient.
     light = first_of_a_loop_calling_parts("light")
     assert light == first_of_a_loop_calling_parts("full") == (2, "forward", "mid", "produced")
+
+
+def test_a_forward_fault_that_fires_once_is_not_reproduced_in_light_mode_and_goes_full():
+    # A transient: the light checks see the root's output, the probed replay
+    # finds nothing, so the event says not reproduced (suspect the device),
+    # what was checked, and every module is probed from then on.
+    model = model_with(Log(once_at=3))  # the third call: step 2
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with nand.watch(model, opt, on_nonfinite="skip", mode="light") as watch:
+        train(model, opt, 4)
+    event = watch.first
+    assert (event.step, event.phase, event.module) == (2, "forward", "")
+    assert event.reproduced is False and "suspect the device" in event.message
+    assert "light mode checked" in event.replay and not watch._tiers.light

@@ -167,8 +167,10 @@ class Rerun:
         if finding is None and len(micros) > 1:
             which = f"micro-steps 0 to {len(micros) - 1}"
         event.replay = f"replayed the {what} of {which}"
-        if light and finding is None:  # the probes saw nothing: not where, nor whether
+        if light and finding is None:  # the probes saw nothing: not where
             event.replay += "; its probes found nothing non-finite"
+            if not backward:  # the root's output came out finite: not reproduced
+                event.reproduced = False  # (a gradient's: its .grad is not checked)
             return
         chosen, event.reproduced = conclude(event, replayed)
         event.reproduced = event.reproduced or finding is not None  # (the probes saw it)
