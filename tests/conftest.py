@@ -9,17 +9,23 @@ import pytest
 # One thread per test process: the CI machine has 2 cores, and multi-rank
 # tests start several processes at once.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-#: ``NAND_TEST_MODE=light`` runs every test's watch in the light mode
-#: (``NAND_MODE``), to hold the suite to it; read before the isolation below.
+#: ``NAND_TEST_MODE=light`` (or ``full``, the default) runs every test's watch
+#: in that mode (``NAND_MODE``), so that the suite holds both; read before the
+#: isolation below. A test about one mode's probes is marked
+#: ``@pytest.mark.nand_mode("full")`` and keeps it (an argument ``mode=`` too).
 TEST_MODE = os.environ.get("NAND_TEST_MODE")
 
 
 @pytest.fixture(autouse=True)
-def _isolated_nand_env(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+def _isolated_nand_env(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
     """No test sees the developer's NAND_* settings; spools go to a temp dir."""
     for name in list(os.environ):
         if name.startswith("NAND_"):
             monkeypatch.delenv(name)
     monkeypatch.setenv("NAND_SPOOL_DIR", str(tmp_path / "spool"))
-    if TEST_MODE:
-        monkeypatch.setenv("NAND_MODE", TEST_MODE)
+    marker = request.node.get_closest_marker("nand_mode")
+    mode = marker.args[0] if marker is not None else TEST_MODE
+    if mode:
+        monkeypatch.setenv("NAND_MODE", mode)

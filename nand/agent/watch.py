@@ -360,7 +360,7 @@ class Watch:
 
     def _report(self, outcome: Outcome, beat: bool = True) -> None:
         """Record, log and send an incident; one message per incident, no flood."""
-        micro_steps = self._boundary.micro_steps
+        micro_steps = self._tiers.window_read(self._boundary.micro_steps, beat)
         self._micro = micro_steps - 1 if micro_steps else 0
         event = outcome.event
         if outcome.overflow:

@@ -14,6 +14,9 @@ from nand.agent.detect.grads import GradHooks
 from nand.agent.detect.modules import module_table, proxy_bias
 from tests.agent.models import VALUES, BackwardPlant, BadBackward, arm_at, mlp, train, where
 
+#: The full mode's bias proxies (the light mode hooks no module): see tests/conftest.py.
+pytestmark = pytest.mark.nand_mode("full")
+
 KINDS = list(VALUES)
 
 

@@ -12,6 +12,9 @@ import nand
 from nand.agent.detect.modules import Chains, module_table
 from tests.agent.models import VALUES, mlp, train, where
 
+#: The full mode's hook placement (the light mode hooks no module): see tests/conftest.py.
+pytestmark = pytest.mark.nand_mode("full")
+
 
 class SafeLog(nn.Module):
     """A leaf whose backward is not benign: NaN where x == 0, exactly where a relu cut."""

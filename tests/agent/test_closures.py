@@ -83,6 +83,10 @@ def test_skip_through_a_closure_drops_that_update_only():
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
 
+# The NaN is set for the 7th evaluation only, and gone at the next: a
+# transient, which the light mode's replay cannot see again (see
+# tests/integrations/check.py, replayed_armed): the full mode's labelling.
+@pytest.mark.nand_mode("full")
 def test_each_evaluation_of_an_lbfgs_step_is_checked_as_a_micro_step_of_it():
     torch.manual_seed(0)
     model = mlp(plant_after=2)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 import nand
-from tests.agent.test_rerun import Streamed, batch
+from tests.agent.test_rerun import Log, Streamed, batch, model_with, train
 
 
 def test_a_light_replay_that_raises_says_what_was_checked_and_the_next_incident_is_exact():
@@ -47,3 +47,85 @@ def test_a_light_incident_with_replays_off_is_not_exact_and_switches_to_the_full
     assert (first.step, first.module) == (1, "")
     assert first.replay.startswith("not replayed: NAND_REPLAYS=0")
     assert (second.step, second.module, second.replay) == (3, "log", "")
+
+
+class Faulty(torch.nn.Module):
+    """Two layers; ``mid``'s output gets a NaN while ``armed`` (a 0-d tensor,
+    so that a compiled graph does not guard on it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = torch.nn.Linear(8, 8)
+        self.mid = torch.nn.Linear(8, 8)
+        self.last = torch.nn.Linear(8, 1)
+        self.armed = torch.zeros(())
+        self.mid.register_forward_hook(lambda m, a, out: out + self.armed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(torch.tanh(self.mid(self.first(x))))
+
+
+def first_of_compiled_run(mode: str) -> tuple[object, ...]:
+    """A model compiled (aot_eager) after nand.watch; ``mid`` goes NaN at step 2."""
+    torch._dynamo.reset()
+    model = Faulty()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with nand.watch(model, opt, mode=mode, read="sync", log_events=False) as watch:
+        run = torch.compile(model, backend="aot_eager")
+        for step in range(3):
+            model.armed.fill_(float("nan") if step == 2 else 0.0)
+            run(batch(step)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    first = watch.first
+    assert first is not None
+    return first.step, first.micro_step, first.phase, first.module, first.cause
+
+
+def test_a_model_compiled_after_a_light_watch_is_probed_as_in_the_full_mode_from_its_first_call():
+    # Compiled code ignores hooks added after dynamo traced it: the light
+    # mode hooks every module while the first compiled call is traced
+    # (compile_switch.py). Before: the light event was the root's output,
+    # not replayed (nothing is held from compiled code), and the switch to
+    # the full mode came too late for the compiled graph.
+    light = first_of_compiled_run("light")
+    assert light == first_of_compiled_run("full") == (2, 0, "forward", "mid", "produced")
+
+
+def first_of_a_loop_calling_parts(mode: str) -> tuple[object, ...]:
+    """The loop calls the model's parts, never the model: ``mid`` goes NaN at step 2."""
+    model = Faulty()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with nand.watch(model, opt, mode=mode, read="sync", log_events=False) as watch:
+        for step in range(3):
+            model.armed.fill_(float("nan") if step == 2 else 0.0)
+            hidden = torch.tanh(model.mid(model.first(batch(step))))
+            model.last(hidden).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    first = watch.first
+    assert first is not None
+    return first.step, first.phase, first.module, first.cause
+
+
+def test_a_loop_calling_the_parts_of_a_light_watched_model_is_probed_as_in_the_full_mode():
+    # No root call, nothing held, no replay possible: the first step read
+    # without a root call turns the watch full (Tiers.window_read). Before:
+    # the light event was a parameter's gradient.
+    light = first_of_a_loop_calling_parts("light")
+    assert light == first_of_a_loop_calling_parts("full") == (2, "forward", "mid", "produced")
+
+
+def test_a_forward_fault_that_fires_once_is_not_reproduced_in_light_mode_and_goes_full():
+    # A transient: the light checks see the root's output, the probed replay
+    # finds nothing, so the event says not reproduced (suspect the device),
+    # what was checked, and every module is probed from then on.
+    model = model_with(Log(once_at=3))  # the third call: step 2
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with nand.watch(model, opt, on_nonfinite="skip", mode="light") as watch:
+        train(model, opt, 4)
+    event = watch.first
+    assert (event.step, event.phase, event.module) == (2, "forward", "")
+    assert event.reproduced is False and "suspect the device" in event.message
+    assert "light mode checked" in event.replay and not watch._tiers.light

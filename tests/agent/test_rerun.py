@@ -106,6 +106,7 @@ def test_a_backward_only_nan_is_named_as_the_backward_op_at_the_forward_line_of_
     assert event.reproduced is True
 
 
+@pytest.mark.nand_mode("full")  # (the light mode's: test_light_tier.py)
 def test_a_fault_that_fires_once_is_not_reproduced_and_the_device_is_suspected():
     model = model_with(Log(once_at=3))  # the third call: step 2
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)

@@ -15,7 +15,15 @@ from torch import nn
 from nand.agent.detect.savable import SavableHook
 from tests.integrations.check import assert_reported_as_the_truth_says, planted_answer, same_losses
 from tests.integrations.faults import Fault, Planted
-from tests.integrations.loops import ACCUMULATION, FP32, Loop, expected, where, with_nand
+from tests.integrations.loops import (
+    ACCUMULATION,
+    FP32,
+    GRADIENT_PENALTY,
+    Loop,
+    expected,
+    where,
+    with_nand,
+)
 from tests.integrations.zoo import case
 
 pytest.importorskip("transformers")
@@ -145,3 +153,17 @@ def test_under_lightning_the_light_mode_probes_every_module_from_the_first_batch
     s = scenario("gpt2", kind)
     trained = run_lightning(s, 4)
     assert trained.said() == s.answer
+
+
+def test_a_backward_fault_under_a_gradient_penalty_is_named_in_light_mode_as_in_the_full_mode(
+    light, monkeypatch
+):
+    """The penalty's ``autograd.grad`` runs the model's backward first, unprobed
+    in light mode; the NaN reaches the model's output in the second backward.
+    The replay starts from the first gradient that arrived there (held.py)."""
+    fault = Fault("backward", 1, case("gpt2").sites["backward"], "nan")
+    run = assert_reported_as_the_truth_says("gpt2", GRADIENT_PENALTY, fault, 3, read=SYNC)
+    assert run.watch is not None and run.watch.first is not None
+    assert run.watch.first.reproduced is True, run.watch.first.replay
+    full = full_mode_first("gpt2", GRADIENT_PENALTY, fault, 3, monkeypatch)
+    assert where(run.watch.first) == full

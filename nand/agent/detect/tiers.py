@@ -1,14 +1,16 @@
 """Which probes run on every step: :class:`Tiers`.
 
-``mode="full"`` (the default): every module output and activation gradient
-gets a probe (``hooks.py``). ``mode="light"`` (``NAND_MODE=light``): only
-the root module is hooked: its inputs (the data), its outputs (the loss a
-model returns, or its logits) and the gradient arriving there (the loss
-computation's). The rest of the step's checks are the same in both modes,
-and need no module hook: the loss given to ``watch.loss``, one multi-tensor
-norm of the gradients and of the parameters by the implied-finite rules
-(``optimizer.py``), the GradScaler's ``found_inf`` (``amp.py``), DDP's
-pre-all-reduce bucket check (``ddp.py``). No device work per module.
+``mode="light"`` (``NAND_MODE=light``): only the root module is hooked: its
+inputs (the data), its outputs (the loss a model returns, or its logits)
+and the gradient arriving there (the loss computation's). The rest of the
+step's checks are the same in both modes, and need no module hook: the loss
+given to ``watch.loss``, one multi-tensor norm of the gradients and of the
+parameters by the implied-finite rules (``optimizer.py``), the GradScaler's
+``found_inf`` (``amp.py``), DDP's pre-all-reduce bucket check (``ddp.py``).
+No device work per module.
+``mode="full"`` (the default, and the mode for hunting by hand): every
+module output and activation gradient gets a probe (``hooks.py``) on every
+step.
 
 On a hit the exact answer comes from a replay (``nand.agent.rerun``): the
 micro-step runs again with every module hooked for that replay only
@@ -19,8 +21,13 @@ late, a value received through a collective, FSDP, a compiled model, the
 replays spent, inputs not held, a replay that raised or did not make the
 value again) the event says what was checked and :meth:`Tiers.go_full`
 hooks every module for the rest of the run, so that the next incident is
-exact. A model compiled before ``nand.watch`` runs in the full mode from
-the start: hooks added after its first compiled call are ignored.
+exact. Where no replay could ever be exact the watch goes full before any
+incident: micro-steps marked by ``new_batch`` (:meth:`Tiers.new_batch`), a
+step that never called the root (:meth:`Tiers.window_read`), and a compiled
+model: compiled code ignores hooks added after dynamo traced it, so a model
+compiled before ``nand.watch`` runs full from the start, and one compiled
+after it turns full while its first compiled call is traced
+(``compile_switch.py``).
 """
 
 from __future__ import annotations
@@ -30,8 +37,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 from torch import nn
 
+from nand.agent.detect.compile_switch import CompileSwitch
 from nand.agent.detect.compiled import CompiledSlots
 from nand.agent.detect.hooks import Hooks
 from nand.agent.detect.modules import ModuleInfo
@@ -40,6 +49,7 @@ from nand.agent.detect.state import HookState
 from nand.agent.safety import Guard
 
 log = logging.getLogger("nand")
+_is_compiling = torch.compiler.is_dynamo_compiling
 
 #: What the light mode checked, said in an event it could not make exact
 #: (short: the server keeps 300 characters of an event's ``replay``).
@@ -65,6 +75,7 @@ class Tiers:
         self.infos = infos
         self.light = False
         self._proxies = True
+        self._switch: CompileSwitch | None = None
 
     def install(self, mode: str, model: nn.Module, proxies: bool) -> None:
         """Hook the root (light) or every module (full); see the module."""
@@ -74,10 +85,16 @@ class Tiers:
             log.warning("nand: mode='light' on a compiled model: every module probed instead")
         self.light = mode == "light" and not compiled
         self.hooks.install(self.root, self.infos, proxies=proxies, modules=not self.light)
+        if self.light:  # compiled later: full from the first compiled call (compile_switch.py)
+            self._switch = CompileSwitch(self.root, self._compiled_now)
+            self.hooks.handles.append(self._switch.handle)
+
+    def _compiled_now(self) -> None:
+        self.go_full("the model is being compiled, and compiled code ignores hooks added later")
 
     def go_full(self, why: str) -> str:
         """Hook every module from now on; said once in the log, and returned."""
-        said = COMPILED if self.compiled else SWITCHED
+        said = COMPILED if self.compiled and not _is_compiling() else SWITCHED
         if self.light:
             self.light = False
             self.hooks.install_modules(self.root, self.infos, proxies=self._proxies)
@@ -91,6 +108,15 @@ class Tiers:
         if self.light:
             self.go_full("micro-steps are marked by new_batch, which no replay can repeat")
         self.hooks.new_batch(self.infos[self.root], batch)
+
+    def window_read(self, micro_steps: int, stepped: bool) -> int:
+        """A step's window was read (``stepped``: by a step, not at close).
+        A step without a root call entered the model elsewhere (a loop that
+        calls its parts): its inputs are never held, no replay can repeat
+        it, so every module is probed from then on (the entry points too)."""
+        if self.light and stepped and not micro_steps:
+            self.go_full("a step ran without calling the watched model, which no replay can repeat")
+        return micro_steps
 
     @property
     def compiled(self) -> bool:

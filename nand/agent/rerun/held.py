@@ -10,6 +10,9 @@ Two hooks on the root module, device work none:
   gradient: it keeps a reference to the gradient that arrives there in
   backward (the loss computation's, already scaled by a GradScaler and
   divided for accumulation: exactly what the step's backward started from).
+  Only the first gradient to arrive is kept: a gradient penalty's loss is
+  made of a first backward (``autograd.grad`` with ``create_graph``), which
+  a replay runs again from there; the second arrives through it.
 
 Nothing is copied: the batch is the user's tensor, the gradient autograd's
 (of a model that returns its 0-d loss, only that loss's: see ``_seeded``).
@@ -57,7 +60,7 @@ class HeldStep:
 
     def keep_grad(self, path: str) -> Callable[[Tensor], None]:
         def kept(grad: Tensor) -> None:
-            self.grads[path] = grad
+            self.grads.setdefault(path, grad)  # the first backward's (see the module)
 
         return kept
 

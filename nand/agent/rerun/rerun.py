@@ -125,7 +125,7 @@ class Rerun:
     def _why_not(self, event: Event, lagged: bool) -> str:
         if self.held is None:
             return "not replayed: NAND_REPLAYS=0 (nothing held)"
-        if event.phase in NOT_REPLAYED or event.cause in NOT_REPLAYED:
+        if event.cause in NOT_REPLAYED or (event.phase in NOT_REPLAYED and not _second(event)):
             return NOT_REPLAYED.get(event.phase) or NOT_REPLAYED[event.cause]
         if lagged:
             return "not replayed: read one step late (read='deferred'), after the update"
@@ -140,13 +140,13 @@ class Rerun:
                 f"not replayed: the inputs of micro-step {event.micro_step} were not held "
                 f"(the model ran compiled or outside its root module, or after {MAX_HELD} calls)"
             )
-        if event.phase in GRADIENT_PHASES and not self.held.steps[event.micro_step].grads:
+        if _backward(event) and not self.held.steps[event.micro_step].grads:
             return "not replayed: no gradient reached the model's outputs"
         return ""
 
     def _replay(self, event: Event, light: bool) -> None:
         assert self.held is not None
-        backward = event.phase in GRADIENT_PHASES
+        backward = _backward(event)
         # A gradient read in light mode sums every micro-step's: the first that makes it.
         micros = range(len(self.held.steps)) if light and backward else [event.micro_step]
         was_off, self.guard.off, self.held.paused = self.guard.off, True, True
@@ -167,8 +167,10 @@ class Rerun:
         if finding is None and len(micros) > 1:
             which = f"micro-steps 0 to {len(micros) - 1}"
         event.replay = f"replayed the {what} of {which}"
-        if light and finding is None:  # the probes saw nothing: not where, nor whether
+        if light and finding is None:  # the probes saw nothing: not where
             event.replay += "; its probes found nothing non-finite"
+            if not backward:  # the root's output came out finite: not reproduced
+                event.reproduced = False  # (a gradient's: its .grad is not checked)
             return
         chosen, event.reproduced = conclude(event, replayed)
         event.reproduced = event.reproduced or finding is not None  # (the probes saw it)
@@ -186,6 +188,17 @@ class Rerun:
         with self.tiers.probed() as buf:
             replayed = replay(self.root, held, self._names, device, backward)
         return replayed, probed_finding(buf, micro)
+
+
+def _second(event: Event) -> bool:
+    """A gradient that reached the model's output a second time in its
+    micro-step (a gradient penalty's backward, ``call`` > 0): the first
+    backward, held, went through the modules and is replayed."""
+    return event.phase == "loss" and event.call > 0
+
+
+def _backward(event: Event) -> bool:
+    return event.phase in GRADIENT_PHASES or _second(event)
 
 
 def conclude(event: Event, replayed: Replayed) -> tuple[OpRecord | None, bool]:
