@@ -158,6 +158,12 @@ NAND_STALLED_AFTER_S = "NAND_STALLED_AFTER_S"
 """A rank that sends heartbeats but no step progress for this long is ``stalled``.
 Default 300."""
 
+NAND_AGENT_LEASE_S = "NAND_AGENT_LEASE_S"
+"""With several servers on one database: how long a server's hold on an agent
+id lasts after it last heard the agent (``nand.server.leases``). Another
+server refuses the id meanwhile and takes it over after: an agent whose
+server died is accepted elsewhere within this long. Default 15."""
+
 NAND_GRAD_OUTLIER_FACTOR = "NAND_GRAD_OUTLIER_FACTOR"
 """A DDP rank whose own gradient norm (before the all-reduce) is over this
 many times the median of the ranks' at the same step, or under its inverse,
