@@ -9,6 +9,7 @@ times over, so that a decision taken by one server alone would show.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections import Counter
@@ -287,3 +288,34 @@ def test_three_servers_notify_each_state_change_once(database, tmp_path):
             assert diverged() == Counter(dict.fromkeys(runs, 1))
     finally:
         hook.stop()
+
+
+def test_a_dashboard_stream_on_one_server_shows_events_stored_through_another(database):
+    """``GET /api/stream`` polls the database, not its own server's ingest: a
+    stream opened on server A follows a run whose agents all report to B and C."""
+    with servers(database, 3) as (a, b, c):
+        seen: list[dict[str, Any]] = []
+        diverged = threading.Event()
+
+        def listen() -> None:
+            url = f"{a.http_url}/api/stream?run=streamed"
+            with httpx.stream("GET", url, timeout=30) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        seen.append(json.loads(line[6:]))
+                        if seen[-1]["state"] == "diverged":
+                            diverged.set()
+                            return
+
+        threading.Thread(target=listen, daemon=True).start()
+        agents = spread([b, c], "streamed", 2)
+        try:
+            for agent in agents:
+                agent.heartbeat(3)
+            eventually(lambda: any(s["run"] == "streamed" for s in seen), timeout=15)
+            agents[1].event(step=4, phase="forward", module="fc1", nan=2)
+            agents[1].wait_acked()
+            assert diverged.wait(15), seen
+            assert seen[-1]["origin"]["rank"] == 1
+        finally:
+            close(agents)
