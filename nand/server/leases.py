@@ -11,9 +11,10 @@ an agent id only while it holds the lease:
   another server holds it and its lease runs, the messages are refused
   (``agent_in_use``, not answered: the agent resends and gets in once the
   lease is free);
-- every ``lease_s / 3`` a server *renews* the leases of the agents it heard in
-  the last ``lease_s``; an agent that moved away (or whose server was killed)
-  is free ``lease_s`` after that server last renewed it;
+- every ``lease_s / 3`` a server *renews* the leases of the agents it heard,
+  each to ``lease_s`` after it last heard the agent: an agent that moved away
+  (or whose server was killed) is free about ``lease_s`` after its server last
+  heard it;
 - a server that stops cleanly *releases* its leases, so its agents move at once.
 
 A server is named by its host and bound ZeroMQ endpoint: a server restarted on
@@ -27,14 +28,17 @@ clocks within a fraction of ``lease_s`` of each other (NTP does that).
 >>> a, b = Leases(engine, 15.0, "host-a tcp://a:5557"), Leases(engine, 15.0, "host-b tcp://b:5557")
 >>> a.claim({"agent-1"}, now=100.0), b.claim({"agent-1"}, now=101.0)
 (set(), {'agent-1'})
->>> b.claim({"agent-1"}, now=116.0)  # a's lease ran out at 115
-set()
+>>> a.heard({"agent-1"}, now=110.0); a.renew_if_due(now=111.0)  # held until 110 + 15
+>>> b.claim({"agent-1"}, now=122.0), b.claim({"agent-1"}, now=126.0)
+({'agent-1'}, set())
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
+from collections import defaultdict
 from collections.abc import Iterable
 
 from sqlalchemy import Engine, delete, or_, select, update
@@ -99,8 +103,9 @@ class Leases:
             self.seen[agent] = now
 
     def renew_if_due(self, now: float | None = None) -> None:
-        """Every third of a lease: extend the leases of the agents heard lately,
-        and forget the others (another server may take them once they run out)."""
+        """Every third of a lease: extend each lease to ``lease_s`` after its agent
+        was last heard (to a sixth of a lease), and forget agents not heard for
+        ``lease_s`` (another server may take them once their lease runs out)."""
         now = time.time() if now is None else now
         if now - self._renewed < self.lease_s / 3:
             return
@@ -109,14 +114,17 @@ class Leases:
         for agent in [a for a, t in self.seen.items() if t < horizon]:
             del self.seen[agent]
             self.held.pop(agent, None)
+        step = self.lease_s / 6  # a few statements per renewal, not one per agent
+        by_expiry: dict[float, list[str]] = defaultdict(list)
+        for agent, heard in self.seen.items():
+            by_expiry[math.ceil(heard / step) * step + self.lease_s].append(agent)
         try:
-            self._renew(sorted(self.seen), now + self.lease_s)
+            for expires, agents in by_expiry.items():
+                self._renew(sorted(agents), expires)
         except Exception as exc:  # the database is away: the leases run out, claimed again
             log.warning("could not renew agent leases: %s", exc)
 
     def _renew(self, agents: list[str], expires: float) -> None:
-        if not agents:
-            return
         renewed: set[str] = set()
         with self.engine.begin() as conn:
             for chunk in _chunks(agents):

@@ -245,6 +245,26 @@ def test_an_agent_id_held_through_one_server_is_refused_by_another_until_its_lea
             impostor.close()
 
 
+def test_a_server_that_stops_cleanly_hands_its_agents_over_at_once(database):
+    """A server that shuts down (a rolling restart) releases its leases: its
+    agents are accepted by another server at once, not a lease later."""
+    with servers(database, 2, NAND_AGENT_LEASE_S="60") as (a, b):
+        agent = FakeAgent(a.zmq_endpoint, run="handed-over", rank=0)
+        agent.hello(token=TOKEN)
+        agent.heartbeat(1)
+        agent.wait_acked()
+        agent.close()
+        a.stop()
+        moved = FakeAgent(b.zmq_endpoint, run="handed-over", rank=0, agent=agent.agent)
+        moved.seq = agent.seq
+        try:
+            started = time.monotonic()
+            moved.send_until_acked("heartbeat", {"step": 2}, timeout=30)
+            assert time.monotonic() - started < 10
+        finally:
+            moved.close()
+
+
 def test_a_stop_asked_on_one_server_reaches_agents_connected_to_the_others(database):
     with servers(database, 3) as fleet:
         agents = spread(fleet, "stopped", 6)
