@@ -18,6 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
 
+# The readers live apart (how to read a variable); re-exported: config.get_float(...).
+from nand.envvars import get_bool as get_bool
+from nand.envvars import get_float as get_float
+from nand.envvars import get_int as get_int
+from nand.envvars import get_str as get_str
 from nand.errors import ConfigError
 from nand.runids import run_problem
 
@@ -191,43 +196,6 @@ NAND_URL = "NAND_URL"
 Default ``http://127.0.0.1:8080``. Set for a training job, rank 0's start line
 links the run's dashboard page there; set for the server, notifications link
 there (default: the address it serves on)."""
-
-
-def get_str(name: str, default: str | None = None) -> str | None:
-    value = os.environ.get(name)
-    return default if value is None or value == "" else value
-
-
-def get_int(name: str, default: int) -> int:
-    value = get_str(name)
-    if value is None:
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise ConfigError(f"{name}={value!r} is not an integer") from None
-
-
-def get_float(name: str, default: float) -> float:
-    value = get_str(name)
-    if value is None:
-        return default
-    try:
-        return float(value)
-    except ValueError:
-        raise ConfigError(f"{name}={value!r} is not a number") from None
-
-
-def get_bool(name: str, default: bool = False) -> bool:
-    value = get_str(name)
-    if value is None:
-        return default
-    lowered = value.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise ConfigError(f"{name}={value!r} is not a boolean (use 1/0, true/false)")
 
 
 # --- the agent's settings, resolved once ------------------------------------

@@ -88,7 +88,7 @@ class Leases:
                 )
                 rows = [{"agent": a, "server": self.server, "expires": expires} for a in chunk]
                 conn.execute(statement, rows)
-            elsewhere = set()
+            elsewhere: set[str] = set()
             for chunk in _chunks(sorted(agents)):
                 found = select(AgentLease.agent).where(
                     AgentLease.agent.in_(chunk), AgentLease.server != self.server

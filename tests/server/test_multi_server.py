@@ -141,6 +141,31 @@ def test_first_events_reaching_three_servers_at_once_give_one_origin_and_one_att
                 close(agents)
 
 
+def test_a_relaunch_whose_ranks_reach_three_servers_at_once_starts_one_new_attempt(database):
+    """A run id launched again (a re-applied Job: a new ``NAND_LAUNCH``) is a new
+    attempt; its three ranks' hellos reach three servers at the same moment,
+    ten times over: each time exactly one new attempt, holding all three ranks."""
+    with servers(database, 3) as fleet:
+        run = "relaunched"
+        for n in range(10):
+            agents = [
+                FakeAgent(fleet[r].zmq_endpoint, run=run, rank=r, world_size=3) for r in range(3)
+            ]
+            try:
+                launch = f"launch-{n}"
+                at_once([lambda a=a, k=launch: a.hello(token=TOKEN, launch=k) for a in agents])
+                for agent in agents:
+                    agent.heartbeat(1)
+                    agent.wait_acked(timeout=30)
+                detail = get(fleet[n % 3], f"/api/runs/{run}")
+                assert [a["attempt"] for a in detail["attempts"]] == list(range(1, n + 2)), n
+                assert detail["attempts"][-1]["launch"] == f"launch-{n}"
+                ranks = get(fleet[0], f"/api/runs/{run}/ranks")
+                assert sorted(r["rank"] for r in ranks["items"]) == [0, 1, 2], n
+            finally:
+                close(agents)
+
+
 def test_replicas_that_differ_are_found_when_their_fingerprints_reach_two_servers_at_once(
     database,
 ):
