@@ -94,6 +94,9 @@ class Bindings:
             self._items.move_to_end(agent)
         return binding
 
+    def drop(self, agent: str) -> None:
+        self._items.pop(agent, None)
+
     def put(self, agent: str, binding: Binding) -> None:
         self._items[agent] = binding
         self._items.move_to_end(agent)
@@ -167,10 +170,8 @@ class Admission:
         self.leases.heard(agents - elsewhere, now)
         if not elsewhere:
             return accepted, []
-        for agent in elsewhere:  # no connection here speaks for it
-            binding = self.bindings.get(agent)
-            if binding is not None:
-                binding.ident = None
+        for agent in elsewhere:  # looked up again next time: the holder's hello decides
+            self.bindings.drop(agent)
         kept = [(i, m) for i, m in accepted if m["agent"] not in elsewhere]
         return kept, [(i, m) for i, m in accepted if m["agent"] in elsewhere]
 

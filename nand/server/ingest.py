@@ -11,7 +11,9 @@ Admission (:mod:`nand.server.admission`): every agent id is bound to the run,
 rank and connection it introduced itself with; with a token configured, only
 a ``hello`` carrying it binds a new agent id, and other messages from unknown
 agents get ``{"kind": "reject", "reason": "unauthenticated"}``. Messages that
-claim another agent's identity are refused and counted. With a CURVE secret
+claim another agent's identity are refused and counted, and so are those of
+an agent id another server on the same database holds (:mod:`nand.server.leases`,
+renewed from this loop and released when it stops). With a CURVE secret
 key, the socket is a CURVE server and only encrypted peers connect.
 
 Commands to agents (``stop``, ``send_flight``): :mod:`nand.server.commander`.
