@@ -44,6 +44,7 @@ another live server holds.
 from __future__ import annotations
 
 import hmac
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -56,6 +57,8 @@ from sqlalchemy.orm import Session
 from nand.runids import run_problem
 from nand.server.leases import Leases
 from nand.server.models import Agent, Run
+
+log = logging.getLogger("nand.server.admission")
 
 #: Reasons this module refuses a message for (besides "unauthenticated").
 IDENTITY_REASONS = ("identity_mismatch", "agent_in_use", "bad_run")
@@ -163,10 +166,18 @@ class Admission:
     def leased(self, accepted: Accepted) -> tuple[Accepted, Accepted]:
         """Split what :meth:`refusal` let in: the messages of agent ids this server
         holds the lease of (claimed now if needed), and those another live
-        server holds, which are refused."""
+        server holds, which are refused. With the database away, the messages of
+        agents not yet held are in neither: not acked, the agents resend them."""
         now = time.time()
         agents = {message["agent"] for _, message in accepted}
-        elsewhere = self.leases.claim(self.leases.missing(agents, now), now)
+        missing = self.leases.missing(agents, now)
+        elsewhere: set[str] = set()
+        try:
+            elsewhere = self.leases.claim(missing, now)
+        except Exception as exc:
+            log.warning("could not claim %d agent leases: %s", len(missing), exc)
+            agents -= missing
+            accepted = [(i, m) for i, m in accepted if m["agent"] in agents]
         self.leases.heard(agents - elsewhere, now)
         if not elsewhere:
             return accepted, []
