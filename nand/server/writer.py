@@ -197,9 +197,7 @@ def _store(
     alerts.store(conn, by_kind["warning"], run_ids)
     _store_byes(conn, by_kind["bye"], run_ids, rank_ids, now)
     _touch_runs(conn, fresh, run_ids, now)
-    # Both compare the ranks of a step, so they need the run's world size,
-    # which a hello in this very batch may have just set, and one server at a
-    # time per run (runlock), else two servers' halves of a step are never compared.
+    # Both compare a step's ranks (world size: set above by a hello), one server per run:
     runlock.hold(conn, fresh, run_ids)
     replicas.store(conn, by_kind["fingerprint"], run_ids)
     outliers.store(conn, by_kind["heartbeat"], run_ids, grad_outlier_factor)
