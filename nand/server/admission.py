@@ -97,9 +97,6 @@ class Bindings:
             self._items.move_to_end(agent)
         return binding
 
-    def drop(self, agent: str) -> None:
-        self._items.pop(agent, None)
-
     def put(self, agent: str, binding: Binding) -> None:
         self._items[agent] = binding
         self._items.move_to_end(agent)
@@ -181,8 +178,12 @@ class Admission:
         self.leases.heard(agents - elsewhere, now)
         if not elsewhere:
             return accepted, []
-        for agent in elsewhere:  # looked up again next time: the holder's hello decides
-            self.bindings.drop(agent)
+        for agent in elsewhere:  # no connection here speaks for it. The binding stays:
+            # with a token it came from a valid hello (or the database), and without
+            # one the agent's next messages (no hello among them) must still pass.
+            binding = self.bindings.get(agent)
+            if binding is not None:
+                binding.ident = None
         kept = [(i, m) for i, m in accepted if m["agent"] not in elsewhere]
         return kept, [(i, m) for i, m in accepted if m["agent"] in elsewhere]
 
