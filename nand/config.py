@@ -18,6 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
 
+# The readers live apart (how to read a variable); re-exported: config.get_float(...).
+from nand.envvars import get_bool as get_bool
+from nand.envvars import get_float as get_float
+from nand.envvars import get_int as get_int
+from nand.envvars import get_str as get_str
 from nand.errors import ConfigError
 from nand.policy import OnNonfinite
 from nand.runids import run_problem
@@ -159,6 +164,12 @@ NAND_STALLED_AFTER_S = "NAND_STALLED_AFTER_S"
 """A rank that sends heartbeats but no step progress for this long is ``stalled``.
 Default 300."""
 
+NAND_AGENT_LEASE_S = "NAND_AGENT_LEASE_S"
+"""With several servers on one database: how long a server's hold on an agent
+id lasts after it last heard the agent (``nand.server.leases``). Another
+server refuses the id meanwhile and takes it over after: an agent whose
+server died is accepted elsewhere within this long. Default 15."""
+
 NAND_GRAD_OUTLIER_FACTOR = "NAND_GRAD_OUTLIER_FACTOR"
 """A DDP rank whose own gradient norm (before the all-reduce) is over this
 many times the median of the ranks' at the same step, or under its inverse,
@@ -186,43 +197,6 @@ NAND_URL = "NAND_URL"
 Default ``http://127.0.0.1:8080``. Set for a training job, rank 0's start line
 links the run's dashboard page there; set for the server, notifications link
 there (default: the address it serves on)."""
-
-
-def get_str(name: str, default: str | None = None) -> str | None:
-    value = os.environ.get(name)
-    return default if value is None or value == "" else value
-
-
-def get_int(name: str, default: int) -> int:
-    value = get_str(name)
-    if value is None:
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise ConfigError(f"{name}={value!r} is not an integer") from None
-
-
-def get_float(name: str, default: float) -> float:
-    value = get_str(name)
-    if value is None:
-        return default
-    try:
-        return float(value)
-    except ValueError:
-        raise ConfigError(f"{name}={value!r} is not a number") from None
-
-
-def get_bool(name: str, default: bool = False) -> bool:
-    value = get_str(name)
-    if value is None:
-        return default
-    lowered = value.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise ConfigError(f"{name}={value!r} is not a boolean (use 1/0, true/false)")
 
 
 # --- the agent's settings, resolved once ------------------------------------

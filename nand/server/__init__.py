@@ -3,7 +3,9 @@
 The data path, one module each::
 
     ingest.py     ROUTER socket thread: decode + validate (nand.wire), auth, batch, ack
+    admission.py  who may speak for an agent id  leases.py  ...across servers (a DB lease)
     writer.py     one batch → one transaction: dedup by (agent, seq), rows, first events
+    runlock.py    one server at a time per run for the cross-rank comparisons
     rows.py       wire message → table row (pure)            sanitize.py  storable values
     commander.py  stop / send_flight commands to agents
     models.py     tables (SQLAlchemy 2.0)   migrations/ + migrate.py  Alembic, run at start

@@ -34,11 +34,18 @@ connection was gone) resolves itself when it resends.
 Bindings are a bounded cache (least recently used go first); a binding that
 was dropped is looked up in the database again, or made again by the next
 message, as after a restart.
+
+Across servers sharing the database, an agent id is held by one of them at a
+time through a lease (:mod:`nand.server.leases`): :meth:`Admission.leased`
+claims it for what this server accepted and refuses (``agent_in_use``) what
+another live server holds.
 """
 
 from __future__ import annotations
 
 import hmac
+import logging
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -48,13 +55,18 @@ from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
 
 from nand.runids import run_problem
+from nand.server.leases import Leases
 from nand.server.models import Agent, Run
+
+log = logging.getLogger("nand.server.admission")
 
 #: Reasons this module refuses a message for (besides "unauthenticated").
 IDENTITY_REASONS = ("identity_mismatch", "agent_in_use", "bad_run")
 
 #: Is the connection with this routing id still up? (asked with the agent id).
 StillConnected = Callable[[bytes, str], bool]
+#: Messages with the routing id of the connection they came on.
+Accepted = list[tuple[bytes, dict[str, Any]]]
 
 
 @dataclass
@@ -96,9 +108,15 @@ class Admission:
     """Decides, message by message, whether a connection may speak for an agent."""
 
     def __init__(
-        self, engine: Engine, token: str | None, still_connected: StillConnected, limit: int
+        self,
+        engine: Engine,
+        token: str | None,
+        still_connected: StillConnected,
+        limit: int,
+        leases: Leases,
     ) -> None:
         self.engine = engine
+        self.leases = leases
         self.token = token
         self.still_connected = still_connected
         self.bindings = Bindings(limit)
@@ -141,6 +159,33 @@ class Admission:
                 return "agent_in_use"
             binding.ident = ident  # the agent reconnected, or its spool is replayed
         return None
+
+    def leased(self, accepted: Accepted) -> tuple[Accepted, Accepted]:
+        """Split what :meth:`refusal` let in: the messages of agent ids this server
+        holds the lease of (claimed now if needed), and those another live
+        server holds, which are refused. With the database away, the messages of
+        agents not yet held are in neither: not acked, the agents resend them."""
+        now = time.time()
+        agents = {message["agent"] for _, message in accepted}
+        missing = self.leases.missing(agents, now)
+        elsewhere: set[str] = set()
+        try:
+            elsewhere = self.leases.claim(missing, now)
+        except Exception as exc:
+            log.warning("could not claim %d agent leases: %s", len(missing), exc)
+            agents -= missing
+            accepted = [(i, m) for i, m in accepted if m["agent"] in agents]
+        self.leases.heard(agents - elsewhere, now)
+        if not elsewhere:
+            return accepted, []
+        for agent in elsewhere:  # no connection here speaks for it. The binding stays:
+            # with a token it came from a valid hello (or the database), and without
+            # one the agent's next messages (no hello among them) must still pass.
+            binding = self.bindings.get(agent)
+            if binding is not None:
+                binding.ident = None
+        kept = [(i, m) for i, m in accepted if m["agent"] not in elsewhere]
+        return kept, [(i, m) for i, m in accepted if m["agent"] in elsewhere]
 
     def _connected(self, ident: bytes, agent: str) -> bool:
         if ident not in self._probed:

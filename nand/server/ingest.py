@@ -11,7 +11,9 @@ Admission (:mod:`nand.server.admission`): every agent id is bound to the run,
 rank and connection it introduced itself with; with a token configured, only
 a ``hello`` carrying it binds a new agent id, and other messages from unknown
 agents get ``{"kind": "reject", "reason": "unauthenticated"}``. Messages that
-claim another agent's identity are refused and counted. With a CURVE secret
+claim another agent's identity are refused and counted, and so are those of
+an agent id another server on the same database holds (:mod:`nand.server.leases`,
+renewed from this loop and released when it stops). With a CURVE secret
 key, the socket is a CURVE server and only encrypted peers connect.
 
 Commands to agents (``stop``, ``send_flight``): :mod:`nand.server.commander`.
@@ -20,6 +22,7 @@ Commands to agents (``stop``, ``send_flight``): :mod:`nand.server.commander`.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from collections import defaultdict
@@ -34,6 +37,7 @@ from nand.runids import run_problem
 from nand.server import announce, decoding, gate, losses
 from nand.server.admission import Admission
 from nand.server.commander import Commander
+from nand.server.leases import Leases
 from nand.server.metrics import Metrics
 from nand.server.settings import Settings
 from nand.server.writer import write_batch
@@ -48,7 +52,7 @@ MONITORED = zmq.EVENT_ACCEPTED | zmq.EVENT_MONITOR_STOPPED
 _REFUSAL_TEXT = {
     "unauthenticated": "no valid token (NAND_TOKEN differs)",
     "identity_mismatch": "its run or rank differs from the one its agent id said hello with",
-    "agent_in_use": "its agent id is in use on another live connection",
+    "agent_in_use": "its agent id is in use on another live connection (or server)",
     "bad_run": "its run id is not one a run can have (nand.runids: '/', '.' or '..')",
 }
 
@@ -75,7 +79,11 @@ class Ingest:
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self.admission = Admission(
-            engine, settings.token, self._still_connected, settings.max_agents_cached
+            engine,
+            settings.token,
+            self._still_connected,
+            settings.max_agents_cached,
+            Leases(engine, settings.agent_lease_s),
         )
         self._refusals = announce.Refusals()
         #: Loss counts committed here: heartbeats repeating them write nothing.
@@ -112,11 +120,13 @@ class Ingest:
             context.term()
             return
         self._sock = sock
+        self.admission.leases.server = f"{socket.gethostname()} {self.endpoint}"
         listener_gate.watch(self.endpoint, sock.get_monitor_socket(MONITORED))
         self._ready.set()
         try:
             self._loop(sock)
         finally:
+            self.admission.leases.release_all()
             listener_gate.stop(wake=sock.disable_monitor)
             sock.close(linger=1000)
             context.term()
@@ -158,6 +168,7 @@ class Ingest:
                     log.exception("ingest batch failed; its messages will be resent")
             if self.commander.due():
                 self.commander.poll()
+            self.admission.leases.renew_if_due()
 
     def _drain(self, sock: zmq.Socket) -> list[tuple[bytes, bytes]]:
         """Up to ``max_batch`` frames and about ``max_batch_bytes``: a flood of
@@ -234,6 +245,10 @@ class Ingest:
                 replies[ident] = "unauthenticated: a valid token is required"
             elif reason == "bad_run":
                 replies[ident] = f"bad_run: {run_problem(message['run'])}"
+        accepted, elsewhere = self.admission.leased(accepted)
+        for _, message in elsewhere:  # another server holds the agent id
+            self.metrics.rejected("agent_in_use")
+            self._refusals.refused(message, _REFUSAL_TEXT["agent_in_use"])
         # Only these two are answered: the agent can do nothing but stop (and says
         # why). Identity refusals are not: see nand.server.admission.
         for ident, reason in replies.items():

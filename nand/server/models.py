@@ -205,6 +205,18 @@ class Agent(Base):
     hello_at: Mapped[float] = mapped_column(Float)
 
 
+class AgentLease(Base):
+    """Which server speaks for an agent id, until ``expires`` (its clock):
+    ``nand.server.leases``. ``server`` is the host name and the bound ZeroMQ
+    endpoint, so a server restarted on the same address keeps its agents."""
+
+    __tablename__ = "agent_leases"
+
+    agent: Mapped[str] = mapped_column(String(128), primary_key=True)
+    server: Mapped[str] = mapped_column(String(300), index=True)
+    expires: Mapped[float] = mapped_column(Float)
+
+
 class Drop(Base):
     """An agent's cumulative count of dropped messages for one reason, as its
     heartbeats report it: the largest seen is kept (heartbeats repeat, arrive

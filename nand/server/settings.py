@@ -49,6 +49,8 @@ class Settings:
     #: Agent bindings kept in memory (nand.server.admission); older ones are
     #: looked up in the database again when their agent speaks.
     max_agents_cached: int = 50_000
+    #: How long a server holds an agent id after last hearing it (nand.server.leases).
+    agent_lease_s: float = 15.0
     #: Where state changes are POSTed (nand.server.notify); none: not at all.
     notify_urls: tuple[str, ...] = ()
     notify_secret: str | None = None
@@ -76,6 +78,7 @@ class Settings:
             "grad_outlier_factor": config.get_float(
                 config.NAND_GRAD_OUTLIER_FACTOR, cls.grad_outlier_factor
             ),
+            "agent_lease_s": config.get_float(config.NAND_AGENT_LEASE_S, cls.agent_lease_s),
             "notify_urls": _http_urls(config.NAND_NOTIFY_URL),
             "notify_secret": config.get_str(config.NAND_NOTIFY_SECRET),
             "notify_timeout_s": config.get_float(

@@ -30,7 +30,7 @@ from sqlalchemy import (
 from sqlalchemy import update as sql_update
 from sqlalchemy.exc import IntegrityError
 
-from nand.server import alerts, attempts, losses, outliers, replicas
+from nand.server import alerts, attempts, losses, outliers, replicas, runlock
 from nand.server import firsts as firsts_mod
 from nand.server import rows as build
 from nand.server.attempts import RunIds
@@ -202,8 +202,8 @@ def _store(
     alerts.store(conn, by_kind["warning"], run_ids)
     _store_byes(conn, by_kind["bye"], run_ids, rank_ids, now)
     _touch_runs(conn, fresh, run_ids, now)
-    # Both compare the ranks of a step, so they need the run's world size,
-    # which a hello in this very batch may have just set.
+    # Both compare a step's ranks (world size: set above by a hello), one server per run:
+    runlock.hold(conn, fresh, run_ids)
     replicas.store(conn, by_kind["fingerprint"], run_ids)
     outliers.store(conn, by_kind["heartbeat"], run_ids, grad_outlier_factor)
     return written

@@ -1,0 +1,42 @@
+"""Agent id leases (nand.server.leases) through Admission, on a real SQLite file."""
+
+from __future__ import annotations
+
+from nand.server.admission import Admission
+from nand.server.db import make_engine
+from nand.server.leases import Leases
+from nand.server.migrate import upgrade
+
+
+def message(agent: str, seq: int = 1) -> dict:
+    return {"agent": agent, "seq": seq, "run": "r", "rank": 0, "kind": "heartbeat", "body": {}}
+
+
+def admission(url: str, server: str, lease_s: float = 15.0) -> Admission:
+    engine = make_engine(url)
+    leases = Leases(engine, lease_s, server)
+    return Admission(engine, None, lambda _ident, _agent: True, 100, leases)
+
+
+def test_a_second_server_refuses_an_agent_the_first_holds_and_takes_it_once_released(
+    sqlite_url,
+) -> None:
+    upgrade(make_engine(sqlite_url))
+    a, b = admission(sqlite_url, "host-a tcp://a:1"), admission(sqlite_url, "host-b tcp://b:1")
+    assert a.refusal(b"conn-a", message("x")) is None
+    assert a.leased([(b"conn-a", message("x"))]) == ([(b"conn-a", message("x"))], [])
+    assert b.refusal(b"conn-b", message("x", 2)) is None  # b alone would accept it
+    kept, refused = b.leased([(b"conn-b", message("x", 2))])
+    assert kept == [] and refused == [(b"conn-b", message("x", 2))]
+    a.leases.release_all()
+    assert b.leased([(b"conn-b", message("x", 2))]) == ([(b"conn-b", message("x", 2))], [])
+
+
+def test_with_the_lease_table_unreachable_messages_are_deferred_not_refused(tmp_path) -> None:
+    """No ``agent_leases`` table (the database is away, or not upgraded): the
+    messages are neither accepted nor counted as refused; the agents resend."""
+    url = f"sqlite:///{tmp_path / 'empty.db'}"
+    gate = admission(url, "host-a tcp://a:1")
+    batch = [(b"conn", message("y"))]
+    assert gate.refusal(b"conn", message("y")) is None
+    assert gate.leased(batch) == ([], [])
