@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,19 @@ class SimulatedRank:
         event = real.event_of(RUN, self.rank, WORLD)
         self.send("event", {"event": event.to_dict(), "flight": None})
         self.send("bye", {"step": SIM_STEPS, "reason": "done"})
+
+    def wait_acked(self, timeout: float) -> None:
+        """Resend what is not acknowledged every second, as a real agent does after
+        its ack timeout: a server refuses a moved agent's id until the dead server's
+        lease on it runs out (nand.server.leases)."""
+        deadline = time.monotonic() + timeout
+        while not {seq for *_, seq in self.sent} <= self.fake.acked:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {self.rank}: not all acknowledged")
+            self.fake.pump(1.0)
+            for kind, body, seq in self.sent:
+                if seq not in self.fake.acked:
+                    self.fake.send(kind, body, seq=seq)
 
     def move_to(self, endpoint: str) -> None:
         """Its server died: everything again, to another (same agent id, same seqs)."""
@@ -163,7 +177,7 @@ def test_kill_9_of_one_of_three_servers_moves_its_agents_and_loses_nothing(
                     sim.move_to(alive[0].zmq_endpoint)
                 sim.report_received()
             for sim in sims:
-                sim.fake.wait_acked(timeout=30)
+                sim.wait_acked(timeout=60)
             outputs = [json.loads(agent.communicate(timeout=90)[0]) for agent in agents]
 
             for out in outputs:
