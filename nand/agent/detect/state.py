@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from torch import Tensor
 
 from nand.agent.detect.compiled import CompiledSlots
 from nand.agent.detect.probes import ProbeBuffer
 from nand.agent.safety import Guard
+
+if TYPE_CHECKING:
+    from nand.agent.rerun.held import Held
 
 
 class HookState:
@@ -20,8 +24,8 @@ class HookState:
     """
 
     __slots__ = (
-        "before_root", "buf", "depth", "external_batches", "guard", "last", "micro", "pending",
-        "slots", "window_full",
+        "before_root", "buf", "depth", "external_batches", "guard", "held", "last", "micro",
+        "pending", "slots", "window_full",
     )  # fmt: skip
 
     def __init__(self, buf: ProbeBuffer, guard: Guard, slots: CompiledSlots) -> None:
@@ -42,3 +46,5 @@ class HookState:
         self.window_full: Callable[[], None] | None = None
         #: Micro-steps are marked by ``Watch.new_batch``, not by root calls.
         self.external_batches = False
+        #: What the root's hooks hold for a replay (``rerun.held.Held``), if anything.
+        self.held: Held | None = None
