@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from torch import Tensor
 
@@ -11,8 +11,14 @@ from nand.agent.detect.compiled import CompiledSlots
 from nand.agent.detect.probes import ProbeBuffer
 from nand.agent.safety import Guard
 
-if TYPE_CHECKING:
-    from nand.agent.rerun.held import Held
+
+class Holder(Protocol):
+    """What the root's hooks call to hold a micro-step for a replay
+    (``rerun.held.Held``; typed here: the detect layer imports no rerun)."""
+
+    def hold_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None: ...
+
+    def hold_gradients(self, output: Any) -> None: ...
 
 
 class HookState:
@@ -47,4 +53,4 @@ class HookState:
         #: Micro-steps are marked by ``Watch.new_batch``, not by root calls.
         self.external_batches = False
         #: What the root's hooks hold for a replay (``rerun.held.Held``), if anything.
-        self.held: Held | None = None
+        self.held: Holder | None = None
