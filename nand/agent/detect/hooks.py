@@ -22,7 +22,8 @@ Per module call:
   hook: the gradient arriving there comes from the loss computation. A
   module called with no watched forward running is an **entry point**: its
   inputs are probed as data too (``entry.py``; the root and containers keep
-  the count).
+  the count). The root's two hooks also hold what a replay needs
+  (``rerun/held.py``): no hooks of its own.
 
 Under ``torch.compile`` every probe goes to a fixed slot (``compiled.py``).
 Torch keeps module hooks in the modules' ``__dict__``, so ``copy.deepcopy``
@@ -268,10 +269,12 @@ class Hooks:
                     self._new_micro_step()
                 if state.slots.active:
                     self._slotted_inputs(info, args, kwargs)
-                    return
-                probe_inputs(self._probe_input, info, args, kwargs)
+                else:
+                    probe_inputs(self._probe_input, info, args, kwargs)
             except Exception as exc:
                 guard.failed(exc, "forward pre-hook of the root module")
+            if state.held is not None:  # what a replay needs (rerun/held.py; guarded itself)
+                state.held.hold_inputs(args, kwargs)
 
         return root_pre
 
@@ -283,6 +286,8 @@ class Hooks:
                 return
             if not _is_compiling():
                 state.depth = 0  # (always called, an exception in forward too)
+                if state.held is not None:  # (rerun/held.py; guarded itself)
+                    state.held.hold_gradients(output)
             try:
                 if _is_compiling() or state.slots.active:
                     self._slotted(info, output)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -56,6 +57,7 @@ class Site:
 SLAB_START, SLAB_MAX = 64, 4096
 _FLOAT32, _FLOAT64, _aminmax = torch.float32, torch.float64, torch.aminmax
 _grad_enabled, _set_grad_enabled = torch.is_grad_enabled, torch._C._set_grad_enabled
+_DTYPE = attrgetter("dtype")
 #: Dtypes that get a slab of their own beside the float32 one: autocast's and
 #: pure half-precision outputs, and float64 (which float32 would round).
 NARROW_AND_WIDE = (torch.bfloat16, torch.float16, torch.float64)
@@ -275,12 +277,19 @@ class ProbeBuffer:
         node cannot be copied into the slab).
         """
         if tensors:
-            with torch.no_grad():  # (once or twice a step: the hot path is probe's)
+            recorded = _grad_enabled()  # (a switch, not a no_grad() context: no frames)
+            if recorded:
+                _set_grad_enabled(False)
+            try:
+                # (looked up on torch each time: tests count the launches by patching it)
                 if self.exact_norms:
-                    norms = torch._foreach_norm(tensors, 2, dtype=torch.float64)
+                    norms = torch._foreach_norm(tensors, 2, dtype=_FLOAT64)
                 else:
                     norms = torch._foreach_norm(tensors)
-            if not self.wide_norms and any(n.dtype is _FLOAT64 for n in norms):
+            finally:
+                if recorded:
+                    _set_grad_enabled(True)
+            if not self.wide_norms and _FLOAT64 in map(_DTYPE, norms):  # (a C loop)
                 self.wide_norms = True  # (the float32 slab would round them)
             self.norms.extend(norms)
             self.norm_sites.extend(sites)

@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, Protocol
 
 from torch import Tensor
 
 from nand.agent.detect.compiled import CompiledSlots
 from nand.agent.detect.probes import ProbeBuffer
 from nand.agent.safety import Guard
+
+
+class Holder(Protocol):
+    """What the root's hooks call to hold a micro-step for a replay
+    (``rerun.held.Held``; typed here: the detect layer imports no rerun)."""
+
+    def hold_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None: ...
+
+    def hold_gradients(self, output: Any) -> None: ...
 
 
 class HookState:
@@ -20,8 +30,8 @@ class HookState:
     """
 
     __slots__ = (
-        "before_root", "buf", "depth", "external_batches", "guard", "last", "micro", "pending",
-        "slots", "window_full",
+        "before_root", "buf", "depth", "external_batches", "guard", "held", "last", "micro",
+        "pending", "slots", "window_full",
     )  # fmt: skip
 
     def __init__(
@@ -50,3 +60,5 @@ class HookState:
         self.window_full = window_full
         #: Micro-steps are marked by ``Watch.new_batch``, not by root calls.
         self.external_batches = False
+        #: What the root's hooks hold for a replay (``rerun.held.Held``), if anything.
+        self.held: Holder | None = None

@@ -1,13 +1,16 @@
 """What a micro-step keeps so that it can be run again: :class:`HeldStep`.
 
-Two hooks on the root module, device work none:
+Called from nand's own root hooks (``detect/hooks.py``: no module hook
+of its own, one dispatch less per call), device work none:
 
-- a forward **pre-hook** keeps references to the root's inputs (positional
+- in the forward **pre-hook** it keeps references to the root's inputs (positional
   and keyword), the RNG states at the call (CPU, and the model's CUDA device:
   the generator's seed and offset, read on the host without a sync) and the
   autocast state the call ran under;
-- a forward **hook** puts a tensor hook on each float output that requires a
-  gradient: it keeps a reference to the gradient that arrives there in
+- in the forward **hook** it puts a hook on the autograd node of each float
+  output that requires a gradient (a node pre-hook, which the engine calls
+  cheaper than a tensor hook; a tensor hook where the output is not its
+  node's first): it keeps a reference to the gradient that arrives there in
   backward (the loss computation's, already scaled by a GradScaler and
   divided for accumulation: exactly what the step's backward started from).
   Only the first gradient to arrive is kept: a gradient penalty's loss is
@@ -28,15 +31,16 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from nand.agent.detect.grads import register_tensor_hook
 from nand.agent.detect.probes import iter_tensors
-from nand.agent.detect.savable import SavableHook
+from nand.agent.detect.state import HookState
 
 log = logging.getLogger("nand")
 _is_compiling = torch.compiler.is_dynamo_compiling
 _any_autocast = torch._C._is_any_autocast_enabled  # one call where most runs have none
+_cpu_generator = torch.default_generator
 #: Micro-steps held per step at most (an evaluation loop between two
 #: optimizer steps calls the model many times: its batches are not all kept).
 MAX_HELD = 16
@@ -53,16 +57,27 @@ class HeldStep:
     def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device) -> None:
         self.args = args
         self.kwargs = kwargs
-        self.rng = torch.get_rng_state()
+        self.rng = _cpu_generator.get_state()  # (what torch.get_rng_state calls)
         self.cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
         self.autocast = _autocast() if _any_autocast() else {}
         self.grads: dict[str, Tensor] = {}
 
-    def keep_grad(self, path: str) -> Callable[[Tensor], None]:
-        def kept(grad: Tensor) -> None:
-            self.grads.setdefault(path, grad)  # the first backward's (see the module)
+    def keep_grad(self, path: str, t: Tensor) -> None:
+        """Keep the gradient that arrives at output ``t`` (named ``path``)."""
+        grads, node = self.grads, t.grad_fn
+        if node is not None and t.output_nr == 0:
 
-        return kept
+            def kept_at_node(grad_outputs: tuple[Tensor | None, ...]) -> None:
+                if grad_outputs[0] is not None:
+                    grads.setdefault(path, grad_outputs[0])  # the first backward's
+
+            node.register_prehook(kept_at_node)
+        else:
+
+            def kept(grad: Tensor) -> None:
+                grads.setdefault(path, grad)  # the first backward's (see the module)
+
+            register_tensor_hook(t, kept)
 
 
 def _seeded(output: Any) -> list[tuple[str, Tensor]]:
@@ -71,6 +86,8 @@ def _seeded(output: Any) -> list[tuple[str, Tensor]]:
     gradient came through the loss (held, it would cost a logits-sized
     tensor per micro-step); a loss of yours that also used the logits
     directly is then replayed without that part."""
+    if isinstance(output, Tensor):  # (most models: no walk)
+        return [("", output)] if output.requires_grad and output.is_floating_point() else []
     found = [
         (path, t) for path, t in iter_tensors(output) if t.requires_grad and t.is_floating_point()
     ]
@@ -92,9 +109,11 @@ class Held:
     ``paused`` while a replay runs: the replayed root call is not a micro-step.
     A hook that fails (an RNG state that cannot be read, say) turns holding
     off for good, with one warning: a replay then says the step was not held.
+    The root's hooks call :meth:`hold_inputs` and :meth:`hold_gradients`
+    (they find this object in ``state.held``), after their own work.
     """
 
-    def __init__(self, root: nn.Module, device: torch.device, reads: Callable[[], int]) -> None:
+    def __init__(self, state: HookState, device: torch.device, reads: Callable[[], int]) -> None:
         self.steps: list[HeldStep] = []
         self.paused = False
         self.off = False  # a hook failed
@@ -103,45 +122,38 @@ class Held:
         #: held means that step's window was read, and its micro-steps are over.
         self._reads = reads
         self._read_at = -1
-        self._handles: list[Any] = [
-            root.register_forward_pre_hook(SavableHook(self._pre(root)), with_kwargs=True),
-            root.register_forward_hook(SavableHook(self._post(root))),
-        ]
+        self._state = state
+        state.held = self
 
     def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        if self._state.held is self:
+            self._state.held = None
         self.steps.clear()
 
-    def _pre(self, owner: nn.Module) -> Callable[..., None]:
-        def hold_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if self.paused or self.off or module is not owner or _is_compiling():
-                return
-            try:
-                reads = self._reads()
-                if reads != self._read_at:  # a new window: the last one's steps are over
-                    self.steps.clear()
-                    self._read_at = reads
-                if len(self.steps) < MAX_HELD:  # (the first ones: their index is the micro-step)
-                    self.steps.append(HeldStep(args, kwargs, self.device))
-            except Exception as exc:
-                self._failed(exc)
+    def hold_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A root call starts (not under torch.compile): keep what re-runs it."""
+        if self.paused or self.off:
+            return
+        try:
+            reads = self._reads()
+            if reads != self._read_at:  # a new window: the last one's steps are over
+                self.steps.clear()
+                self._read_at = reads
+            if len(self.steps) < MAX_HELD:  # (the first ones: their index is the micro-step)
+                self.steps.append(HeldStep(args, kwargs, self.device))
+        except Exception as exc:
+            self._failed(exc)
 
-        return hold_inputs
-
-    def _post(self, owner: nn.Module) -> Callable[..., None]:
-        def hold_gradients(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-            if self.paused or self.off or module is not owner or _is_compiling() or not self.steps:
-                return
-            held = self.steps[-1]
-            try:
-                for path, t in _seeded(output):
-                    register_tensor_hook(t, held.keep_grad(path))
-            except Exception as exc:
-                self._failed(exc)
-
-        return hold_gradients
+    def hold_gradients(self, output: Any) -> None:
+        """The root call returned ``output``: keep the gradients that arrive there."""
+        if self.paused or self.off or not self.steps:
+            return
+        held = self.steps[-1]
+        try:
+            for path, t in _seeded(output):
+                held.keep_grad(path, t)
+        except Exception as exc:
+            self._failed(exc)
 
     def _failed(self, exc: Exception) -> None:
         log.warning("nand: replay off, the step's inputs cannot be held: %r", exc)

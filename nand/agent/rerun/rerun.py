@@ -93,7 +93,7 @@ class Rerun:
         if budget > 0:
             param = next(iter(self.root.parameters()), None)
             device = param.device if param is not None else torch.device("cpu")
-            self.held = Held(self.root, device, lambda: self.boundary.reads)
+            self.held = Held(self.state, device, lambda: self.boundary.reads)
 
     def remove(self) -> None:
         if self.held is not None:

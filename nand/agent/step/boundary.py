@@ -220,7 +220,8 @@ class Boundary:
         # A float64 sum overflows only for float64 figures near their
         # limit: then the slow path finds nothing, a false alarm.
         self.clean = math.isfinite(sum(values[:n_main]))
-        event = self._settled_event(values, extras, scale, w, any_bad)
+        clean_here = self.clean and not any_bad  # (most steps: nothing to settle)
+        event = None if clean_here else self._settled_event(values, extras, scale, w, any_bad)
         if overflow and event is not None and event.phase not in SCALED_PHASES:
             # The scaler skipped the update, but what went non-finite was not
             # a scaled gradient (a bad input, forward or weight): an incident.
