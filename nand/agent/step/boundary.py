@@ -26,8 +26,7 @@ from torch import Tensor
 
 from nand.agent.detect.amp import AmpWatch
 from nand.agent.detect.compiled import CompiledSlots
-from nand.agent.detect.ddp import LocalGradCheck, grads_are_reduced, params_are_gathered
-from nand.agent.detect.ddp import install as install_local_check
+from nand.agent.detect.ddp import LocalGradCheck, grads_are_reduced, install, params_are_gathered
 from nand.agent.detect.probes import MICRO, ProbeBuffer
 from nand.agent.identity import Identity
 from nand.agent.step.agreement import as_received, shard_bad_elsewhere, with_agreed_flag
@@ -113,7 +112,7 @@ class Boundary:
             # a rank that finds another's shard behind its NaN says "received".
             self.params_gathered = self.agree = True
         if self.ddp is None:
-            self.ddp = install_local_check(wrapper, local_check)
+            self.ddp = install(wrapper, local_check)
 
     def defer(self, skip_on_device: bool) -> None:
         """Read each window at the next boundary (``read="deferred"``); with
@@ -220,8 +219,8 @@ class Boundary:
         # A float64 sum overflows only for float64 figures near their
         # limit: then the slow path finds nothing, a false alarm.
         self.clean = math.isfinite(sum(values[:n_main]))
-        clean_here = self.clean and not any_bad  # (most steps: nothing to settle)
-        event = None if clean_here else self._settled_event(values, extras, scale, w, any_bad)
+        settle = not self.clean or any_bad  # (most steps: nothing to settle)
+        event = self._settled_event(values, extras, scale, w, any_bad) if settle else None
         if overflow and event is not None and event.phase not in SCALED_PHASES:
             # The scaler skipped the update, but what went non-finite was not
             # a scaled gradient (a bad input, forward or weight): an incident.
