@@ -52,7 +52,7 @@ from nand.agent.identity import Identity  # noqa: E402
 from nand.agent.transport.server_sink import ServerSink  # noqa: E402
 from nand.events import StepSummary  # noqa: E402
 from nand.server import collector, embedded  # noqa: E402
-from nand.server.models import Message, Run  # noqa: E402
+from nand.server.storage.models import Message, Run  # noqa: E402
 from nand.testing import free_port  # noqa: E402
 from tests.server.processes import ServerProcess  # noqa: E402
 

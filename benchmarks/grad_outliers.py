@@ -34,9 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.overhead import BENCHES, make_optimizer
 from nand import wire
-from nand.server.db import make_engine
-from nand.server.migrate import upgrade
-from nand.server.writer import write_batch
+from nand.server.agents.writer import write_batch
+from nand.server.storage.db import make_engine
+from nand.server.storage.migrate import upgrade
 
 BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket_cap_mb
 RANKS, STEPS_PER_BEAT = 8, 50

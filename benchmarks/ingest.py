@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from nand import wire  # noqa: E402
-from nand.server.models import Message  # noqa: E402
+from nand.server.storage.models import Message  # noqa: E402
 from nand.testing import free_port  # noqa: E402
 from tests.server.processes import ServerProcess  # noqa: E402
 

@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import loadgen  # noqa: E402
 from nand import wire  # noqa: E402
 from nand.server import migrate  # noqa: E402
-from nand.server.writer import write_batch  # noqa: E402
+from nand.server.agents.writer import write_batch  # noqa: E402
 from nand.testing import free_port  # noqa: E402
 from tests.server import pg  # noqa: E402
 from tests.server.processes import ServerProcess  # noqa: E402

@@ -166,7 +166,7 @@ Default 300."""
 
 NAND_AGENT_LEASE_S = "NAND_AGENT_LEASE_S"
 """With several servers on one database: how long a server's hold on an agent
-id lasts after it last heard the agent (``nand.server.leases``). Another
+id lasts after it last heard the agent (``nand.server.agents.leases``). Another
 server refuses the id meanwhile and takes it over after: an agent whose
 server died is accepted elsewhere within this long. Default 15."""
 
@@ -174,13 +174,13 @@ NAND_GRAD_OUTLIER_FACTOR = "NAND_GRAD_OUTLIER_FACTOR"
 """A DDP rank whose own gradient norm (before the all-reduce) is over this
 many times the median of the ranks' at the same step, or under its inverse,
 gets a ``grad_outlier`` warning (three ranks or more; see
-``nand.server.outliers``). Default 10."""
+``nand.server.analysis.outliers``). Default 10."""
 
 NAND_NOTIFY_URL = "NAND_NOTIFY_URL"
 """One or more URLs (separated by spaces or commas) the server POSTs a JSON
 notification to when a run's attempt diverges, has a replica mismatch, loses,
 crashes or stalls a rank, gets its first warning of a kind, or is stopped
-(``nand.server.notify``): once per attempt and state, retried until delivered,
+(``nand.server.notify.notifier``): once per attempt and state, retried until delivered,
 kept in the database meanwhile. A Slack incoming webhook shows its ``text``.
 Default: none (no notifications)."""
 

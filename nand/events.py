@@ -49,9 +49,9 @@ Cause = Literal["data", "produced", "propagated", "received"]
 CAUSES: tuple[Cause, ...] = get_args(Cause)
 
 #: A run's state on the server: that of its first failure in time (see
-#: ``nand.server.failures``). ``replica_mismatch``: everything is
+#: ``nand.server.analysis.failures``). ``replica_mismatch``: everything is
 #: finite, but one DDP rank's parameters differ from the other replicas'
-#: (``nand.server.replicas``).
+#: (``nand.server.analysis.replicas``).
 RunState = Literal[
     "healthy", "diverged", "stalled", "finished", "lost", "crashed", "replica_mismatch"
 ]
@@ -61,7 +61,7 @@ RUN_STATES: tuple[RunState, ...] = get_args(RunState)
 RankState = Literal["running", "diverged", "finished", "lost", "stalled", "crashed"]
 RANK_STATES: tuple[RankState, ...] = get_args(RankState)
 
-#: How a rank's first event relates to the run's origin (``nand.server.correlate``).
+#: How a rank's first event relates to the run's origin (``nand.server.analysis.correlate``).
 Relation = Literal["origin", "simultaneous", "received", "produced"]
 RELATIONS: tuple[Relation, ...] = get_args(Relation)
 
@@ -262,7 +262,7 @@ class StepSummary:
     amp_scale: float | None = None
     #: DDP: ``(step, norm)`` of this rank's own gradients before the
     #: all-reduce, for the steps since the last heartbeat (the server compares
-    #: the ranks: ``nand.server.outliers``).
+    #: the ranks: ``nand.server.analysis.outliers``).
     local_grad_norms: list[tuple[int, float]] | None = None
 
     def to_dict(self) -> dict[str, Any]:

@@ -1,22 +1,29 @@
 """The central server: ingest (ZeroMQ) → store (SQLAlchemy) → correlate → REST API → web.
 
-The data path, one module each::
+Its sub-systems, one folder each::
 
-    ingest.py     ROUTER socket thread: decode + validate (nand.wire), auth, batch, ack
-    admission.py  who may speak for an agent id  leases.py  ...across servers (a DB lease)
-    writer.py     one batch → one transaction: dedup by (agent, seq), rows, first events
-    runlock.py    one server at a time per run for the cross-rank comparisons
-    rows.py       wire message → table row (pure)            sanitize.py  storable values
-    commander.py  stop / send_flight commands to agents
-    models.py     tables (SQLAlchemy 2.0)   migrations/ + migrate.py  Alembic, run at start
-    store.py      queries                   views.py     rows → REST bodies (schemas.py)
-    origins.py    event rows → events, the non-finite origin as a body
-    runsummary.py the one run summary       rankpage.py  a big run's ranks, by light queries
-    correlate.py  origin, per-rank relation, hint, states   evidence.py  flight windows
-    failures.py   a run's failures in time order: the first is the origin
-    summary.py    the sentences             stoprule.py  the default stop step
-    api/          one router per resource   app.py       create_app() + lifespan
-    embedded.py   a whole server in a thread on free ports  commands.py  the CLI
+    agents/    what the agents send and are sent
+               ingest.py (ROUTER socket thread: decode, admit, batch, ack) → decoding.py,
+               admission.py (who may speak for an agent id), leases.py (...across servers),
+               gate.py + descriptors.py (connections under descriptor pressure),
+               writer.py (one batch → one transaction: dedup by (agent, seq), first events),
+               rows.py + sanitize.py (wire message → storable row), attempts.py,
+               announce.py (the log of who came and went), orders.py (stop, send_flight)
+    storage/   models.py (tables), migrations/ + migrate.py (Alembic, run at start),
+               store.py (queries), db.py (engines), runlock.py (one server per run)
+    analysis/  correlate.py (origin, relations), evidence.py, failures.py (in time order),
+               summary.py (the sentences), origins.py, replicas.py, outliers.py, hosts.py,
+               losses.py, alerts.py, stoprule.py, runsummary.py (the one run summary),
+               views.py (rows → REST bodies), rankpage.py, bigrun.py + series.py (big runs)
+    http/      app.py (create_app + lifespan), api/ (one router per resource),
+               schemas.py (REST bodies), guard.py, bodylimit.py, asgi.py, timing.py,
+               hub.py (event streams)
+    notify/    notifier.py → detect.py (which runs changed) → send.py (webhooks)
+
+Beside them: settings.py, embedded.py (a whole server in a thread on free ports),
+metrics.py + observe.py (Prometheus), collector.py (the garbage collector's
+settings), preflight.py. The command line that talks to a server is
+``nand.cli``, apart from the server.
 
 Start one with ``nand server`` or, from Python, :func:`nand.server.embedded.start`.
 """

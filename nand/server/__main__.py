@@ -7,7 +7,7 @@ import argparse
 import sys
 
 from nand.cli import VERBOSE_HELP, add_verbose_to_commands, configure_logging, run_command
-from nand.server import commands
+from nand.cli import server_args as commands
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,8 +18,8 @@ from dataclasses import dataclass, replace
 import uvicorn
 from fastapi import FastAPI
 
-from nand.server import descriptors
-from nand.server.app import create_app
+from nand.server.agents import descriptors
+from nand.server.http.app import create_app
 from nand.server.settings import Settings
 
 

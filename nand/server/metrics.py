@@ -7,7 +7,7 @@ and ``nand_runs`` by state, which comes from the database at scrape time, so
 it is the same on every server sharing it. Counters are per process, as
 Prometheus expects: scrape every server.
 
-Losses the agents reported (:mod:`nand.server.losses`) come from the database
+Losses the agents reported (:mod:`nand.server.analysis.losses`) come from the database
 too, over the same live runs as ``nand_runs``: ``nand_agent_messages_dropped``
 by reason and ``nand_runs_with_gaps``. They are gauges (a pruned run takes its
 losses with it) labelled by reason only, the known reasons and ``other``:
@@ -41,14 +41,14 @@ from prometheus_client import (
 )
 
 from nand.events import RUN_STATES, WARNING_KINDS
-from nand.server import losses
-from nand.server.admission import IDENTITY_REASONS
+from nand.server.agents.admission import IDENTITY_REASONS
+from nand.server.analysis import losses
 from nand.server.observe import observe_all
 from nand.wire import REASONS
 
 __all__ = ["CONTENT_TYPE", "Metrics"]
 
-#: Why a notification POST failed (nand.server.notify_send.FAILURE_REASONS).
+#: Why a notification POST failed (nand.server.notify.send.FAILURE_REASONS).
 NOTIFY_FAILURES = ("http_status", "timeout", "unreachable")
 #: Reasons the server adds to nand.wire.REASONS.
 SERVER_REASONS = ("store_error", "unauthenticated", *IDENTITY_REASONS)
@@ -102,7 +102,7 @@ class Metrics:
         )
         self._warnings = Gauge(
             "nand_warnings",
-            "Early warnings of a blow-up in the live runs, by kind (nand.server.alerts).",
+            "Early warnings of a blow-up in the live runs, by kind (nand.server.analysis.alerts).",
             ["kind"],
             registry=self.registry,
         )
@@ -119,7 +119,7 @@ class Metrics:
     def _notify_counters(self) -> None:
         self._notified = Counter(
             "nand_notifications_sent",
-            "Notifications delivered to NAND_NOTIFY_URL (nand.server.notify).",
+            "Notifications delivered to NAND_NOTIFY_URL (nand.server.notify.notifier).",
             registry=self.registry,
         )
         self._notify_failed = Counter(

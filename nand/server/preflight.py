@@ -139,8 +139,8 @@ def check_db_url(text: str) -> URL:
 
 def open_database(text: str) -> Engine:
     """An engine on an up-to-date schema, or a CommandError saying why not."""
-    from nand.server.db import make_engine
-    from nand.server.migrate import upgrade
+    from nand.server.storage.db import make_engine
+    from nand.server.storage.migrate import upgrade
 
     url = check_db_url(text)
     try:

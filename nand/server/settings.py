@@ -19,7 +19,7 @@ class Settings:
     db_url: str = "sqlite:///nand.db"
     http_host: str = "127.0.0.1"
     http_port: int = 8080
-    #: Host names the REST API answers to besides IPs and localhost (nand.server.guard).
+    #: Host names the REST API answers to besides IPs and localhost (nand.server.http.guard).
     allowed_hosts: tuple[str, ...] = ()
     zmq_bind: str = "tcp://127.0.0.1:5557"
     #: Shared secret; required from agents (hello) and for stop when set.
@@ -31,7 +31,7 @@ class Settings:
     #: The agents' heartbeat period, used by the stop-step rule.
     heartbeat_s: float = 5.0
     #: A rank whose local gradient norm is this many times off the ranks'
-    #: median at a step gets a ``grad_outlier`` warning (nand.server.outliers).
+    #: median at a step gets a ``grad_outlier`` warning (nand.server.analysis.outliers).
     grad_outlier_factor: float = 10.0
     #: Most messages written in one transaction.
     max_batch: int = 2000
@@ -46,12 +46,12 @@ class Settings:
     max_body_bytes: int = 64 * 1024
     #: Most bytes of frames read from the ZeroMQ socket in one turn.
     max_batch_bytes: int = 64 * 1024 * 1024
-    #: Agent bindings kept in memory (nand.server.admission); older ones are
+    #: Agent bindings kept in memory (nand.server.agents.admission); older ones are
     #: looked up in the database again when their agent speaks.
     max_agents_cached: int = 50_000
-    #: How long a server holds an agent id after last hearing it (nand.server.leases).
+    #: How long a server holds an agent id after last hearing it (nand.server.agents.leases).
     agent_lease_s: float = 15.0
-    #: Where state changes are POSTed (nand.server.notify); none: not at all.
+    #: Where state changes are POSTed (nand.server.notify.notifier); none: not at all.
     notify_urls: tuple[str, ...] = ()
     notify_secret: str | None = None
     notify_timeout_s: float = 5.0

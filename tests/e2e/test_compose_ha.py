@@ -114,7 +114,7 @@ def _received(http_port: int) -> float:
 def _stored_once(db_url: str, sent: dict[str, int]) -> None:
     from sqlalchemy import create_engine, select
 
-    from nand.server.models import Message
+    from nand.server.storage.models import Message
 
     engine = create_engine(db_url)
     with engine.connect() as conn:

@@ -19,10 +19,11 @@ from sqlalchemy import Engine, create_engine, event, select
 from sqlalchemy.orm import Session
 
 from nand import wire
-from nand.server import bigrun, migrate, rankpage, series, store, views
-from nand.server.models import Run
+from nand.server.agents.writer import write_batch
+from nand.server.analysis import bigrun, rankpage, series, views
 from nand.server.settings import Settings
-from nand.server.writer import write_batch
+from nand.server.storage import migrate, store
+from nand.server.storage.models import Run
 
 
 def _hello(run: str, rank: int, world: int) -> dict[str, Any]:

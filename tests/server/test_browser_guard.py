@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from nand.server import embedded
-from nand.server.guard import BrowserGuard
+from nand.server.http.guard import BrowserGuard
 from nand.server.settings import Settings
 from tests.server.agents import FakeAgent
 

@@ -11,7 +11,8 @@ from collections.abc import Iterator
 import pytest
 
 from nand import exitcodes
-from nand.server import embedded, waiting
+from nand.cli import wait as waiting
+from nand.server import embedded
 from nand.server.__main__ import main
 from nand.server.embedded import EmbeddedServer
 from nand.server.settings import Settings

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from nand.events import Event, FlightWindow
-from nand.server import correlate, summary
-from nand.server.evidence import FlightEvidence, flight_evidence
+from nand.server.analysis import correlate, summary
+from nand.server.analysis.evidence import FlightEvidence, flight_evidence
 
 
 def ev(rank: int, step: int, phase: str, module: str = "", **kw: object) -> Event:

@@ -60,7 +60,7 @@ class SimulatedRank:
     def wait_acked(self, timeout: float) -> None:
         """Resend what is not acknowledged every second, as a real agent does after
         its ack timeout: a server refuses a moved agent's id until the dead server's
-        lease on it runs out (nand.server.leases)."""
+        lease on it runs out (nand.server.agents.leases)."""
         deadline = time.monotonic() + timeout
         while not {seq for *_, seq in self.sent} <= self.fake.acked:
             if time.monotonic() > deadline:
@@ -120,7 +120,7 @@ def _nand_wait(urls: str, until: str) -> subprocess.Popen[str]:
 
 def _heartbeat_steps(engine: Engine) -> dict[int, int]:
     """Per rank, the highest step stored."""
-    from nand.server.models import Heartbeat
+    from nand.server.storage.models import Heartbeat
 
     with engine.connect() as conn:
         highest = select(Heartbeat.rank, func.max(Heartbeat.step)).group_by(Heartbeat.rank)
@@ -130,7 +130,7 @@ def _heartbeat_steps(engine: Engine) -> dict[int, int]:
 
 def _stored_exactly_once(engine: Engine, sent: dict[str, int]) -> None:
     """Each agent's seqs 1..n stored once (no gap), and the rows they made once each."""
-    from nand.server.models import EventRow, Heartbeat, Message
+    from nand.server.storage.models import EventRow, Heartbeat, Message
 
     with engine.connect() as conn:
         for agent, count in sent.items():

@@ -103,7 +103,7 @@ def _received(process: ServerProcess) -> float:
 
 def test_the_descriptor_limit_is_raised_to_the_hard_one() -> None:
     script = (
-        "import resource; from nand.server.descriptors import raise_descriptor_limit;"
+        "import resource; from nand.server.agents.descriptors import raise_descriptor_limit;"
         "hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1];"
         "resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard));"
         "print(raise_descriptor_limit() == hard or hard == resource.RLIM_INFINITY)"

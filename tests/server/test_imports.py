@@ -14,13 +14,13 @@ def _modules_after(code: str) -> set[str]:
 
 def test_the_whole_server_runs_without_torch() -> None:
     loaded = _modules_after(
-        "import nand.server.app, nand.server.embedded, nand.server.commands; "
-        "nand.server.app.create_app()"
+        "import nand.server.http.app, nand.server.embedded, nand.cli.server_args; "
+        "nand.server.http.app.create_app()"
     )
     assert "fastapi" in loaded
     assert "torch" not in loaded
 
 
 def test_the_command_module_is_light_at_import() -> None:
-    loaded = _modules_after("import nand.server.commands")
+    loaded = _modules_after("import nand.cli.server_args")
     assert not {"fastapi", "sqlalchemy", "zmq", "torch", "uvicorn"} & loaded

@@ -14,8 +14,8 @@ from sqlalchemy import create_engine, func, select
 
 from nand import wire
 from nand.events import FlightWindow
-from nand.server.commander import COMMAND_EVERY_S
-from nand.server.models import EventRow, Message
+from nand.server.agents.orders import COMMAND_EVERY_S
+from nand.server.storage.models import EventRow, Message
 from tests.server.agents import FakeAgent
 from tests.server.helpers import eventually
 

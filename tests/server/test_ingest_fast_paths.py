@@ -1,7 +1,7 @@
 """The ingest thread's shortcuts give what the long way gives: the heartbeat
-decoder (``nand.server.decoding``), the lag histogram filled a batch at a time
+decoder (``nand.server.agents.decoding``), the lag histogram filled a batch at a time
 (``nand.server.observe``), and the gradient-outlier test's plain steps
-(``nand.server.outliers``)."""
+(``nand.server.analysis.outliers``)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from nand import wire
 from nand.errors import WireError
 from nand.events import StepSummary
-from nand.server import decoding, outliers
+from nand.server.agents import decoding
+from nand.server.analysis import outliers
 from nand.server.metrics import LAG_BUCKETS
 from nand.server.observe import observe_all
 

@@ -1,11 +1,11 @@
-"""Agent id leases (nand.server.leases) through Admission, on a real SQLite file."""
+"""Agent id leases (nand.server.agents.leases) through Admission, on a real SQLite file."""
 
 from __future__ import annotations
 
-from nand.server.admission import Admission
-from nand.server.db import make_engine
-from nand.server.leases import Leases
-from nand.server.migrate import upgrade
+from nand.server.agents.admission import Admission
+from nand.server.agents.leases import Leases
+from nand.server.storage.db import make_engine
+from nand.server.storage.migrate import upgrade
 
 
 def message(agent: str, seq: int = 1) -> dict:

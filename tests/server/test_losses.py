@@ -172,11 +172,11 @@ def test_heartbeats_repeating_committed_counts_write_no_drop_rows(sqlite_url, mo
 
     from sqlalchemy import event
 
-    from nand.server import losses
-    from nand.server.db import make_engine
-    from nand.server.migrate import upgrade
-    from nand.server.models import Rank
-    from nand.server.writer import write_batch
+    from nand.server.agents.writer import write_batch
+    from nand.server.analysis import losses
+    from nand.server.storage.db import make_engine
+    from nand.server.storage.migrate import upgrade
+    from nand.server.storage.models import Rank
 
     engine = make_engine(sqlite_url)
     upgrade(engine)

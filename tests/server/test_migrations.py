@@ -11,10 +11,10 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import inspect, text
 
 from nand import wire
-from nand.server import migrate
-from nand.server.db import make_engine
-from nand.server.models import Base
-from nand.server.writer import write_batch
+from nand.server.agents.writer import write_batch
+from nand.server.storage import migrate
+from nand.server.storage.db import make_engine
+from nand.server.storage.models import Base
 
 
 def test_empty_database_upgrades_to_head_and_models_match_it(db_url) -> None:

@@ -21,7 +21,7 @@ import httpx
 import pytest
 from sqlalchemy import create_engine, func, select
 
-from nand.server.models import EventRow
+from nand.server.storage.models import EventRow
 from nand.testing import free_port
 from tests.server.agents import FakeAgent
 from tests.server.helpers import eventually

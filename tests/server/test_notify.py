@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from nand.server import embedded
-from nand.server.notify import NOTIFY_STATES
+from nand.server.notify.notifier import NOTIFY_STATES
 from nand.server.settings import Settings
 from tests.server.agents import FakeAgent
 from tests.server.helpers import eventually
@@ -154,7 +154,7 @@ def test_a_receiver_that_is_down_gets_the_notification_once_when_it_is_back(
     [agent] = ranks(server, "n-later")
     agent.event(step=3, phase="loss", nan=1)
     eventually(lambda: failures(server, "unreachable") >= 2, timeout=20)
-    said = [r.getMessage() for r in caplog.records if r.name == "nand.server.notify"]
+    said = [r.getMessage() for r in caplog.records if r.name == "nand.server.notify.notifier"]
     assert len(said) == 1 and f"127.0.0.1:{hook.port}" in said[0], said  # once a minute
     assert "/hooks/nand" not in said[0]  # the URL's path may be a secret: not logged
     hook.start()

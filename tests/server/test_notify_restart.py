@@ -10,8 +10,8 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from nand.server.db import make_engine
-from nand.server.models import Notification
+from nand.server.storage.db import make_engine
+from nand.server.storage.models import Notification
 from nand.testing import free_port
 from tests.server.agents import FakeAgent
 from tests.server.helpers import eventually

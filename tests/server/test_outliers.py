@@ -12,7 +12,7 @@ import httpx
 import pytest
 from sqlalchemy import create_engine, text
 
-from nand.server.outliers import KEEP_STEPS, PRUNE_EVERY, QUIET_STEPS
+from nand.server.analysis.outliers import KEEP_STEPS, PRUNE_EVERY, QUIET_STEPS
 from nand.testing import free_port
 from tests.server.agents import FakeAgent
 from tests.server.processes import ServerProcess

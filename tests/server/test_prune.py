@@ -7,9 +7,9 @@ import time
 import httpx
 from sqlalchemy import create_engine, func, select, update
 
+from nand.cli.server_args import _duration
 from nand.server.__main__ import main
-from nand.server.commands import _duration
-from nand.server.models import EventRow, Heartbeat, Message, Run
+from nand.server.storage.models import EventRow, Heartbeat, Message, Run
 
 
 def test_prune_deletes_runs_older_than_the_age_with_their_rows(

@@ -13,10 +13,10 @@ import pytest
 from sqlalchemy import select
 
 from nand import exitcodes, wire
-from nand.server.db import make_engine
-from nand.server.migrate import upgrade
-from nand.server.models import Run
-from nand.server.writer import write_batch
+from nand.server.agents.writer import write_batch
+from nand.server.storage.db import make_engine
+from nand.server.storage.migrate import upgrade
+from nand.server.storage.models import Run
 from nand.testing import free_port
 from tests.server.agents import FakeAgent
 from tests.server.processes import ServerProcess

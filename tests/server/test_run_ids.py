@@ -11,7 +11,7 @@ import pytest
 
 from nand.events import FlightWindow
 from nand.runids import MAX_RUN_CHARS, run_problem
-from nand.server.models import Run
+from nand.server.storage.models import Run
 from tests.server.agents import FakeAgent
 
 REST_PATHS = ("", "/verdict", "/ranks", "/events", "/series", "/flight")

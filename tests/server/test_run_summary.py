@@ -11,10 +11,10 @@ from itertools import count
 import httpx
 
 from nand import wire
+from nand.cli.wait import stream_summaries
 from nand.events import StepSummary
+from nand.server.agents.writer import write_batch
 from nand.server.embedded import EmbeddedServer
-from nand.server.waiting import stream_summaries
-from nand.server.writer import write_batch
 
 DROPPED = {2: {"spool_full": 1000}, 250: {"queue_full": 3, "spool_full": 1}}
 

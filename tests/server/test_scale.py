@@ -13,9 +13,9 @@ import httpx
 from sqlalchemy import event
 
 from nand import wire
+from nand.server.agents.writer import write_batch
 from nand.server.embedded import EmbeddedServer
-from nand.server.hub import Subscriber, Update
-from nand.server.writer import write_batch
+from nand.server.http.hub import Subscriber, Update
 from tests.server.helpers import eventually
 
 RECEIVED = {
@@ -124,8 +124,8 @@ def test_a_slow_subscriber_keeps_only_the_latest_summary_of_each_run() -> None:
 
 
 def test_the_first_event_lookup_at_ingest_uses_the_rank_key_index(sqlite_url) -> None:
-    from nand.server.db import make_engine
-    from nand.server.migrate import upgrade
+    from nand.server.storage.db import make_engine
+    from nand.server.storage.migrate import upgrade
 
     engine = make_engine(sqlite_url)
     upgrade(engine)
@@ -187,7 +187,8 @@ def test_the_origin_is_simultaneous_on_every_page_when_ranks_went_together(serve
 def test_a_big_run_is_summarised_as_the_small_path_does(server) -> None:
     from sqlalchemy.orm import Session
 
-    from nand.server import rankpage, store, views
+    from nand.server.analysis import rankpage, views
+    from nand.server.storage import store
 
     _fill(server, "mixed", range(1, 40))
     _fill(server, "mixed", range(0, 1), step=8, cause="produced", phase="forward")

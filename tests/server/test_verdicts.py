@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from nand import exitcodes
-from nand.server import ingest
+from nand.server.agents import ingest
 from nand.testing import free_port
 from tests.server.agents import FakeAgent
 from tests.server.processes import ServerProcess

@@ -13,7 +13,7 @@ from playwright.sync_api import expect
 
 from nand import wire
 from nand.events import StepSummary
-from nand.server.writer import write_batch
+from nand.server.agents.writer import write_batch
 from tests.web.conftest import Dashboard, screenshot
 
 pytestmark = pytest.mark.slow

@@ -16,8 +16,8 @@ from playwright.sync_api import expect
 from nand import wire
 from nand.events import FlightWindow
 from nand.server import embedded
+from nand.server.agents.writer import write_batch
 from nand.server.settings import Settings
-from nand.server.writer import write_batch
 
 RANKS = 3000
 ORIGIN = 2500

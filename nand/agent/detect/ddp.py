@@ -13,7 +13,7 @@ rank's own gradients were (NaN and inf reach the norm; so does a finite
 gradient whose squares overflow float32, a norm over 1.8e19, which is a
 blow-up of this rank's making too). Finite, it is this rank's local gradient
 norm, which the server compares with the other ranks' at the same step to
-name a rank whose batch or hardware stands out (``nand.server.outliers``).
+name a rank whose batch or hardware stands out (``nand.server.analysis.outliers``).
 The 0-d norms stay on the device; at the step boundary they are combined in
 float64 and read with everything else in the one host read, as the
 ``ddp_local`` extra.

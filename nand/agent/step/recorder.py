@@ -9,7 +9,7 @@ is asked for (an incident, a server request), so a healthy step pays one
 
 Under DDP it also keeps each step's local gradient norm (this rank's own,
 before the all-reduce; ``detect.ddp``) until a heartbeat carries it to the
-server, which compares the ranks (``nand.server.outliers``): at most
+server, which compares the ranks (``nand.server.analysis.outliers``): at most
 :data:`LOCAL_NORMS_KEPT` steps between two heartbeats, the latest.
 """
 

@@ -1,0 +1,1 @@
+"""The agents' side: receive, admit, store what agents send, and send them orders."""

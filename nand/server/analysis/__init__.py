@@ -1,0 +1,1 @@
+"""What the stored facts mean: correlation, verdict, replicas, outliers, hosts."""

@@ -1,0 +1,114 @@
+"""``GET /api/runs/{run}/ranks``: a page of a run's ranks, and counts over all of them.
+
+A 20,000-rank run's full list was 13 MB and took seconds to build, so the list
+comes a page at a time, in rank order, keyed by rank (``after``): a rank that
+reports while a client pages is never listed twice. What a rank's relation
+depends on is read without loading every rank: the origin is the least cached
+first key over the rank rows (one indexed query), and whether another rank
+went non-finite at the same point is one more. The counts by state read a few
+columns of every rank row, no event. :func:`run_summary` builds a run's
+summary the same way (what the event streams' poller sends for a big run).
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from nand.events import Relation
+from nand.server.analysis import bigrun, correlate, losses, runsummary, views
+from nand.server.analysis.failures import RankFacts
+from nand.server.analysis.runsummary import RunFacts
+from nand.server.http.schemas import RankPage, RunSummary
+from nand.server.settings import Settings
+from nand.server.storage import store
+from nand.server.storage.models import EventRow, Rank, Run
+
+
+def rank_page(
+    session: Session, run: Run, settings: Settings, now: float, after: int | None, limit: int
+) -> RankPage:
+    """The ranks above ``after`` (all when None), at most ``limit`` of them."""
+    settings = settings.for_world(run.world_size)
+    rows = _page_rows(session, run.id, after, limit + 1)
+    more = len(rows) > limit
+    rows = rows[:limit]
+    states = bigrun.state_counts(session, run.id, settings, now)[0]
+    relations = _relations(session, run.id, [e for _, e in rows if e is not None])
+    flights = store.ranks_with_flight(session, run.id)
+    items = views.rank_statuses(run, rows, settings, now, flights, relations)
+    return RankPage(
+        items=items,
+        total=sum(states.values()),
+        limit=limit,
+        next_after=rows[-1][0].rank if more else None,
+        states=states,
+    )
+
+
+def _page_rows(
+    session: Session, run_id: int, after: int | None, limit: int
+) -> list[tuple[Rank, EventRow | None]]:
+    statement = (
+        select(Rank, EventRow)
+        .outerjoin(EventRow, EventRow.id == Rank.first_event_id)
+        .where(Rank.run_id == run_id)
+        .order_by(Rank.rank)
+        .limit(limit)
+    )
+    if after is not None:
+        statement = statement.where(Rank.rank > after)
+    return [(rank, event) for rank, event in session.execute(statement).all()]
+
+
+def _rank_facts(session: Session, run_id: int) -> list[RankFacts]:
+    """Every rank's facts from a few columns of its row (no event, no ORM object)."""
+    statement = select(
+        Rank.rank,
+        Rank.step,
+        Rank.last_seen,
+        Rank.step_changed_at,
+        Rank.first_event_id.is_not(None),
+        Rank.finished_at,
+        Rank.bye_reason,
+        Rank.steps_per_s,
+        Rank.dropped,
+    ).where(Rank.run_id == run_id)
+    return [
+        RankFacts(
+            rank=rank,
+            step=step,
+            last_seen=last_seen,
+            step_changed_at=changed,
+            diverged=bool(diverged),
+            finished_at=finished_at,
+            bye_reason=bye or "",
+            steps_per_s=steps_per_s,
+            dropped=losses.counts(dropped),
+        )
+        for rank, step, last_seen, changed, diverged, finished_at, bye, steps_per_s, dropped in (
+            session.execute(statement)
+        )
+    ]
+
+
+def _relations(session: Session, run_id: int, firsts: list[EventRow]) -> dict[int, Relation]:
+    head = bigrun.origin(session, run_id)
+    if head is None or not firsts:
+        return {}
+    together = len(bigrun.same_point(session, run_id, head)) > 1
+    return correlate.relations_to(
+        [views.to_event(e) for e in firsts], views.to_event(head), together
+    )
+
+
+def run_facts(session: Session, run: Run) -> RunFacts:
+    """A run's facts without loading every rank row and first event."""
+    head = bigrun.origin(session, run.id)
+    together = bigrun.same_point(session, run.id, head) if head is not None else []
+    return RunFacts(_rank_facts(session, run.id), head, together)
+
+
+def run_summary(session: Session, run: Run, settings: Settings, now: float) -> RunSummary:
+    """The run's summary (``runsummary.build``) from :func:`run_facts`."""
+    return runsummary.build(run, run_facts(session, run), settings, now)

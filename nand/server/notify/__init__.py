@@ -1,0 +1,1 @@
+"""Notifications: which runs changed state, and their delivery."""

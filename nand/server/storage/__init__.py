@@ -1,0 +1,1 @@
+"""Storage: the tables, their migrations and the queries the REST API makes."""
