@@ -74,11 +74,12 @@ def failing_facts(
     """The facts of the ranks that failed (and of rank ``also``: the origin's)."""
     state = state_of(settings, now)
     wanted = state.in_(FAILING) if also is None else or_(state.in_(FAILING), Rank.rank == also)
-    rows = session.execute(select(*_FACT_COLUMNS).where(Rank.run_id == run_id, wanted))
-    return [_facts(*row) for row in rows]
+    rows = session.execute(select(*FACT_COLUMNS).where(Rank.run_id == run_id, wanted))
+    return [facts(*row) for row in rows]
 
 
-_FACT_COLUMNS = (
+#: The columns of a rank row that :func:`facts` reads (also rankpage's, for small runs).
+FACT_COLUMNS = (
     Rank.rank,
     Rank.step,
     Rank.last_seen,
@@ -91,8 +92,8 @@ _FACT_COLUMNS = (
 )
 
 
-def _facts(*row: Any) -> RankFacts:
-    """A rank's facts from the row of :data:`_FACT_COLUMNS`."""
+def facts(*row: Any) -> RankFacts:
+    """A rank's facts from the row of :data:`FACT_COLUMNS`."""
     rank, step, last_seen, changed, diverged, finished, bye, rate, dropped = row
     return RankFacts(
         rank=rank,

@@ -16,7 +16,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from nand.events import Relation
-from nand.server.analysis import bigrun, correlate, losses, runsummary, views
+from nand.server.analysis import bigrun, correlate, runsummary, views
 from nand.server.analysis.failures import RankFacts
 from nand.server.analysis.runsummary import RunFacts
 from nand.server.http.schemas import RankPage, RunSummary
@@ -63,33 +63,8 @@ def _page_rows(
 
 def _rank_facts(session: Session, run_id: int) -> list[RankFacts]:
     """Every rank's facts from a few columns of its row (no event, no ORM object)."""
-    statement = select(
-        Rank.rank,
-        Rank.step,
-        Rank.last_seen,
-        Rank.step_changed_at,
-        Rank.first_event_id.is_not(None),
-        Rank.finished_at,
-        Rank.bye_reason,
-        Rank.steps_per_s,
-        Rank.dropped,
-    ).where(Rank.run_id == run_id)
-    return [
-        RankFacts(
-            rank=rank,
-            step=step,
-            last_seen=last_seen,
-            step_changed_at=changed,
-            diverged=bool(diverged),
-            finished_at=finished_at,
-            bye_reason=bye or "",
-            steps_per_s=steps_per_s,
-            dropped=losses.counts(dropped),
-        )
-        for rank, step, last_seen, changed, diverged, finished_at, bye, steps_per_s, dropped in (
-            session.execute(statement)
-        )
-    ]
+    rows = session.execute(select(*bigrun.FACT_COLUMNS).where(Rank.run_id == run_id))
+    return [bigrun.facts(*row) for row in rows]
 
 
 def _relations(session: Session, run_id: int, firsts: list[EventRow]) -> dict[int, Relation]:
