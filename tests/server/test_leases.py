@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
+from sqlalchemy import create_engine, event
+
+from nand import wire
 from nand.server.agents.admission import Admission
 from nand.server.agents.leases import Leases
+from nand.server.agents.writer import write_batch
 from nand.server.storage.db import make_engine
 from nand.server.storage.migrate import upgrade
 
@@ -40,3 +47,28 @@ def test_with_the_lease_table_unreachable_messages_are_deferred_not_refused(tmp_
     batch = [(b"conn", message("y"))]
     assert gate.refusal(b"conn", message("y")) is None
     assert gate.leased(batch) == ([], [])
+
+
+def test_a_batch_touches_its_runs_in_id_order_the_order_every_server_locks_them_in(
+    tmp_path,
+) -> None:
+    """Two servers whose batches update the same runs in different orders deadlock
+    on PostgreSQL; updating in run id order (as ``runlock`` locks) cannot."""
+    engine = create_engine(f"sqlite:///{tmp_path / 'order.db'}")
+    upgrade(engine)
+
+    def hello(run: str, seq: int = 1) -> dict[str, Any]:
+        body = {"world_size": 1, "host": "node0", "pid": 1}
+        message = wire.agent_message("hello", agent=run, seq=seq, run=run, rank=0, body=body)
+        return wire.decode(wire.encode(message))
+
+    write_batch(engine, [hello("first"), hello("second")], time.time())  # ids 1, 2
+    touched: list[list[int]] = []
+
+    @event.listens_for(engine, "before_cursor_execute")
+    def seen(conn, cursor, statement, parameters, context, executemany) -> None:
+        if statement.startswith("UPDATE runs") and executemany:
+            touched.append([row[-1] for row in parameters])
+
+    write_batch(engine, [hello("second", seq=2), hello("first", seq=2)], time.time())
+    assert touched and all(ids == sorted(ids) for ids in touched), touched

@@ -377,7 +377,9 @@ def _touch_runs(
             world = max(world, body["world_size"])
         if world > entry["ws"]:
             entry["ws"] = world
-    conn.execute(_RUN_TOUCH, list(stats.values()))
+    # In run id order, the order runlock and every other server lock runs in: two
+    # servers' batches of the same runs then wait for each other, never deadlock.
+    conn.execute(_RUN_TOUCH, sorted(stats.values(), key=lambda entry: entry["rid"]))
 
 
 _RUN_TOUCH = (
