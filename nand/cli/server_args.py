@@ -62,7 +62,7 @@ RUN_HELP = "the run id (NAND_RUN, TORCHELASTIC_RUN_ID or SLURM_JOB_ID of the job
 
 
 def register(subparsers: Any) -> None:
-    from nand.cli import rest_client as rest_commands
+    from nand.cli import rest_client
 
     _server_parser(subparsers)
 
@@ -70,7 +70,7 @@ def register(subparsers: Any) -> None:
     runs.add_argument("--url", help=URL_HELP)
     runs.add_argument("--json", action="store_true", help="print the JSON list")
     runs.add_argument("--limit", type=int, default=50, help="most runs listed, newest first (50)")
-    runs.set_defaults(func=rest_commands.cmd_runs)
+    runs.set_defaults(func=rest_client.cmd_runs)
 
     hosts = subparsers.add_parser(
         "hosts", help="hosts by incidents, replica mismatches and crashes across runs"
@@ -78,13 +78,13 @@ def register(subparsers: Any) -> None:
     hosts.add_argument("--url", help=URL_HELP)
     hosts.add_argument("--json", action="store_true", help="print the JSON page")
     hosts.add_argument("--limit", type=int, default=20, help="most hosts listed, worst first (20)")
-    hosts.set_defaults(func=rest_commands.cmd_hosts)
+    hosts.set_defaults(func=rest_client.cmd_hosts)
 
     verdict = subparsers.add_parser("verdict", help="where a run first went non-finite")
     verdict.add_argument("run", help=RUN_HELP)
     verdict.add_argument("--url", help=URL_HELP)
     verdict.add_argument("--json", action="store_true", help="print the Verdict JSON")
-    verdict.set_defaults(func=rest_commands.cmd_verdict)
+    verdict.set_defaults(func=rest_client.cmd_verdict)
 
     stop = subparsers.add_parser("stop", help="stop every rank of a run at one step boundary")
     stop.add_argument("run", help=RUN_HELP)
@@ -92,7 +92,7 @@ def register(subparsers: Any) -> None:
     stop.add_argument("--token", help="the server's token (default: NAND_TOKEN)")
     stop.add_argument("--step", type=int, help="stop at this step (default: chosen by the server)")
     stop.add_argument("--reason", default="", help="shown to the ranks and in the verdict")
-    stop.set_defaults(func=rest_commands.cmd_stop)
+    stop.set_defaults(func=rest_client.cmd_stop)
 
     _wait_parser(subparsers)
 
@@ -103,7 +103,7 @@ def register(subparsers: Any) -> None:
 
 
 def _wait_parser(subparsers: Any) -> None:
-    from nand.cli import wait as waiting
+    from nand.cli.wait import cmd_wait
 
     wait = subparsers.add_parser(
         "wait",
@@ -144,7 +144,7 @@ def _wait_parser(subparsers: Any) -> None:
         "state does not count (default: the live attempt, whichever launch)",
     )
     wait.add_argument("--url", help=URL_HELP)
-    wait.set_defaults(func=waiting.cmd_wait)
+    wait.set_defaults(func=cmd_wait)
 
 
 def _server_parser(subparsers: Any) -> None:

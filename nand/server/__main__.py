@@ -6,15 +6,20 @@ from __future__ import annotations
 import argparse
 import sys
 
-from nand.cli import VERBOSE_HELP, add_verbose_to_commands, configure_logging, run_command
-from nand.cli import server_args as commands
+from nand.cli import (
+    VERBOSE_HELP,
+    add_verbose_to_commands,
+    configure_logging,
+    run_command,
+    server_args,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m nand.server")
     parser.add_argument("-v", "--verbose", action="store_true", help=VERBOSE_HELP)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    commands.register(subparsers)
+    server_args.register(subparsers)
     add_verbose_to_commands(subparsers)
     args = parser.parse_args(argv)
     configure_logging(bool(getattr(args, "verbose", False)))

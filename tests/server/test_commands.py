@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from nand import exitcodes
-from nand.cli import wait as waiting
+from nand.cli import wait
 from nand.server import embedded
 from nand.server.__main__ import main
 from nand.server.embedded import EmbeddedServer
@@ -142,11 +142,11 @@ def test_wait_given_several_servers_gives_up_only_when_none_answers(capsys) -> N
 
 
 def test_wait_exit_code_table() -> None:
-    assert waiting.wait_exit_code("diverged", "diverged") == 0
-    assert waiting.wait_exit_code("finished", "diverged") == 3
-    assert waiting.wait_exit_code("any", "finished") == 0
-    assert waiting.wait_exit_code("any", "stalled") == 5
-    assert waiting.wait_exit_code("diverged", "healthy") is None
+    assert wait.wait_exit_code("diverged", "diverged") == 0
+    assert wait.wait_exit_code("finished", "diverged") == 3
+    assert wait.wait_exit_code("any", "finished") == 0
+    assert wait.wait_exit_code("any", "stalled") == 5
+    assert wait.wait_exit_code("diverged", "healthy") is None
 
 
 def test_wait_as_a_real_process_for_job_scripts(srv) -> None:

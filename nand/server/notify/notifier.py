@@ -33,7 +33,7 @@ from urllib.parse import urlsplit
 from sqlalchemy import Engine
 
 from nand.server.metrics import Metrics
-from nand.server.notify import send as notify_send
+from nand.server.notify import send
 from nand.server.notify.detect import LOOKBACK_S, NOTIFY_STATES, sweep
 from nand.server.settings import Settings
 
@@ -82,19 +82,19 @@ class Notifier:
         """One sweep for state changes since ``since``, then one round of deliveries."""
         sweep(self.engine, self.settings, since, now)
         lease_s = self.settings.notify_timeout_s + 30.0
-        deliveries = notify_send.claim(self.engine, self.settings.notify_urls, lease_s, now)
+        deliveries = send.claim(self.engine, self.settings.notify_urls, lease_s, now)
         if deliveries:
             outcomes = list(self._pool.map(self._post, deliveries))
-            notify_send.record(self.engine, outcomes, time.time())
+            send.record(self.engine, outcomes, time.time())
             for outcome in outcomes:
                 self._count(outcome)
-        self.metrics.notifications_pending(notify_send.pending(self.engine))
+        self.metrics.notifications_pending(send.pending(self.engine))
 
-    def _post(self, delivery: notify_send.Delivery) -> notify_send.Outcome:
+    def _post(self, delivery: send.Delivery) -> send.Outcome:
         settings = self.settings
-        return notify_send.post(delivery, settings.notify_secret, settings.notify_timeout_s)
+        return send.post(delivery, settings.notify_secret, settings.notify_timeout_s)
 
-    def _count(self, outcome: notify_send.Outcome) -> None:
+    def _count(self, outcome: send.Outcome) -> None:
         if outcome.reason is None:
             self.metrics.notification_sent()
             return
