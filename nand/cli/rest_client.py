@@ -24,14 +24,15 @@ DEFAULT_URL = "http://127.0.0.1:8080"
 
 def base_urls(args: argparse.Namespace) -> list[str]:
     """The servers' base URLs from ``--url`` / ``NAND_URL``: one, or several servers
-    sharing a database, separated by commas or spaces (``nand wait`` tries the next
-    when one is down); each refused if it is not one, e.g. ends in ``/api``."""
+    sharing a database, separated by commas or spaces (every command tries the
+    next when one is down); each refused if it is not one, e.g. ends in ``/api``."""
     text = args.url or config.get_str(config.NAND_URL, DEFAULT_URL) or ""
     return [_checked_base(url) for url in split_list(text) or [text]]
 
 
 def base_url(args: argparse.Namespace) -> str:
-    """The first of :func:`base_urls`: the server the one-request commands ask."""
+    """The first of :func:`base_urls` (each command is run with one, see
+    :func:`reports_api_errors`)."""
     return base_urls(args)[0]
 
 
@@ -79,19 +80,24 @@ def api_failure(base: str, exc: ApiError) -> CommandError:
 def reports_api_errors(
     command: Callable[[argparse.Namespace], int],
 ) -> Callable[[argparse.Namespace], int]:
-    """API errors and an unreachable server become one-line CommandErrors."""
+    """API errors and an unreachable server become one-line CommandErrors. Given
+    several servers (one database), the command goes on at the next when one
+    cannot be reached: any of them answers the same."""
 
     @functools.wraps(command)
     def run(args: argparse.Namespace) -> int:
-        base = base_url(args)
-        try:
-            return command(args)
-        except ApiError as exc:
-            raise api_failure(base, exc) from exc
-        except BrokenPipeError:
-            raise  # our stdout closed (`| head`), not the server
-        except OSError as exc:
-            raise unreachable(base, exc) from exc
+        bases = base_urls(args)
+        for base in bases:
+            try:
+                return command(argparse.Namespace(**{**vars(args), "url": base}))
+            except ApiError as exc:
+                raise api_failure(base, exc) from exc
+            except BrokenPipeError:
+                raise  # our stdout closed (`| head`), not the server
+            except OSError as exc:
+                if base == bases[-1]:
+                    raise unreachable(", ".join(bases), exc) from exc
+        raise AssertionError("base_urls returns at least one URL")
 
     return run
 

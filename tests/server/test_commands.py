@@ -190,3 +190,23 @@ def test_nand_server_command_serves_rest_and_ingest(tmp_path) -> None:
     finally:
         server.stop()
     assert server.proc is not None and server.proc.returncode == 0  # SIGTERM: clean exit
+
+
+def test_runs_verdict_and_stop_given_several_servers_ask_the_next_when_one_is_down(
+    srv, capsys
+) -> None:
+    a = _agent(srv, "listed-rest")
+    a.event(step=11, phase="forward", module="fc1", module_type="Linear", nan=1)
+    a.wait_acked()
+    urls = f"http://127.0.0.1:1,{srv.http_url}"  # the first is gone
+    assert main(["runs", "--url", urls]) == 0
+    assert "listed-rest" in capsys.readouterr().out
+    assert main(["verdict", "listed-rest", "--url", urls]) == 0
+    assert "rank 0 produced NaN in fc1" in capsys.readouterr().out
+    assert main(["stop", "listed-rest", "--url", urls, "--token", "tok"]) == 0
+    assert "every rank stops" in capsys.readouterr().out
+    assert main(["runs", "--url", "http://127.0.0.1:1 http://127.0.0.1:2"]) == (
+        exitcodes.UNREACHABLE
+    )
+    assert "http://127.0.0.1:1, http://127.0.0.1:2" in capsys.readouterr().err
+    a.close()
