@@ -1,5 +1,5 @@
 // The hosts page: which machines keep producing incidents, across runs
-// (GET /api/hosts, nand/server/hosts.py). A "lemon" node sits at the top.
+// (GET /api/hosts, nand/server/analysis/hosts.py). A "lemon" node sits at the top.
 
 import { api } from "./api.js";
 import { clear, el, stateMessage } from "./dom.js";

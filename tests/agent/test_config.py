@@ -95,7 +95,7 @@ def test_only_the_settings_modules_read_the_environment():
                 readers.add(str(path.relative_to(NAND)))
     # The agent's are AgentConfig's (nand/config.py); the server's its Settings;
     # the CLI's REST client reads the URL and token it is pointed at.
-    assert readers == {"server/settings.py", "server/rest_commands.py"}, readers
+    assert readers == {"server/settings.py", "cli/rest_client.py"}, readers
 
 
 def test_the_transport_runs_with_the_settings_watch_resolved(monkeypatch, tmp_path):

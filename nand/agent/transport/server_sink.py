@@ -37,8 +37,7 @@ child gets a fresh agent id, no thread and no socket; they are re-created on
 its first message, which is preceded by a hello with its pid.
 
 >>> import tempfile
->>> from nand.agent import patches
-from nand.agent.identity import Identity
+>>> from nand.agent.identity import Identity
 >>> me = Identity(run="r1", rank=0, local_rank=0, world_size=1, host="h", pid=1)
 >>> sink = ServerSink("tcp://127.0.0.1:1", me, spool_dir=tempfile.mkdtemp())
 >>> sink.heartbeat(StepSummary(step=1))
