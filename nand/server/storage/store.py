@@ -13,7 +13,17 @@ from dataclasses import dataclass
 from sqlalchemy import Select, delete, func, select, update
 from sqlalchemy.orm import Session
 
-from nand.server.storage.models import Agent, Drop, EventRow, Flight, Heartbeat, Message, Rank, Run
+from nand.server.storage.models import (
+    Agent,
+    AgentLease,
+    Drop,
+    EventRow,
+    Flight,
+    Heartbeat,
+    Message,
+    Rank,
+    Run,
+)
 
 
 @dataclass(frozen=True)
@@ -186,4 +196,6 @@ def prune(session: Session, older_than: float) -> list[str]:
         for table in (EventRow, Heartbeat, Flight, Message, Agent, Drop, Rank):
             session.execute(delete(table).where(table.run_id.in_(chunk)))
         session.execute(delete(Run).where(Run.id.in_(chunk)))
+    # A killed server never releases its leases; long expired, they name nobody.
+    session.execute(delete(AgentLease).where(AgentLease.expires < older_than))
     return sorted({name for _, name in doomed})
