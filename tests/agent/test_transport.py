@@ -158,7 +158,9 @@ def test_a_server_that_never_answers_gets_resends_with_backoff_and_limits_hold()
         assert stats["memory_frames"] <= 20
         t0 = time.monotonic()
         sink.close(0.5)
-        assert time.monotonic() - t0 < 1.5
+        # close joins for its timeout + 0.2 s; the rest is a loaded machine's
+        # scheduling (1.52 s seen in a CI run beside a CPU hog): bounded, not hung.
+        assert time.monotonic() - t0 < 3.0
         assert sp.read_records(path)[0][0] & sp.KEEP  # hello still there for a replay
 
 
