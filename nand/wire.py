@@ -25,7 +25,10 @@ Every message is one msgpack map (one ZeroMQ frame)::
                  the ack is for the agent that owns the connection.
       command    {"command": "stop", "step": int, "reason": str}
                  {"command": "send_flight"}
-      reject     {"reason": str}                 e.g. a bad token; the agent stops sending
+      reject     {"agent": str?, "reason": str}  e.g. a bad token. "agent" names whose
+                 messages are refused: the agent stops sending when they are its
+                 own (or none is named) and drops the spooled frames of an
+                 earlier agent of its rank when they are that agent's.
 
 ``run`` is one path segment of the server's REST API (``/api/runs/{run}``):
 :mod:`nand.runids` says which strings can be one (``run_problem``); the
@@ -354,6 +357,7 @@ def _validate_command(message: Mapping[str, Any]) -> None:
 
 
 def _validate_reject(message: Mapping[str, Any]) -> None:
+    _require(message, "agent", _STR, "reject", optional=True)
     _require(message, "reason", _STR, "reject")
 
 

@@ -16,6 +16,19 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 TEST_MODE = os.environ.get("NAND_TEST_MODE")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_session_env(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The same for module- and session-scoped fixtures, which start before any
+    test's own isolation: their jobs must not spool into the developer's
+    ~/.cache (a spool left there is replayed by the next run of that name)."""
+    for name in list(os.environ):
+        if name.startswith("NAND_") and not name.startswith("NAND_TEST_"):
+            del os.environ[name]  # (NAND_TEST_*: the test set-up's own, e.g. PG binaries)
+    os.environ["NAND_SPOOL_DIR"] = str(tmp_path_factory.mktemp("session-spool"))
+    if TEST_MODE:
+        os.environ["NAND_MODE"] = TEST_MODE
+
+
 @pytest.fixture(autouse=True)
 def _isolated_nand_env(
     request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, tmp_path

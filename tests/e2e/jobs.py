@@ -108,10 +108,16 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 60.0, what: str = "a
 def settled_verdict(base: str, run: str, ranks: int, timeout: float = 30.0) -> dict[str, Any]:
     """The verdict once every rank has said its last word (bye) or been lost."""
 
+    last_seen: list[Any] = []  # (the ranks' states when it gives up: what was missing)
+
     def done() -> dict[str, Any] | None:
         statuses = api(base, run, "/ranks")["items"]
+        last_seen[:] = [(s["rank"], s["state"]) for s in statuses]
         if len(statuses) == ranks and all(s["state"] != "running" for s in statuses):
             return api(base, run, "/verdict")
         return None
 
-    return wait_for(done, timeout, f"every rank of {run} to finish")
+    try:
+        return wait_for(done, timeout, f"every rank of {run} to finish")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; ranks (rank, state) last seen: {last_seen}") from None

@@ -220,6 +220,14 @@ class Outbox:
                 self.stats["acked"] += 1
                 self.failures = 0
 
+    def refused(self, agent: str) -> int:
+        """Forget the frames of ``agent`` in flight: the server refused them and
+        will never ack them. Returns how many (the spool moves past them)."""
+        refused = [key for key in self.inflight if key[0] == agent]
+        for key in refused:
+            del self.inflight[key]
+        return len(refused)
+
     def settle(self) -> None:
         """Track the acknowledged prefix of the spool; empty the file once all
         of it is acknowledged and the sender is past it (direct mode)."""

@@ -240,8 +240,24 @@ class Sender(threading.Thread):
         elif kind == "command":
             self.mailbox.add_command({k: v for k, v in message.items() if k != "v"})
         elif kind == "reject":
-            self.rejected = message["reason"]
-            self._warn("reject", f"nand: the server rejected this agent: {self.rejected}")
+            agent = message.get("agent")
+            if agent is None or agent == self.envelope.agent:
+                self.rejected = message["reason"]
+                self._warn("reject", f"nand: the server rejected this agent: {self.rejected}")
+            else:
+                self._drop_earlier_agent(agent, message["reason"])
+
+    def _drop_earlier_agent(self, agent: str, reason: str) -> None:
+        """The server refused frames an earlier agent of this rank spooled (say,
+        under another token): they are lost, counted, and this agent goes on."""
+        lost = self.outbox.refused(agent)
+        if lost:
+            self.mailbox.drop("rejected", lost)
+        self._warn(
+            f"reject-{agent}",
+            f"nand: the server refused the spooled messages of an earlier agent of "
+            f"this rank ({agent}): {reason}; they are dropped, this agent goes on",
+        )
 
     # --- where new frames go ------------------------------------------------
 

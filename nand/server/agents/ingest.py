@@ -242,18 +242,20 @@ class Ingest:
                 continue
             self.metrics.rejected(reason)
             self._refusals.refused(message, _REFUSAL_TEXT[reason])
+            # Answered per agent id: a connection also replays what earlier
+            # agents of its rank spooled, and their refusal is not its own.
             if reason == "unauthenticated":
-                replies[ident] = "unauthenticated: a valid token is required"
+                replies[ident, message["agent"]] = "unauthenticated: a valid token is required"
             elif reason == "bad_run":
-                replies[ident] = f"bad_run: {run_problem(message['run'])}"
+                replies[ident, message["agent"]] = f"bad_run: {run_problem(message['run'])}"
         accepted, elsewhere = self.admission.leased(accepted)
         for _, message in elsewhere:  # another server holds the agent id
             self.metrics.rejected("agent_in_use")
             self._refusals.refused(message, _REFUSAL_TEXT["agent_in_use"])
         # Only these two are answered: the agent can do nothing but stop (and says
         # why). Identity refusals are not: see nand.server.agents.admission.
-        for ident, reason in replies.items():
-            self._send(sock, ident, {"kind": "reject", "reason": reason})
+        for (ident, agent), reason in replies.items():
+            self._send(sock, ident, {"kind": "reject", "agent": agent, "reason": reason})
         return accepted
 
     def _still_connected(self, ident: bytes, agent: str) -> bool:
