@@ -18,6 +18,8 @@ server) and makes the :class:`~nand.agent.watch.Watch` that hooks the model.
 
 from __future__ import annotations
 
+import logging
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -30,6 +32,11 @@ from nand.agent.watch import Watch
 from nand.config import AgentConfig
 
 __all__ = ["Watch", "watch"]
+
+log = logging.getLogger("nand")
+#: The last watch of each model: a model is watched by one watch at a time. Both
+#: held weakly (a watch refers to its model: a strong value would keep both alive).
+_watch_of: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Watch]] = weakref.WeakKeyDictionary()
 
 
 def watch(
@@ -79,7 +86,8 @@ def watch(
         session.add_sink(hook)  # last: the log, the file and the server have it first
     if optimizer is not None:  # accelerate's, Lightning's, DeepSpeed's wrappers
         optimizer = unwrap_optimizer(optimizer)
-    return Watch(
+    _close_earlier_watch(model)
+    made = Watch(
         model,
         optimizer,
         settings=settings,
@@ -88,3 +96,21 @@ def watch(
         scaler=scaler,
         on_stop=on_stop,
     )
+    _watch_of[model] = weakref.ref(made)
+    return made
+
+
+def _close_earlier_watch(model: nn.Module) -> None:
+    """A model still watched by a watch nobody closed (an exception ended the
+    loop it was opened for, and HF's ``Trainer`` calls no callback then) would
+    run both watches' hooks on every step, and the old one would judge the
+    new training: it is closed first, as if its loop had ended."""
+    held = _watch_of.get(model)
+    earlier = held() if held is not None else None
+    if earlier is None or earlier.closed:
+        return
+    log.warning(
+        "nand: this model is still watched by an earlier nand.watch that was never "
+        "closed (an exception ended its loop?); closing it: one watch per model"
+    )
+    earlier.close("replaced by a new watch")

@@ -113,12 +113,9 @@ class Watch:
         self._hello(optimizer)
 
     def _install(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer | None,
-        cache: ParamCache | None,
-        scaler: Any,
-    ) -> None:
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+        cache: ParamCache | None, scaler: Any,
+    ) -> None:  # fmt: skip
         """Hook the model, the optimizer, the scaler and the DDP wrapper."""
         if self.deferred:
             flush_at_exit(self._exit)
@@ -166,6 +163,10 @@ class Watch:
     def deferred(self) -> bool:
         """Whether each step is read one boundary late (``read=``, see the README)."""
         return self._boundary.deferred is not None
+
+    @property
+    def closed(self) -> bool:  # (close() ran, or the watch is disabled)
+        return self._closed
 
     @property
     def read_waits(self) -> int:
@@ -232,8 +233,7 @@ class Watch:
     def __exit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        reason = "closed" if exc is None else f"exception: {type(exc).__name__}"
-        self.close(reason)
+        self.close("closed" if exc is None else f"exception: {type(exc).__name__}")
 
     # --- step boundaries --------------------------------------------------------
 
