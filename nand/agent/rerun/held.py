@@ -115,6 +115,7 @@ class Held:
 
     def __init__(self, state: HookState, device: torch.device, reads: Callable[[], int]) -> None:
         self.steps: list[HeldStep] = []
+        self.before = 0  # micro-steps of the window before (a parameter's label)
         self.paused = False
         self.off = False  # a hook failed
         self.device = device
@@ -137,6 +138,7 @@ class Held:
         try:
             reads = self._reads()
             if reads != self._read_at:  # a new window: the last one's steps are over
+                self.before = len(self.steps)
                 self.steps.clear()
                 self._read_at = reads
             if len(self.steps) < MAX_HELD:  # (the first ones: their index is the micro-step)

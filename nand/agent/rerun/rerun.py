@@ -160,13 +160,17 @@ class Rerun:
             return
         finally:
             self.guard.off, self.held.paused = was_off, False
-        if finding is not None:
-            make_exact(event, finding, self.boundary)
         what = "forward and backward" if replayed.backward else "forward"
-        which = f"micro-step {event.micro_step}"
+        which = f"micro-step {micro if finding is not None else event.micro_step}"
         if finding is None and len(micros) > 1:
             which = f"micro-steps 0 to {len(micros) - 1}"
         event.replay = f"replayed the {what} of {which}"
+        if finding is not None:
+            make_exact(event, finding, self.boundary, self.held.before)
+        if event.phase == "param":  # (the module's own weight: see light.make_exact)
+            event.replay += "; the module's parameter was non-finite before it ran"
+            event.reproduced = True
+            return
         if light and finding is None:  # the probes saw nothing: not where
             event.replay += "; its probes found nothing non-finite"
             if not backward:  # the root's output came out finite: not reproduced
