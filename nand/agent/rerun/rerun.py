@@ -46,6 +46,7 @@ from torch import nn
 from nand.agent.detect.ddp import params_are_gathered
 from nand.agent.detect.state import HookState
 from nand.agent.detect.tiers import CHECKED, Tiers
+from nand.agent.rerun.attrs import own_modules
 from nand.agent.rerun.held import MAX_HELD, Held
 from nand.agent.rerun.light import make_exact, needs_probes, probed_finding
 from nand.agent.rerun.opwatch import OpRecord
@@ -93,7 +94,8 @@ class Rerun:
         if budget > 0:
             param = next(iter(self.root.parameters()), None)
             device = param.device if param is not None else torch.device("cpu")
-            self.held = Held(self.state, device, lambda: self.boundary.reads)
+            reads, modules = (lambda: self.boundary.reads), own_modules(self.root)
+            self.held = Held(self.state, device, reads, modules)
 
     def remove(self) -> None:
         if self.held is not None:
