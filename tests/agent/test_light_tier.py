@@ -3,9 +3,14 @@ as such, and every module is probed from then on (``detect/tiers.py``)."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
 import torch
 
 import nand
+from tests.agent.models import arm_at, mlp
+from tests.agent.models import train as train_loop
 from tests.agent.test_rerun import Log, Streamed, batch, model_with, train
 
 
@@ -129,3 +134,51 @@ def test_a_forward_fault_that_fires_once_is_not_reproduced_in_light_mode_and_goe
     assert (event.step, event.phase, event.module) == (2, "forward", "")
     assert event.reproduced is False and "suspect the device" in event.message
     assert "light mode checked" in event.replay and not watch._tiers.light
+
+
+class SafeLog(torch.nn.Module):
+    """log where x > 0, else 0: finite forward; at x = 0 its backward is 0/0 = NaN."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.where(x > 0, torch.log(x), torch.zeros_like(x))
+
+
+def hidden_faults() -> dict[str, tuple[torch.nn.Module, Any, tuple[str, str]]]:
+    """Non-finite values that a relu takes out again: -inf into it (relu(-inf)
+    = 0), and the NaN gradient of a log of relu's zeros (relu's backward
+    zeroes it). (model, its ``before`` for ``train``, the full mode's phase
+    and module)."""
+    torch.manual_seed(0)
+    clipped = mlp(plant_after=0)  # Linear, Plant, ReLU, ...
+    log_of_zeros = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.ReLU(), SafeLog(), torch.nn.Linear(16, 4)
+    )
+    return {
+        "-inf into a relu": (clipped, arm_at(clipped[1], 1, float("-inf")), ("forward", "1")),
+        "NaN gradient into a relu": (log_of_zeros, None, ("backward", "2")),
+    }
+
+
+@pytest.mark.parametrize("name", list(hidden_faults()))
+def test_a_value_a_relu_takes_out_is_found_by_the_full_mode_only(name):
+    # Ground truth without nand: the output, the loss, every gradient and
+    # weight stay finite, so none of the light checks can see the value;
+    # only a probe per module does (README, Light mode: what it does not see).
+    model, before, (phase, module) = hidden_faults()[name]
+    if before is not None:
+        before(1, 0)
+    out = model(torch.randn(4, 8))
+    out.pow(2).mean().backward()
+    assert torch.isfinite(out).all()
+    assert all(torch.isfinite(p.grad).all() and torch.isfinite(p).all() for p in model.parameters())
+    model.zero_grad()
+    firsts = {}
+    for mode in ("light", "full"):
+        model, before, _ = hidden_faults()[name]
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        with nand.watch(model, opt, mode=mode, log_events=False) as watch:
+            train_loop(model, opt, 2, before=before)
+        firsts[mode] = watch.first
+    assert firsts["light"] is None
+    assert firsts["full"] is not None
+    assert (firsts["full"].phase, firsts["full"].module) == (phase, module)

@@ -10,6 +10,7 @@ replay leaves training exactly as ``skip`` without a replay would have.
 from __future__ import annotations
 
 import inspect
+import itertools
 
 import pytest
 import torch
@@ -28,16 +29,16 @@ def line_of(function, text: str) -> str:
 class Log(nn.Module):
     """log |x|: -inf where x is exactly 0 (a zero row of the batch through a
     Linear without bias). ``once_at``: zero its input on that call only (a
-    fault that does not come back)."""
+    fault that does not come back: its calls are counted by an iterator,
+    which a replay does not rewind as it does a plain attribute)."""
 
     def __init__(self, once_at: int | None = None) -> None:
         super().__init__()
-        self.calls = 0
+        self.calls = itertools.count(1)
         self.once_at = once_at
 
     def forward(self, x: Tensor) -> Tensor:
-        self.calls += 1
-        if self.calls == self.once_at:
+        if next(self.calls) == self.once_at:
             x = x * 0
         return torch.log(x.abs())
 
@@ -117,6 +118,30 @@ def test_a_fault_that_fires_once_is_not_reproduced_and_the_device_is_suspected()
     assert event.reproduced is False
     assert event.op == ""
     assert "suspect the device" in event.message
+
+
+class Counted(nn.Module):
+    """log |x|, its input zeroed at call ``at`` of the run: the module counts
+    its calls in a plain attribute, which the step's forward left changed."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.calls, self.at = 0, at
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        return torch.log((x * 0 if self.calls == self.at else x).abs())
+
+
+def test_a_replay_runs_with_the_plain_attributes_its_call_started_with_and_leaves_those_of_now():
+    model = model_with(Counted(at=3))  # the third call: step 2
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with nand.watch(model, opt, on_nonfinite="skip") as watch:
+        train(model, opt, 4)
+    event = watch.first
+    assert (event.step, event.phase, event.module, event.cause) == (2, "forward", "1", "produced")
+    assert (event.op, event.reproduced) == ("aten::log", True)
+    assert model[1].calls == 4  # the training loop's calls: the replay's is not kept
 
 
 def test_gradient_accumulation_replays_the_micro_step_that_went_bad():
@@ -371,6 +396,7 @@ class Streamed(nn.Module):
         return self.log(self.linear(x) * next(self.extra))
 
 
+@pytest.mark.nand_mode("full")  # (the light mode's: test_light_tier.py)
 def test_a_replay_that_raises_says_so_in_the_event_and_training_goes_on():
     model = Streamed()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)

@@ -6,7 +6,8 @@ of its own, one dispatch less per call), device work none:
 - in the forward **pre-hook** it keeps references to the root's inputs (positional
   and keyword), the RNG states at the call (CPU, and the model's CUDA device:
   the generator's seed and offset, read on the host without a sync) and the
-  autocast state the call ran under;
+  autocast state the call ran under, and the plain attributes of the
+  model's own modules (``attrs``);
 - in the forward **hook** it puts a hook on the autograd node of each float
   output that requires a gradient (a node pre-hook, which the engine calls
   cheaper than a tensor hook; a tensor hook where the output is not its
@@ -31,11 +32,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from nand.agent.detect.grads import register_tensor_hook
 from nand.agent.detect.probes import iter_tensors
 from nand.agent.detect.state import HookState
+from nand.agent.rerun.attrs import HeldAttrs, take
 
 log = logging.getLogger("nand")
 _is_compiling = torch.compiler.is_dynamo_compiling
@@ -52,11 +54,18 @@ class HeldStep:
     """One root call: its inputs, RNG and autocast state, and the gradients
     that arrived at its outputs (``grads``: output path -> gradient)."""
 
-    __slots__ = ("args", "autocast", "cuda_rng", "grads", "kwargs", "rng")
+    __slots__ = ("args", "attrs", "autocast", "cuda_rng", "grads", "kwargs", "rng")
 
-    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device) -> None:
+    def __init__(
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        device: torch.device,
+        attrs: HeldAttrs | None = None,
+    ) -> None:
         self.args = args
         self.kwargs = kwargs
+        self.attrs = attrs  # the modules' plain values (see attrs.py)
         self.rng = _cpu_generator.get_state()  # (what torch.get_rng_state calls)
         self.cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
         self.autocast = _autocast() if _any_autocast() else {}
@@ -113,8 +122,16 @@ class Held:
     (they find this object in ``state.held``), after their own work.
     """
 
-    def __init__(self, state: HookState, device: torch.device, reads: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        state: HookState,
+        device: torch.device,
+        reads: Callable[[], int],
+        modules: list[nn.Module] | None = None,
+    ) -> None:
+        self.modules = modules or []  # whose plain attributes are held (attrs.own_modules)
         self.steps: list[HeldStep] = []
+        self.before = 0  # micro-steps of the window before (a parameter's label)
         self.paused = False
         self.off = False  # a hook failed
         self.device = device
@@ -137,10 +154,11 @@ class Held:
         try:
             reads = self._reads()
             if reads != self._read_at:  # a new window: the last one's steps are over
+                self.before = len(self.steps)
                 self.steps.clear()
                 self._read_at = reads
             if len(self.steps) < MAX_HELD:  # (the first ones: their index is the micro-step)
-                self.steps.append(HeldStep(args, kwargs, self.device))
+                self.steps.append(HeldStep(args, kwargs, self.device, take(self.modules)))
         except Exception as exc:
             self._failed(exc)
 

@@ -6,7 +6,10 @@ which module made it. The micro-step is replayed with every module hooked
 (``Tiers.probed``); the replay's probes are read and analysed as a step's
 window is (``step.analysis.first_finding``), and the first finding takes
 the place of the light event's where, phase and cause
-(:func:`make_exact`). Its step and sequence number stay.
+(:func:`make_exact`). Its step and sequence number stay, except where the
+module the replay names has a non-finite parameter of its own: then, as in
+the full mode (``analysis.param_behind``), the event is that parameter's,
+written after the last update and labelled with the step before.
 
 A gradient seen in light mode is the sum of every micro-step's: the
 micro-steps held are replayed in order, and the first that makes a
@@ -16,7 +19,7 @@ non-finite value is the one named.
 from __future__ import annotations
 
 from nand.agent.detect.probes import ProbeBuffer
-from nand.agent.step.analysis import Finding, first_finding
+from nand.agent.step.analysis import Finding, first_finding, param_behind
 from nand.agent.step.boundary import Boundary
 from nand.agent.step.report import build_event
 from nand.events import Event
@@ -49,8 +52,13 @@ def probed_finding(buf: ProbeBuffer, micro: int) -> Finding | None:
     return first_finding(buf, gathered.tolist(), micro_base=micro)
 
 
-def make_exact(event: Event, finding: Finding, boundary: Boundary) -> None:
-    """Give ``event`` the where, phase and cause of the replay's ``finding``."""
+def make_exact(event: Event, finding: Finding, boundary: Boundary, before: int) -> None:
+    """Give ``event`` the where, phase and cause of the replay's ``finding``;
+    ``before``: the micro-steps of the step before (a parameter's label)."""
+    if finding.phase == "forward" and boundary.params is not None:
+        finding = param_behind(finding, max(before - 1, 0), boundary.params) or finding
+    if finding.phase == "param":  # (the full mode's label: the update before this step)
+        event.step -= 1
     scale = boundary.row.scale if boundary.row is not None else 1.0
     exact = build_event(finding, boundary.who, event.step, event.seq, scale, boundary.root_type)
     for name in EXACT_FIELDS:

@@ -46,6 +46,7 @@ from torch import nn
 from nand.agent.detect.ddp import params_are_gathered
 from nand.agent.detect.state import HookState
 from nand.agent.detect.tiers import CHECKED, Tiers
+from nand.agent.rerun.attrs import own_modules
 from nand.agent.rerun.held import MAX_HELD, Held
 from nand.agent.rerun.light import make_exact, needs_probes, probed_finding
 from nand.agent.rerun.opwatch import OpRecord
@@ -93,7 +94,8 @@ class Rerun:
         if budget > 0:
             param = next(iter(self.root.parameters()), None)
             device = param.device if param is not None else torch.device("cpu")
-            self.held = Held(self.state, device, lambda: self.boundary.reads)
+            reads, modules = (lambda: self.boundary.reads), own_modules(self.root)
+            self.held = Held(self.state, device, reads, modules)
 
     def remove(self) -> None:
         if self.held is not None:
@@ -160,13 +162,17 @@ class Rerun:
             return
         finally:
             self.guard.off, self.held.paused = was_off, False
-        if finding is not None:
-            make_exact(event, finding, self.boundary)
         what = "forward and backward" if replayed.backward else "forward"
-        which = f"micro-step {event.micro_step}"
+        which = f"micro-step {micro if finding is not None else event.micro_step}"
         if finding is None and len(micros) > 1:
             which = f"micro-steps 0 to {len(micros) - 1}"
         event.replay = f"replayed the {what} of {which}"
+        if finding is not None:
+            make_exact(event, finding, self.boundary, self.held.before)
+        if event.phase == "param":  # (the module's own weight: see light.make_exact)
+            event.replay += "; the module's parameter was non-finite before it ran"
+            event.reproduced = True
+            return
         if light and finding is None:  # the probes saw nothing: not where
             event.replay += "; its probes found nothing non-finite"
             if not backward:  # the root's output came out finite: not reproduced

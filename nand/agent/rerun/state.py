@@ -8,6 +8,9 @@
   BatchNorm normalises with the batch's statistics, so the running
   statistics the replay starts from (those after the step's forwards) do
   not change its outputs; they only must not keep the replay's update.
+- **Plain attributes** of the model's own modules: those the micro-step
+  started with are set for the replay, those of now put back after it
+  (``attrs.py``).
 - **Determinism**: ``torch.use_deterministic_algorithms(True, warn_only=True)``
   during the replay, where the user had it off.
 - **Gradients** are not touched: the replay's backward is a
@@ -17,10 +20,12 @@
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import torch
 from torch import nn
 
+from nand.agent.rerun import attrs
 from nand.agent.rerun.held import HeldStep
 
 
@@ -39,10 +44,12 @@ class Saved:
         ]
         self.deterministic = torch.are_deterministic_algorithms_enabled()
         self.warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+        self.attrs: list[tuple[dict[str, Any], str, Any]] = []
 
     def start(self, held: HeldStep) -> None:
         """Set the micro-step's RNG states; deterministic algorithms on."""
         torch.set_rng_state(held.rng)
+        self.attrs = attrs.put(held.attrs)
         if held.cuda_rng is not None and self.device.type == "cuda":
             torch.cuda.set_rng_state(held.cuda_rng, self.device)
         if not self.deterministic:
@@ -51,6 +58,7 @@ class Saved:
                 torch.use_deterministic_algorithms(True, warn_only=True)
 
     def restore(self) -> None:
+        attrs.undo(self.attrs)
         torch.set_rng_state(self.rng)
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state(self.cuda_rng, self.device)
