@@ -388,3 +388,25 @@ def test_light_read_late_with_an_optimizer_that_cannot_skip_says_so_and_probes_e
         train(model, opt, 6, before=arm_on_batch(model, model[1], 2, math.nan))
     assert where(w.first) == (2, 0, "forward", "", "produced")  # the light event, said as such
     assert "read one step late" in w.first.replay and "probed from now on" in w.first.replay
+
+
+class Log(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.log()
+
+
+def test_light_read_late_without_an_optimizer_replays_the_call_that_went_bad():
+    """No optimizer, no update: a root call read at the next one is replayed
+    with the weights it ran with. The fault is the data's (a negative number
+    into a log), so the replay makes it again and names the module."""
+    model = nn.Sequential(Log(), nn.Linear(8, 4))
+    gen = torch.Generator().manual_seed(0)
+    with nand.watch(model, None, mode="light", read="deferred") as w, torch.no_grad():
+        assert w.deferred
+        for call in range(5):
+            x = torch.rand(4, 8, generator=gen) + 0.1
+            if call == 2:
+                x[1, 3] = -1.0
+            model(x)
+    assert where(w.first) == (2, 0, "forward", "0", "produced") and w.first.reproduced
+    assert len(w.events) == 1
