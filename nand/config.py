@@ -61,7 +61,8 @@ before the update: a host-device sync on CUDA), ``deferred`` (copied without
 blocking at the boundary, read at the next one: no sync, events reported one
 step later with their true step) or ``auto`` (default): ``deferred`` on CUDA
 for ``warn``, and for ``skip`` with an optimizer that can skip on the device
-(``fused=True`` Adam/AdamW, fused SGD without momentum); ``sync`` otherwise.
+(``fused=True`` Adam/AdamW, fused SGD without momentum; in the light mode
+``warn`` too, see ``step.deferred.read_mode``); ``sync`` otherwise.
 ``raise`` and ``stop`` always read in sync (the decision precedes the update)."""
 
 NAND_DISABLE = "NAND_DISABLE"

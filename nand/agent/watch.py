@@ -85,7 +85,7 @@ class Watch:
         deferred, on_device = read_mode(settings, self._root, optimizer)  # (step/deferred.py)
         self._policy = StepPolicy(
             settings.on_nonfinite, drop_grads=self._drop_grads, on_stop=on_stop,
-            on_warning=settings.on_warning, lagged=deferred,
+            on_warning=settings.on_warning, lagged=deferred, on_device=on_device,
         )  # fmt: skip
         root_step = self._root_step if optimizer is None else None  # (each root call a step)
         state = HookState(

@@ -160,3 +160,29 @@ def arm_at(
         module.value = value if (s, m) == (step, micro) else None  # type: ignore[assignment]
 
     return before
+
+
+def arm_on_batch(
+    model: nn.Module, module: nn.Module, step: int, value: float
+) -> Callable[[int, int], None]:
+    """A ``before`` for :func:`train` that arms ``module`` for the batch of
+    ``step`` (micro-step 0): a fault that batch makes, as data that overflows
+    a layer does, so that a replay of the step with that batch makes it
+    again, also one step late (the deferred read), when a fault armed by the
+    loop (:func:`arm_at`) is gone. Hooks ``model`` (the root) for good."""
+    now = [(-1, -1)]
+    bad: list[Tensor] = []
+
+    def pre(_: nn.Module, args: tuple) -> None:
+        if now[0] == (step, 0) and not bad:
+            bad.append(args[0])
+        x = args[0]
+        same = bool(bad) and x.shape == bad[0].shape and torch.equal(x, bad[0])
+        module.value = value if same else None  # type: ignore[assignment]
+
+    model.register_forward_pre_hook(pre)
+
+    def before(s: int, m: int) -> None:
+        now[0] = (s, m)
+
+    return before

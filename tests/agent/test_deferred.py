@@ -17,7 +17,16 @@ from torch import nn
 import nand
 from nand.agent.step.deferred import DeferredRead
 from nand.errors import ConfigError
-from tests.agent.models import VALUES, BackwardPlant, arm_at, mlp, train, where, write_grad
+from tests.agent.models import (
+    VALUES,
+    BackwardPlant,
+    arm_at,
+    arm_on_batch,
+    mlp,
+    train,
+    where,
+    write_grad,
+)
 from tests.agent.test_costs import CountReads, CountSyncs
 from tests.agent.test_detection import corrupt_after_step
 
@@ -103,18 +112,22 @@ def test_skip_defers_only_where_the_optimizer_skips_on_the_device(make, on_devic
 
 @KINDS
 def test_an_event_keeps_its_step_and_is_reported_at_the_next_boundary(kind):
-    model = mlp(plant_after=0)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    # The plant last: a -inf before a ReLU never reaches the step's own figures,
+    # which is all the light mode checks. (fused: the light mode replays a step
+    # read late only where the optimizer skipped its update on the device)
+    model = mlp(plant_after=4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, fused=True)
     seen = []
+    arm = arm_on_batch(model, model[5], 2, VALUES[kind])
     with nand.watch(model, opt, read="deferred") as w:
 
         def before(step: int, micro: int) -> None:
             seen.append(w.first.step if w.first else None)
-            model[1].value = VALUES[kind] if step == 2 else None
+            arm(step, micro)
 
         train(model, opt, 5, before=before)
     assert seen == [None, None, None, None, 2]  # read at step 3's boundary
-    assert where(w.first) == (2, 0, "forward", "1", "produced")
+    assert where(w.first) == (2, 0, "forward", "5", "produced")
     assert w.host_reads == 6  # one per step, and the last look at close()
 
 
@@ -127,10 +140,11 @@ def test_the_same_first_event_as_the_sync_read(kind):
     def run(read: str, fault: str):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 16), BackwardPlant(), nn.ReLU(), nn.Linear(16, 4))
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        arm = arm_on_batch(model, model[1], 3 if fault == "backward" else -1, VALUES[kind])
 
         def before(step: int, micro: int) -> None:
-            model[1].value = VALUES[kind] if (fault, step) == ("backward", 3) else None
+            arm(step, micro)
             if (fault, step) == ("param", 3):
                 with torch.no_grad():
                     model[3].bias[1] = VALUES[kind]
@@ -146,9 +160,9 @@ def test_the_same_first_event_as_the_sync_read(kind):
 
 def test_the_last_step_is_read_at_close():
     model = mlp(plant_after=0)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, fused=True)
     w = nand.watch(model, opt, read="deferred")
-    train(model, opt, 4, before=arm_at(model[1], 3, math.nan))
+    train(model, opt, 4, before=arm_on_batch(model, model[1], 3, math.nan))
     assert w.first is None  # step 3's window is still on its way
     w.close()
     assert where(w.first) == (3, 0, "forward", "1", "produced")
@@ -166,9 +180,9 @@ def test_what_the_last_update_wrote_is_read_at_close():
 
 def test_an_exception_in_the_loop_still_reads_the_pending_window():
     model = mlp(plant_after=0)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, fused=True)
     with pytest.raises(KeyError), nand.watch(model, opt, read="deferred") as w:
-        train(model, opt, 2, before=arm_at(model[1], 1, math.inf))
+        train(model, opt, 2, before=arm_on_batch(model, model[1], 1, math.inf))
         raise KeyError("the loop's own error")
     assert where(w.first) == (1, 0, "forward", "1", "produced")
 
@@ -178,11 +192,11 @@ def test_a_watch_never_closed_reports_its_pending_window_at_exit(tmp_path, crash
     events = tmp_path / "events.jsonl"
     script = f"""
         import math, torch, nand
-        from tests.agent.models import mlp, train, arm_at
+        from tests.agent.models import mlp, train, arm_on_batch
         model = mlp(plant_after=0)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, fused=True)
         w = nand.watch(model, opt, read="deferred", events_file={str(events)!r})
-        train(model, opt, 3, before=arm_at(model[1], 2, math.nan))
+        train(model, opt, 3, before=arm_on_batch(model, model[1], 2, math.nan))
         assert w.first is None
         if {crash}:
             raise SystemError("the loop died")
@@ -215,10 +229,10 @@ def test_the_flight_recorder_and_heartbeat_figures_are_those_of_the_sync_read():
 
 
 def test_the_headroom_warning_names_the_step_that_came_close(caplog):
-    model = mlp(plant_after=0)
+    model = mlp(plant_after=4)  # (at the model's output: the light mode's headroom too)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     with nand.watch(model, opt, read="deferred"):
-        train(model, opt, 4, before=arm_at(model[1], 2, 3e38))
+        train(model, opt, 4, before=arm_at(model[5], 2, 3e38))
     warnings = [r.getMessage() for r in caplog.records if "headroom" in r.getMessage()]
     assert len(warnings) == 1 and "at step 2" in warnings[0]
 
@@ -284,9 +298,10 @@ def test_skip_on_the_device_keeps_the_weights_and_the_gradients(fused, caplog):
         opt = torch.optim.SGD(model.parameters(), lr=1e-2, fused=True)
     before_bad: list[torch.Tensor] = []
     after_bad: list[torch.Tensor] = []
+    arm = arm_on_batch(model, model[1], 2, math.nan)
     with nand.watch(model, opt, on_nonfinite="skip", read="deferred") as w:
         for step in range(5):
-            model[1].value = math.nan if step == 2 else None
+            arm(step, 0)
             model(torch.randn(4, 8)).pow(2).mean().backward()
             if step == 2:
                 before_bad = [p.detach().clone() for p in model.parameters()]
@@ -299,6 +314,8 @@ def test_skip_on_the_device_keeps_the_weights_and_the_gradients(fused, caplog):
     assert all(torch.equal(a, b) for a, b in zip(before_bad, after_bad, strict=True))
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert where(w.first) == (2, 0, "forward", "1", "produced") and w.step == 5
+    # Replayed at step 3's boundary: the weights are still those step 2 ran with.
+    assert w.first.replay.startswith("replayed the forward of micro-step 0")
     skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
     assert skipped == ["nand: skipped optimizer step 2 on the device (non-finite)"]
     if fused == "adamw":  # the skipped step is not counted by Adam either
@@ -311,10 +328,11 @@ def test_skip_on_the_device_takes_the_larger_of_its_flag_and_the_scalers():
     model = mlp(plant_after=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127)  # overflows at first
+    arm = arm_on_batch(model, model[1], 35, math.nan)
     with nand.watch(model, opt, on_nonfinite="skip", read="deferred") as w:
         gen = torch.Generator().manual_seed(0)
         for step in range(40):
-            model[1].value = math.nan if step == 35 else None
+            arm(step, 0)
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 loss = model(torch.randn(4, 8, generator=gen)).float().pow(2).mean()
             scaler.scale(loss).backward()
@@ -324,3 +342,71 @@ def test_skip_on_the_device_takes_the_larger_of_its_flag_and_the_scalers():
     assert w.amp_skipped > 0 and w.step == 40
     assert where(w.first) == (35, 0, "forward", "1", "produced")
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+# --- the light mode read late: the bad update skipped on the device, for a replay ---
+
+
+@pytest.mark.parametrize("fused", ["adamw", "sgd"])
+def test_light_warn_read_late_skips_the_bad_update_on_the_device_and_replays_it_exactly(
+    fused, caplog
+):
+    """Under ``warn`` too: step 2's replay, at step 3's boundary, runs with
+    the weights step 2 ran with, and names the module as the full mode does."""
+    caplog.set_level(logging.WARNING, logger="nand")
+    model = mlp(plant_after=0)
+    if fused == "adamw":
+        opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2, fused=True)
+    arm = arm_on_batch(model, model[1], 2, math.nan)
+    weights: dict[str, list[torch.Tensor]] = {}
+    with nand.watch(model, opt, mode="light", read="deferred") as w:  # (on_nonfinite="warn")
+        assert w.deferred
+        for step in range(5):
+            arm(step, 0)
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            weights[f"before {step}"] = [p.detach().clone() for p in model.parameters()]
+            opt.step()
+            weights[f"after {step}"] = [p.detach().clone() for p in model.parameters()]
+            opt.zero_grad()
+    assert where(w.first) == (2, 0, "forward", "1", "produced") and w.first.reproduced
+    assert all(map(torch.equal, weights["before 2"], weights["after 2"]))  # skipped
+    assert not any(map(torch.equal, weights["before 3"], weights["after 3"]))  # not the next
+    said = [r.getMessage() for r in caplog.records]
+    assert "nand: skipped optimizer step 2 on the device (non-finite)" in said
+    assert not any("probed from now on" in line for line in said)  # exact: still light
+
+
+def test_light_read_late_with_an_optimizer_that_cannot_skip_says_so_and_probes_every_module():
+    """``read="deferred"`` asked with a plain SGD: read late as asked, the update
+    applied, so no replay: the event says what was checked (issue 32, §6)."""
+    model = mlp(plant_after=0)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with nand.watch(model, opt, mode="light", read="deferred") as w:
+        assert w.deferred
+        train(model, opt, 6, before=arm_on_batch(model, model[1], 2, math.nan))
+    assert where(w.first) == (2, 0, "forward", "", "produced")  # the light event, said as such
+    assert "read one step late" in w.first.replay and "probed from now on" in w.first.replay
+
+
+class Log(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.log()
+
+
+def test_light_read_late_without_an_optimizer_replays_the_call_that_went_bad():
+    """No optimizer, no update: a root call read at the next one is replayed
+    with the weights it ran with. The fault is the data's (a negative number
+    into a log), so the replay makes it again and names the module."""
+    model = nn.Sequential(Log(), nn.Linear(8, 4))
+    gen = torch.Generator().manual_seed(0)
+    with nand.watch(model, None, mode="light", read="deferred") as w, torch.no_grad():
+        assert w.deferred
+        for call in range(5):
+            x = torch.rand(4, 8, generator=gen) + 0.1
+            if call == 2:
+                x[1, 3] = -1.0
+            model(x)
+    assert where(w.first) == (2, 0, "forward", "0", "produced") and w.first.reproduced
+    assert len(w.events) == 1

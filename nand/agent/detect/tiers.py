@@ -17,7 +17,9 @@ micro-step runs again with every module hooked for that replay only
 (:meth:`Tiers.probed`: the hooks are registered on a state and a buffer of
 their own and removed afterwards), and its first finding is the event the
 full mode would have given. Where no replay can be exact (read one step
-late, a value received through a collective, FSDP, a compiled model, the
+late after the update: ``step.deferred.read_mode``; a value received through
+a collective; FSDP, but for a shard the ranks agree on: ``step.agreement``;
+a compiled model, the
 replays spent, inputs not held, a replay that raised or did not make the
 value again) the event says what was checked and :meth:`Tiers.go_full`
 hooks every module for the rest of the run, so that the next incident is

@@ -21,8 +21,10 @@ of its own, one dispatch less per call), device work none:
 Nothing is copied: the batch is the user's tensor, the gradient autograd's
 (of a model that returns its 0-d loss, only that loss's: see ``_seeded``).
 At most :data:`MAX_HELD` micro-steps of a step are held.
-They are released at the first root call after the step's window was read. Buffers
-are not kept per step: see :mod:`nand.agent.rerun.state`.
+They are released at the first root call after the step's window was read
+(deferred, ``keep_earlier``: the window after it, whose boundary reads the
+step's window one step late). Buffers are not kept per step: see
+:mod:`nand.agent.rerun.state`.
 """
 
 from __future__ import annotations
@@ -128,6 +130,7 @@ class Held:
         device: torch.device,
         reads: Callable[[], int],
         modules: list[nn.Module] | None = None,
+        keep_earlier: bool = False,
     ) -> None:
         self.modules = modules or []  # whose plain attributes are held (attrs.own_modules)
         self.steps: list[HeldStep] = []
@@ -135,17 +138,29 @@ class Held:
         self.paused = False
         self.off = False  # a hook failed
         self.device = device
-        #: The boundary's host reads so far: one more since the last micro-step
-        #: held means that step's window was read, and its micro-steps are over.
+        #: The boundary's windows so far (read, or copied to be read): one more
+        #: since the last micro-step held means that step's window is closed,
+        #: and its micro-steps are over. Each window is numbered by it.
         self._reads = reads
         self._read_at = -1
+        #: Deferred: the window before (its number and micro-steps), still to be read.
+        self._keep_earlier = keep_earlier
+        self._earlier: tuple[int, list[HeldStep]] = (-1, [])
         self._state = state
         state.held = self
 
     def remove(self) -> None:
         if self._state.held is self:
             self._state.held = None
-        self.steps.clear()
+        self.steps = []
+        self._earlier = (-1, [])
+
+    def of_window(self, window: int) -> list[HeldStep]:
+        """The micro-steps held of window number ``window`` (none if gone)."""
+        if window == self._read_at:
+            return self.steps
+        number, steps = self._earlier
+        return steps if window == number else []
 
     def hold_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """A root call starts (not under torch.compile): keep what re-runs it."""
@@ -155,7 +170,8 @@ class Held:
             reads = self._reads()
             if reads != self._read_at:  # a new window: the last one's steps are over
                 self.before = len(self.steps)
-                self.steps.clear()
+                self._earlier = (self._read_at, self.steps) if self._keep_earlier else (-1, [])
+                self.steps = []
                 self._read_at = reads
             if len(self.steps) < MAX_HELD:  # (the first ones: their index is the micro-step)
                 self.steps.append(HeldStep(args, kwargs, self.device, take(self.modules)))
@@ -176,4 +192,5 @@ class Held:
     def _failed(self, exc: Exception) -> None:
         log.warning("nand: replay off, the step's inputs cannot be held: %r", exc)
         self.off = True
-        self.steps.clear()
+        self.steps = []
+        self._earlier = (-1, [])

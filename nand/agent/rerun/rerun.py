@@ -11,7 +11,11 @@ What is replayed, and when (``replay`` says why not, otherwise):
   the event is a gradient's (``backward``, ``grad``);
 - at the boundary before the optimizer's update, for every policy, ``warn``
   included: the weights are those the step ran with. Read one step late
-  (``read="deferred"``) the update was applied: no replay;
+  (``read="deferred"``) the update was applied, and there is no replay,
+  unless the optimizer skipped it on the device (``skip``, and every policy
+  in the light mode: ``step.deferred.read_mode``) or there is no optimizer:
+  then the step's micro-steps are replayed at the next boundary, before
+  that step's update, with the weights they ran with;
 - not a ``loss`` event (the loss computation runs outside the model, and
   nand re-runs the model), nor ``param``/``optimizer_state`` (made by the
   update), nor a value ``received`` through a collective (the rank that
@@ -47,7 +51,7 @@ from nand.agent.detect.ddp import params_are_gathered
 from nand.agent.detect.state import HookState
 from nand.agent.detect.tiers import CHECKED, Tiers
 from nand.agent.rerun.attrs import own_modules
-from nand.agent.rerun.held import MAX_HELD, Held
+from nand.agent.rerun.held import MAX_HELD, Held, HeldStep
 from nand.agent.rerun.light import make_exact, needs_probes, probed_finding
 from nand.agent.rerun.opwatch import OpRecord
 from nand.agent.rerun.run import Replayed, replay
@@ -94,8 +98,25 @@ class Rerun:
         if budget > 0:
             param = next(iter(self.root.parameters()), None)
             device = param.device if param is not None else torch.device("cpu")
-            reads, modules = (lambda: self.boundary.reads), own_modules(self.root)
-            self.held = Held(self.state, device, reads, modules)
+            lagged = self.boundary.deferred is not None
+            modules = own_modules(self.root)
+            self.held = Held(self.state, device, self._windows, modules, keep_earlier=lagged)
+
+    def _windows(self) -> int:
+        """The boundary's windows so far: read, or copied to be read (deferred).
+        The one read last is number ``reads - 1``."""
+        pending = self.boundary.deferred
+        return self.boundary.reads + (len(pending) if pending is not None else 0)
+
+    def _steps(self) -> list[HeldStep]:
+        """The micro-steps held of the window read last (deferred: the one before)."""
+        assert self.held is not None
+        return self.held.of_window(self.boundary.reads - 1)
+
+    def _weights_kept(self) -> bool:
+        """Read one step late, the step's weights are still there: its update
+        was skipped on the device (the window's flag), or there is no optimizer."""
+        return self.boundary.skip_on_device or self.boundary.params is None
 
     def remove(self) -> None:
         if self.held is not None:
@@ -129,7 +150,7 @@ class Rerun:
             return "not replayed: NAND_REPLAYS=0 (nothing held)"
         if event.cause in NOT_REPLAYED or (event.phase in NOT_REPLAYED and not _second(event)):
             return NOT_REPLAYED.get(event.phase) or NOT_REPLAYED[event.cause]
-        if lagged:
+        if lagged and not self._weights_kept():
             return "not replayed: read one step late (read='deferred'), after the update"
         if self.boundary.params_gathered or any(map(params_are_gathered, self.root.modules())):
             return "not replayed: FSDP shards the parameters (a replay would need the other ranks)"
@@ -137,12 +158,13 @@ class Rerun:
             return "not replayed: micro-steps are marked by new_batch, not by calls of the model"
         if self.left <= 0:
             return "not replayed: this run's replays (NAND_REPLAYS) are spent"
-        if event.micro_step >= len(self.held.steps):
+        steps = self._steps()
+        if event.micro_step >= len(steps):
             return (
                 f"not replayed: the inputs of micro-step {event.micro_step} were not held "
                 f"(the model ran compiled or outside its root module, or after {MAX_HELD} calls)"
             )
-        if _backward(event) and not self.held.steps[event.micro_step].grads:
+        if _backward(event) and not steps[event.micro_step].grads:
             return "not replayed: no gradient reached the model's outputs"
         return ""
 
@@ -150,7 +172,7 @@ class Rerun:
         assert self.held is not None
         backward = _backward(event)
         # A gradient read in light mode sums every micro-step's: the first that makes it.
-        micros = range(len(self.held.steps)) if light and backward else [event.micro_step]
+        micros = range(len(self._steps())) if light and backward else [event.micro_step]
         was_off, self.guard.off, self.held.paused = self.guard.off, True, True
         try:
             for micro in micros:
@@ -188,7 +210,7 @@ class Rerun:
     def _run(self, micro: int, backward: bool, light: bool) -> tuple[Replayed, Finding | None]:
         """Replay micro-step ``micro``; in light mode with every module probed."""
         assert self.held is not None
-        held, device = self.held.steps[micro], self.held.device
+        held, device = self._steps()[micro], self.held.device
         if not light or self.tiers is None:
             return replay(self.root, held, self._names, device, backward), None
         with self.tiers.probed() as buf:

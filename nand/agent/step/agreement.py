@@ -7,23 +7,37 @@ all the others, one rank's window is not enough:
 - :func:`with_agreed_flag`: the 0-d "anything non-finite here" flag,
   all-reduced (MAX) on the device every step and appended to the window, so
   it rides along in the step's one host read.
-- :func:`shard_bad_elsewhere`: only once something was non-finite on some
-  rank (every rank knows it from the flag, so every rank takes part): did
-  another rank find its own parameter shard non-finite, while this rank's
-  were finite? Under FSDP that shard was all-gathered into every rank's
-  forward, so what this rank saw there it received; it did not produce it.
+- :func:`settle_shards`: only once something was non-finite on some rank
+  (every rank knows it from the flag, so every rank takes part), one
+  all-reduce of two figures. Did another rank find its own parameter (or
+  optimizer state) shard non-finite, while this rank's were finite? Under
+  FSDP that shard was all-gathered into every rank's forward, so what this
+  rank saw there it received; it did not produce it. And, where a rank's
+  finding is the model's own output (the light mode's, which names no
+  module), the index of its first non-finite parameter shard in the
+  optimizer's order (the same on every rank): with the first of any rank
+  agreed, the light event is the full mode's without a replay (which would
+  all-gather with the others): the rank that holds the shard reports that
+  parameter, ``produced``; the others the forward of its module, ``received``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import torch
 from torch import Tensor
 
+from nand.agent.detect.param_cache import ParamCache, usable
+from nand.agent.detect.probes import local
 from nand.agent.safety import PeerGone
-from nand.agent.step.analysis import Finding
+from nand.agent.step.analysis import Finding, ParamSource
 
 #: A rank's own finding that FSDP's parameter all-gather carries to the others.
 SHARD_PHASES = ("param", "optimizer_state")
+#: Said in a light event named by the agreed shard.
+NAMED_BY_SHARD = "named by the parameter shard the ranks found non-finite (not replayed)"
 
 
 def with_agreed_flag(gathered: Tensor | None, n_extras: int, device: torch.device) -> Tensor:
@@ -40,14 +54,56 @@ def with_agreed_flag(gathered: Tensor | None, n_extras: int, device: torch.devic
     return torch.cat([gathered, flag.to(gathered.device)])
 
 
-def shard_bad_elsewhere(finding: Finding | None, device: torch.device) -> bool:
-    """Whether another rank's own parameter (or optimizer state) shard was
-    non-finite and this rank's were not. Every rank must call it at the same
-    boundary (after an agreed flag said something was non-finite)."""
+def settle_shards(
+    finding: Finding | None, source: ParamSource | None, micro: int, device: torch.device
+) -> Finding | None:
+    """This rank's finding, settled with the others (see the module). Every
+    rank must call it at the same boundary (after an agreed flag said
+    something was non-finite on some rank)."""
     mine = finding is not None and finding.phase in SHARD_PHASES and finding.cause == "produced"
-    level = torch.tensor([1.0 if mine else 0.0], device=device)
-    _all_reduce_max(level, "the parameter-shard check")
-    return not mine and bool(level.item() > 0)
+    cache = source if isinstance(source, ParamCache) else None
+    params = [p for p in cache.params() if usable(p)] if cache is not None else []
+    unnamed = finding is not None and finding.phase == "forward" and not finding.module
+    own = _first_bad(params) if unnamed else len(params)
+    figures = torch.tensor([1.0 if mine else 0.0, -float(own)], device=device)
+    _all_reduce_max(figures, "the parameter-shard check")
+    someone_made_it, first = figures[0].item() > 0, int(-figures[1].item())
+    if mine or finding is None:
+        return finding
+    if unnamed and cache is not None and first < len(params):
+        if own == first:
+            return _param_finding(cache, params[first], micro)
+        return as_received(_at_owner(finding, cache, params[first]))
+    return as_received(finding) if someone_made_it else finding
+
+
+def _first_bad(params: list[Tensor]) -> int:
+    """The index of the first non-finite local shard (``len`` if none): one
+    multi-tensor max |x| and one read, on a step already non-finite."""
+    held = [(i, local(p)) for i, p in enumerate(params)]
+    held = [(i, shard) for i, shard in held if shard.numel()]  # (a rank may hold none)
+    if not held:
+        return len(params)
+    peaks = torch._foreach_norm([shard for _, shard in held], math.inf)
+    bad = (~torch.isfinite(torch.stack([peak.float() for peak in peaks]))).nonzero()
+    return held[int(bad[0, 0].item())][0] if bad.numel() else len(params)
+
+
+def _param_finding(cache: ParamCache, p: Tensor, micro: int) -> Finding:
+    site = cache.param_site(p)
+    return Finding(
+        site=site, phase="param", module=site.module, module_type=site.module_type,
+        micro=micro, order=0, lo=math.nan, hi=math.nan, cause="produced", tensor=local(p),
+        note=NAMED_BY_SHARD,
+    )  # fmt: skip
+
+
+def _at_owner(finding: Finding, cache: ParamCache, p: Tensor) -> Finding:
+    """``finding`` (the model's output) moved to the module that owns ``p``."""
+    site = cache.param_site(p)
+    note = f"{finding.note}; {NAMED_BY_SHARD}" if finding.note else NAMED_BY_SHARD
+    owner = site.module.rpartition(".")[0]
+    return dataclasses.replace(finding, module=owner, module_type=site.module_type, note=note)
 
 
 def _all_reduce_max(tensor: Tensor, what: str) -> None:

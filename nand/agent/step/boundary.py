@@ -29,7 +29,7 @@ from nand.agent.detect.compiled import CompiledSlots
 from nand.agent.detect.ddp import LocalGradCheck, grads_are_reduced, install, params_are_gathered
 from nand.agent.detect.probes import MICRO, ProbeBuffer
 from nand.agent.identity import Identity
-from nand.agent.step.agreement import as_received, shard_bad_elsewhere, with_agreed_flag
+from nand.agent.step.agreement import settle_shards, with_agreed_flag
 from nand.agent.step.analysis import (
     COMPILED_NOTE,
     Finding,
@@ -261,8 +261,8 @@ class Boundary:
             finding = None if self.clean else self._finding(values, extras, w)
         except Exception as exc:  # the others wait in the agreement below: take part first
             error = exc
-        if self.params_gathered and any_bad and shard_bad_elsewhere(finding, self.buf.device):
-            finding = as_received(finding) if finding is not None else None
+        if self.params_gathered and any_bad:  # (every rank takes part: see agreement.py)
+            finding = settle_shards(finding, self.params, w.prev_micro, self.buf.device)
         if error is not None:
             raise error
         if finding is None:
@@ -276,7 +276,7 @@ class Boundary:
         if not any_bad:
             return HEALTHY
         if self.params_gathered:  # the others settle where their NaN came from
-            shard_bad_elsewhere(None, self.buf.device)
+            settle_shards(None, self.params, 0, self.buf.device)
         return Outcome(any_rank_bad=any_bad)
 
     def _finding(self, values: list[float], extras: list[str], w: Window) -> Finding | None:

@@ -53,20 +53,35 @@ def read_mode(settings: AgentConfig, model: nn.Module, optimizer: Any) -> tuple[
     need the decision on the host before the update, so they read in sync.
     ``read="deferred"`` defers on any device (CPU too: the tests), but a
     ``skip`` the optimizer cannot do on the device falls back to sync, said once.
+
+    In the light mode every policy defers as ``skip`` does, and skips a step
+    that went non-finite on the device, ``warn`` included: its replay, one
+    step late, must run with the weights the step ran with (``rerun``).
+    Without an optimizer the weights stay as they are. With one that cannot
+    skip on the device ``auto`` reads in sync; ``deferred`` defers all the
+    same, as asked, and the first incident is then not replayed.
     """
     policy, read = settings.on_nonfinite, settings.read
     if read == "sync" or policy.reads_in_sync or settings.disabled:
         return False, False
     p = next(model.parameters(), None)
     wanted = read == "deferred" or (p is not None and p.is_cuda)
-    if not policy.skips_update or not wanted:
+    light = settings.mode == "light"
+    if not (policy.skips_update or light) or not wanted:
         return wanted, False
     if optimizer is not None and skips_on_device(optimizer):
         return True, True
+    if light and not policy.skips_update and (optimizer is None or read == "deferred"):
+        return True, False
     if read == "deferred":
         log.warning(
             "nand: read='deferred' with on_nonfinite='skip' needs an optimizer that skips "
             "on the device (fused Adam, AdamW, or SGD without momentum): reading in sync"
+        )
+    elif light and not policy.skips_update:
+        log.info(
+            "nand: mode='light' reads each step in sync: a replay needs the step's weights, "
+            "and only a fused Adam, AdamW or SGD without momentum keeps them read late"
         )
     return False, False
 

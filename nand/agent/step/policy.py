@@ -1,6 +1,9 @@
 """What a rank does with a non-finite step, before the update: ``on_nonfinite``.
 
-- ``warn``: nothing more (the incident was logged and sent).
+- ``warn``: nothing more (the incident was logged and sent). In the light
+  mode, read one step late, the update was skipped on the device all the
+  same, so that the step can be replayed with its weights (``on_device``;
+  see ``deferred.read_mode``); that is logged.
 - ``skip``: drop the update (every ``.grad`` set to ``None``) and go on.
   Deferred (``read``), the update was skipped on the device already, through
   the fused optimizer's ``found_inf``; the outcome read one step late is logged.
@@ -41,6 +44,7 @@ class StepPolicy:
         on_stop: Callable[[], None] | None,
         on_warning: WarningPolicy = "log",
         lagged: bool = False,
+        on_device: bool = False,
     ) -> None:
         self.policy = policy
         self.on_warning = on_warning
@@ -50,6 +54,8 @@ class StepPolicy:
         #: Deferred read: the outcome is the previous step's, whose update was
         #: already skipped on the device (``skip``) or applied (``warn``).
         self.lagged = lagged
+        #: Deferred: a non-finite step's update is skipped on the device, whatever the policy.
+        self.on_device = on_device
 
     @property
     def raises(self) -> bool:
@@ -71,6 +77,8 @@ class StepPolicy:
         """A non-finite step (here or, agreed, on another rank)."""
         event = outcome.event
         if not self.policy.acts:
+            if self.on_device and self.lagged:  # (warn in the light mode)
+                log.warning("nand: skipped optimizer step %d on the device (non-finite)", step)
             return
         if self.policy.skips_update:
             if not self.lagged:
