@@ -36,7 +36,7 @@ def take(modules: list[nn.Module]) -> HeldAttrs | None:
     return (modules, [m.__dict__.copy() for m in modules]) if modules else None
 
 
-def put(held: HeldAttrs | None) -> list[tuple[dict[str, Any], str, Any]]:
+def put_back(held: HeldAttrs | None) -> list[tuple[dict[str, Any], str, Any]]:
     """Set the plain values held that changed since; returns how to undo it."""
     undo: list[tuple[dict[str, Any], str, Any]] = []
     if held is None:
@@ -51,7 +51,7 @@ def put(held: HeldAttrs | None) -> list[tuple[dict[str, Any], str, Any]]:
     return undo
 
 
-def undo(changes: list[tuple[dict[str, Any], str, Any]]) -> None:
-    """Put back the values :func:`put` replaced."""
+def restore(changes: list[tuple[dict[str, Any], str, Any]]) -> None:
+    """Put back the values :func:`put_back` replaced."""
     for now, name, value in changes:
         now[name] = value

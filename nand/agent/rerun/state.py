@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from nand.agent.rerun import attrs
+from nand.agent.rerun.attrs import put_back, restore
 from nand.agent.rerun.held import HeldStep
 
 
@@ -49,7 +49,7 @@ class Saved:
     def start(self, held: HeldStep) -> None:
         """Set the micro-step's RNG states; deterministic algorithms on."""
         torch.set_rng_state(held.rng)
-        self.attrs = attrs.put(held.attrs)
+        self.attrs = put_back(held.attrs)
         if held.cuda_rng is not None and self.device.type == "cuda":
             torch.cuda.set_rng_state(held.cuda_rng, self.device)
         if not self.deterministic:
@@ -58,7 +58,7 @@ class Saved:
                 torch.use_deterministic_algorithms(True, warn_only=True)
 
     def restore(self) -> None:
-        attrs.undo(self.attrs)
+        restore(self.attrs)
         torch.set_rng_state(self.rng)
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state(self.cuda_rng, self.device)
