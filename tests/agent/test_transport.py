@@ -123,7 +123,9 @@ def test_nothing_listening_keeps_memory_and_disk_within_limits_and_keeps_first_i
     assert path.stat().st_size <= limit
     t0 = time.monotonic()
     sink.close(0.5)
-    assert time.monotonic() - t0 < 1.5
+    # close(0.5) never hangs: the join gives up at the deadline + 0.2 s; the rest of
+    # the bound is a loaded machine's scheduling (1.95 s seen beside other tests).
+    assert time.monotonic() - t0 < 3.0
     assert peak <= 50
     # The training thread only appends: a call is microseconds (the machine is shared,
     # so single calls can be held up by the scheduler; the median cannot).
