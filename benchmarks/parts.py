@@ -2,6 +2,7 @@
 
     python benchmarks/parts.py                      # the custom MLP, 41 repeats
     python benchmarks/parts.py mlp custom-mlp --repeats 61
+    python benchmarks/parts.py mlp custom-mlp --mode light    # the light mode's parts
 
 Every variant is a watched copy of the model with one part of nand patched
 out around its own timed block (``hooks only``: nand installed and switched
@@ -35,6 +36,7 @@ import nand
 from nand.agent.detect.hooks import Hooks
 from nand.agent.detect.inline import InlineCheck
 from nand.agent.detect.optimizer import OptimizerHooks
+from nand.agent.rerun.held import Held
 from nand.agent.step.blowup import BlowUpWatch
 from nand.agent.step.boundary import Boundary
 from nand.agent.step.window import HEALTHY
@@ -74,15 +76,27 @@ VARIANTS: dict[str, LeaveOut | None] = {
     "- forward probes": _patched(Hooks, "_probe", _nothing),
     "- inline checks": _patched(InlineCheck, "check_inputs", _nothing),
     "- gradient norms": _patched(OptimizerHooks, "add_norms", _nothing),  # and params, state
+    "- held for replay": lambda watch: _both(
+        mock.patch.object(Held, "hold_inputs", _nothing),
+        mock.patch.object(Held, "hold_gradients", _nothing),
+    ),
 }
 
 
-def make_step(b: overhead.Bench, watched: bool) -> tuple[Callable[[], None], Any]:
+@contextlib.contextmanager
+def _both(*patches: Any) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for patch in patches:
+            stack.enter_context(patch)
+        yield
+
+
+def make_step(b: overhead.Bench, watched: bool, mode: str) -> tuple[Callable[[], None], Any]:
     """A training step of a fresh copy of ``b``'s model, and its watch."""
     model, inputs, loss_fn = b.make()
     model = copy.deepcopy(model)
     opt = overhead.make_optimizer(b.optimizer, model)
-    watch = nand.watch(model, opt, log_events=False) if watched else None
+    watch = nand.watch(model, opt, log_events=False, mode=mode) if watched else None
 
     def step() -> None:
         loss_fn(model(inputs())).backward()
@@ -104,9 +118,9 @@ def time_variant(name: str, step: Callable[[], None], watch: Any, steps: int) ->
         return (time.process_time() - start) / steps * 1e6
 
 
-def run(which: str, repeats: int) -> None:
+def run(which: str, repeats: int, mode: str) -> None:
     b = overhead.BENCHES[which]
-    steps = {name: make_step(b, watched=leave is not None) for name, leave in VARIANTS.items()}
+    steps = {name: make_step(b, leave is not None, mode) for name, leave in VARIANTS.items()}
     times: dict[str, list[float]] = {name: [] for name in VARIANTS}
     order = list(VARIANTS)
     for _ in range(repeats):
@@ -114,7 +128,8 @@ def run(which: str, repeats: int) -> None:
         for name in order:
             times[name].append(time_variant(name, *steps[name], b.steps))
     bare, full = statistics.median(times["none"]), statistics.median(times["nand"])
-    print(f"\n{b.title}: median CPU µs/step over {repeats} shuffled repeats of {b.steps} steps")
+    runs = f"{repeats} shuffled repeats of {b.steps} steps"
+    print(f"\n{b.title}, mode={mode}: median CPU µs/step over {runs}")
     for name, samples in times.items():
         us = statistics.median(samples)
         print(f"  {name:24s} {us:8.1f}   {us / bare:5.3f}x   {us - full:+7.1f} against nand")
@@ -124,6 +139,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("models", nargs="*", help=f"of {', '.join(overhead.BENCHES)}")
     parser.add_argument("--repeats", type=int, default=41)
+    parser.add_argument("--mode", choices=["full", "light"], default="full")
     args = parser.parse_args()
     unknown = set(args.models) - set(overhead.BENCHES)
     if unknown:
@@ -132,7 +148,7 @@ def main() -> None:
     logging.getLogger("nand").setLevel(logging.WARNING)  # (the "watching run" line, per copy)
     print(f"torch {torch.__version__}, 1 thread")
     for which in args.models or ["custom-mlp"]:
-        run(which, args.repeats)
+        run(which, args.repeats, args.mode)
 
 
 if __name__ == "__main__":

@@ -8,10 +8,12 @@ before the first non-finite one.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
+from nand.agent.detect.modules import ModuleInfo
 from nand.agent.detect.probes import Site
 from nand.agent.detect.state import HookState
 
@@ -113,3 +115,20 @@ class BiasProxy:
                 guard.failed(exc, f"gradient hook of {site.module!r}")
 
         return register_tensor_hook(self.bias, received)
+
+
+class _RootHooks(Protocol):
+    state: HookState
+
+    def _grad_hook(self, site: Site) -> GradHooks: ...
+
+
+def loss_probe(hooks: _RootHooks, info: ModuleInfo, slot: str, t: Tensor) -> GradHooks | None:
+    """The root's probe of the gradient arriving at its output ``t`` (named
+    ``slot``), or None where the root's forward hook gives it none: the same
+    test as that hook's loop (a float, non-empty output, not the last child's
+    output, not in slot mode). The held step's hook calls it (``rerun/held.py``)."""
+    state = hooks.state
+    if state.slots.active or t is state.last or not t.is_floating_point() or not t.numel():
+        return None
+    return hooks._grad_hook(info.loss_site(slot))

@@ -34,6 +34,7 @@ for a module other than its own (a shallow copy shares the hook dicts).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -42,7 +43,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from nand.agent.detect.entry import input_slot, outside_backward, probe_inputs
-from nand.agent.detect.grads import BiasProxy, GradHooks
+from nand.agent.detect.grads import BiasProxy, GradHooks, loss_probe
 from nand.agent.detect.inline import NEGINF_SAFE_NODES, InlineCheck
 from nand.agent.detect.modules import CONTAINERS, Chains, ModuleInfo, proxy_bias
 from nand.agent.detect.probes import MICRO, Site, iter_tensors
@@ -279,15 +280,16 @@ class Hooks:
         return root_pre
 
     def _root_hook(self, owner: nn.Module, info: ModuleInfo) -> Callable[..., None]:
-        state = self.state
+        state, loss_probes = self.state, functools.partial(loss_probe, self, info)
 
         def root_hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
             if state.guard.off or module is not owner:
                 return
+            taken: set[int] = set()  # outputs whose loss probe the held step's hook calls
             if not _is_compiling():
                 state.depth = 0  # (always called, an exception in forward too)
                 if state.held is not None:  # (rerun/held.py; guarded itself)
-                    state.held.hold_gradients(output)
+                    taken = state.held.hold_gradients(output, loss_probes)
             try:
                 if _is_compiling() or state.slots.active:
                     self._slotted(info, output)
@@ -305,7 +307,7 @@ class Hooks:
                     # sees the loss gradient there. Otherwise, a hook of its own.
                     if t is not state.last:
                         self._probe(info.output_site(slot), t)
-                        if t.requires_grad:
+                        if t.requires_grad and id(t) not in taken:
                             self._grad_hook(info.loss_site(slot)).attach(t)
                 state.last = None
             except Exception as exc:

@@ -12,13 +12,25 @@ from nand.agent.detect.probes import ProbeBuffer
 from nand.agent.safety import Guard
 
 
+class LossProbe(Protocol):
+    """The root's probe of the gradient arriving at one output (``grads.GradHooks``)."""
+
+    def node_hook(self, grad_outputs: tuple[Tensor | None, ...], /) -> None: ...
+
+    def tensor_hook(self, grad: Tensor, /) -> None: ...
+
+
+#: The loss probe the root gives output ``t`` (named ``path``), or None.
+LossProbes = Callable[[str, Tensor], LossProbe | None]
+
+
 class Holder(Protocol):
     """What the root's hooks call to hold a micro-step for a replay
     (``rerun.held.Held``; typed here: the detect layer imports no rerun)."""
 
     def hold_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None: ...
 
-    def hold_gradients(self, output: Any) -> None: ...
+    def hold_gradients(self, output: Any, probes: LossProbes | None = None) -> set[int]: ...
 
 
 class HookState:

@@ -16,7 +16,10 @@ of its own, one dispatch less per call), device work none:
   divided for accumulation: exactly what the step's backward started from).
   Only the first gradient to arrive is kept: a gradient penalty's loss is
   made of a first backward (``autograd.grad`` with ``create_graph``), which
-  a replay runs again from there; the second arrives through it.
+  a replay runs again from there; the second arrives through it. The same
+  hook calls the root's probe of that gradient (the ``loss`` phase's): one
+  registration and one call from autograd into Python a step, not two
+  (``benchmarks/root_checks.py``: a few µs on CPU).
 
 Nothing is copied: the batch is the user's tensor, the gradient autograd's
 (of a model that returns its 0-d loss, only that loss's: see ``_seeded``).
@@ -38,7 +41,7 @@ from torch import Tensor, nn
 
 from nand.agent.detect.grads import register_tensor_hook
 from nand.agent.detect.probes import iter_tensors
-from nand.agent.detect.state import HookState
+from nand.agent.detect.state import HookState, LossProbe, LossProbes
 from nand.agent.rerun.attrs import HeldAttrs, take
 
 log = logging.getLogger("nand")
@@ -73,20 +76,28 @@ class HeldStep:
         self.autocast = _autocast() if _any_autocast() else {}
         self.grads: dict[str, Tensor] = {}
 
-    def keep_grad(self, path: str, t: Tensor) -> None:
-        """Keep the gradient that arrives at output ``t`` (named ``path``)."""
+    def keep_grad(self, path: str, t: Tensor, probe: LossProbe | None = None) -> None:
+        """Keep the gradient that arrives at output ``t`` (named ``path``);
+        ``probe``: the root's loss probe of ``t``, called by the same hook
+        (one hook less for autograd to register and call, see the module)."""
         grads, node = self.grads, t.grad_fn
         if node is not None and t.output_nr == 0:
+            then_node = probe.node_hook if probe is not None else None
 
             def kept_at_node(grad_outputs: tuple[Tensor | None, ...]) -> None:
                 if grad_outputs[0] is not None:
                     grads.setdefault(path, grad_outputs[0])  # the first backward's
+                if then_node is not None:
+                    then_node(grad_outputs)
 
             node.register_prehook(kept_at_node)
         else:
+            then = probe.tensor_hook if probe is not None else None
 
             def kept(grad: Tensor) -> None:
                 grads.setdefault(path, grad)  # the first backward's (see the module)
+                if then is not None:
+                    then(grad)
 
             register_tensor_hook(t, kept)
 
@@ -178,16 +189,25 @@ class Held:
         except Exception as exc:
             self._failed(exc)
 
-    def hold_gradients(self, output: Any) -> None:
-        """The root call returned ``output``: keep the gradients that arrive there."""
+    def hold_gradients(self, output: Any, probes: LossProbes | None = None) -> set[int]:
+        """The root call returned ``output``: keep the gradients that arrive there.
+
+        ``probes(path, t)``: the root's loss probe of output ``t``, if it has
+        one; the hook that keeps the gradient calls it too. Returns the ``id``
+        of each output whose probe it took on (the root hooks it no more)."""
+        taken: set[int] = set()
         if self.paused or self.off or not self.steps:
-            return
+            return taken
         held = self.steps[-1]
         try:
             for path, t in _seeded(output):
-                held.keep_grad(path, t)
+                probe = probes(path, t) if probes is not None else None
+                held.keep_grad(path, t, probe)
+                if probe is not None:
+                    taken.add(id(t))
         except Exception as exc:
-            self._failed(exc)
+            self._failed(exc)  # (the hooks registered so far still call their probes)
+        return taken
 
     def _failed(self, exc: Exception) -> None:
         log.warning("nand: replay off, the step's inputs cannot be held: %r", exc)

@@ -1,0 +1,89 @@
+"""What the light mode costs a healthy step: the work nand adds, counted.
+
+Timings belong to ``benchmarks/`` (a shared machine cannot hold a test to
+microseconds); these tests count what the step does instead: calls from
+autograd into nand's Python in backward, module hooks on the root.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+import torch
+from torch import nn
+
+import nand
+from tests.agent.models import mlp
+
+NAND_DIR = nand.__file__.rsplit("/", 1)[0]
+
+
+def entries_into_nand(action: Callable[[], Any]) -> list[str]:
+    """The nand functions entered from outside nand while ``action`` runs:
+    in a backward, each is one call that autograd makes into a hook of nand's."""
+    entered: list[str] = []
+
+    def profile(frame: FrameType, event: str, arg: Any) -> None:
+        if event != "call" or not frame.f_code.co_filename.startswith(NAND_DIR):
+            return
+        caller = frame.f_back
+        if caller is None or not caller.f_code.co_filename.startswith(NAND_DIR):
+            entered.append(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        action()
+    finally:
+        sys.setprofile(None)
+    return entered
+
+
+def test_autograd_calls_nand_once_a_light_backward_to_hold_and_check_the_output_gradient():
+    """The gradient arriving at the model's output is both held for a replay
+    and checked (the ``loss`` phase): one node hook does both, so the engine
+    calls into Python once a backward, not once for each."""
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with nand.watch(model, opt, mode="light") as watch:
+        for _ in range(3):
+            loss = model(torch.randn(4, 8)).pow(2).mean()
+            entered = entries_into_nand(loss.backward)
+            opt.step()
+            opt.zero_grad()
+        assert len(entered) == 1, entered
+        # Both jobs done: the gradient is held, and the loss check is in the window.
+        model(torch.randn(4, 8)).pow(2).mean().mul(float("nan")).backward()
+        held = watch._rerun.held
+        assert held is not None and list(held.steps[-1].grads) == [""]
+        opt.step()
+    assert watch.first is not None
+    assert (watch.first.phase, watch.first.module, watch.first.cause) == ("loss", "", "produced")
+
+
+def test_a_root_output_that_is_not_its_nodes_first_output_is_held_and_checked_by_one_tensor_hook():
+    """An output that autograd's node made second (``split``) takes a tensor
+    hook, not a node hook: still one call a backward, for both jobs."""
+
+    class Halves(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x).split(4, dim=1)[1]
+
+    model = Halves()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with nand.watch(model, opt, mode="light") as watch:
+        loss = model(torch.randn(4, 8)).pow(2).mean()
+        assert len(entries_into_nand(loss.backward)) == 1
+        opt.step()
+        opt.zero_grad()
+        model(torch.randn(4, 8)).pow(2).mean().mul(float("inf")).backward()
+        opt.step()
+    assert watch.first is not None
+    assert (watch.first.phase, watch.first.module) == ("loss", "")
