@@ -129,6 +129,17 @@ def test_two_ranks_and_a_healthy_spread_never_warn(server):
     assert outliers(server, "pair") == outliers(server, "healthy") == []
 
 
+def test_a_run_of_two_ranks_keeps_no_norms_waiting(server):
+    """Two ranks' norms are never compared, so none wait in the database: a row
+    a norm would be the server's work for nothing at every heartbeat."""
+    pair = ranks(server, "two-only", 2)
+    for agent in pair:  # one heartbeat (one batch) each: the first rank's norms would wait
+        agent.heartbeat(9, local_grad_norms=[[s, 2.0] for s in range(10)])
+        agent.wait_acked()
+    finish(pair)
+    assert _rows_kept(server, "two-only") == []
+
+
 def test_the_factor_is_the_servers_setting(server):
     agents = ranks(server, "factor", 4)
     beat(agents, [1, 2], odd={(0, 1): 15.0, (0, 2): 25.0})  # NAND_GRAD_OUTLIER_FACTOR=20

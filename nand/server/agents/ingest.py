@@ -196,7 +196,7 @@ class Ingest:
     # --- one batch ----------------------------------------------------------
 
     def _handle(self, sock: zmq.Socket, frames: list[tuple[bytes, bytes]]) -> None:
-        decoded = [(ident, m) for ident, m in (self._decode(f) for f in frames) if m is not None]
+        decoded = self._decode_all(frames)
         accepted = self._authorised(sock, decoded)
         if not accepted:
             return
@@ -210,15 +210,17 @@ class Ingest:
         self._ack(sock, accepted, acked)
         self.commander.after_batch(accepted)
 
-    def _decode(self, frame: tuple[bytes, bytes]) -> tuple[bytes, dict[str, Any] | None]:
-        ident, payload = frame
-        try:
-            message = decoding.decode(payload, self.settings.max_frame_bytes)
-        except WireError as exc:
-            self.metrics.rejected(exc.reason)
-            log.debug("rejected a frame: %s", exc)
-            return ident, None
-        return ident, message
+    def _decode_all(self, frames: list[tuple[bytes, bytes]]) -> list[tuple[bytes, dict[str, Any]]]:
+        """The frames that decode, each with its connection; the others counted."""
+        decode, limit = decoding.decode, self.settings.max_frame_bytes
+        decoded = []
+        for ident, payload in frames:  # (inline: thousands a batch)
+            try:
+                decoded.append((ident, decode(payload, limit)))
+            except WireError as exc:
+                self.metrics.rejected(exc.reason)
+                log.debug("rejected a frame: %s", exc)
+        return decoded
 
     def _authorised(
         self, sock: zmq.Socket, decoded: list[tuple[bytes, dict[str, Any]]]

@@ -147,7 +147,8 @@ def _claim(
             seen.update((agent, seq) for (seq,) in found)
     fresh = [m for key, m in unique.items() if key not in seen] if seen else list(unique.values())
     if fresh:
-        rows = [(m["agent"], m["seq"], run_ids.of(m)) for m in fresh]
+        of = run_ids.of
+        rows = [(m["agent"], m["seq"], of(m)) for m in fresh]
         insert_rows(conn, Message, ("agent", "seq", "run_id"), rows)
     return fresh
 
@@ -209,7 +210,7 @@ def _rank_key(message: dict[str, Any], run_ids: RunIds) -> tuple[int, int]:
 def _ensure_ranks(
     conn: Connection, fresh: list[dict[str, Any]], run_ids: RunIds, now: float
 ) -> dict[tuple[int, int], int]:
-    keys = {_rank_key(m, run_ids) for m in fresh}
+    keys = run_ids.rank_keys(fresh)
     rows = [
         {"run_id": r, "rank": k, "first_seen": now, "last_seen": now, "step_changed_at": now}
         for r, k in keys

@@ -18,7 +18,7 @@ is over ``factor`` times the median or under ``1/factor`` of it
 :data:`MAD_LIMIT` robust standard deviations (1.4826 median absolute
 deviations), so that ranks whose norms are spread widely on every healthy
 step do not warn on their spread. It takes :data:`MIN_RANKS` ranks: with two,
-nobody can tell which one is off.
+nobody can tell which one is off (so a smaller run's norms are not kept at all).
 
 Each finding is a ``grad_outlier`` warning (``nand.server.analysis.alerts``) naming the
 rank and the step; a rank that goes on standing out warns again only
@@ -127,15 +127,13 @@ def _store_run(
     complete steps are compared (and their waiting rows deleted), the rest wait."""
     first, last = min(steps), max(steps)
     world_size = conn.execute(_WORLD_SIZE, {"run_id": run_id}).scalar_one()
+    if world_size < MIN_RANKS:
+        return  # never compared (a hello says the world size before any norm): kept nowhere
     waiting = _waiting(conn, run_id, first, last)
     new_rows = [(step, rank) for step, norms in steps.items() for rank in norms]
     for step, rank, norm in waiting:
         steps[step].setdefault(rank, norm)
-    complete = (
-        []
-        if world_size < MIN_RANKS
-        else sorted(s for s, norms in steps.items() if len(norms) >= world_size)
-    )
+    complete = sorted(s for s, norms in steps.items() if len(norms) >= world_size)
     for step in complete:
         for outlier in standing_out(steps[step], factor):
             _warn(conn, run_id, step, outlier)
