@@ -178,18 +178,19 @@ class Ingest:
         size = 0
         recv = sock.recv
         while len(frames) < self.settings.max_batch and size < self.settings.max_batch_bytes:
-            # Part by part (a multipart message arrives whole) with each part's own
-            # "more" flag: half of what recv_multipart costs (it asks the socket).
+            # Part by part (a multipart message arrives whole): the identity as bytes
+            # (a ROUTER always has a part after it), then each part with its own
+            # "more" flag: a third of what recv_multipart costs (it asks the socket).
             try:
-                ident = part = recv(zmq.NOBLOCK, copy=False)
+                ident = recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            while part.more:
+            part = recv(zmq.NOBLOCK, copy=False)
+            while part.more:  # (an agent sends one part: a raw peer may send more)
                 part = recv(zmq.NOBLOCK, copy=False)
-            if part is not ident:
-                payload = part.bytes
-                frames.append((ident.bytes, payload))
-                size += len(payload)
+            payload = part.bytes
+            frames.append((ident, payload))
+            size += len(payload)
         self.metrics.received(len(frames))
         return frames
 
