@@ -119,6 +119,20 @@ def test_a_step_a_rank_never_sends_is_dropped_once_old(server):
     assert _rows_kept(server, "gone") == [s for s in later for _ in range(2)]
 
 
+def test_a_late_ranks_norms_for_steps_already_given_up_do_not_wait(server):
+    """A rank far behind the others (its spool replayed after an outage, say)
+    sends norms for steps KEEP_STEPS behind the run's newest: the prune would
+    delete them uncompared, so they are not written at all."""
+    agents = ranks(server, "late-rank", 3)
+    ahead = KEEP_STEPS + 300
+    for agent in agents[:2]:
+        agent.heartbeat(ahead, local_grad_norms=[[ahead, 2.0]])
+        agent.wait_acked()
+    agents[2].heartbeat(5, local_grad_norms=[[5, 2.0], [6, 2.1]])
+    finish(agents)
+    assert _rows_kept(server, "late-rank") == [ahead, ahead]
+
+
 def test_two_ranks_and_a_healthy_spread_never_warn(server):
     pair = ranks(server, "pair", 2)
     beat(pair, range(10), odd={(1, 4): 1000.0})  # which of two is off? nobody can say

@@ -24,7 +24,8 @@ Each finding is a ``grad_outlier`` warning (``nand.server.analysis.alerts``) nam
 rank and the step; a rank that goes on standing out warns again only
 :data:`QUIET_STEPS` steps later. A step that some rank never reports (it died,
 or more steps passed between two of its heartbeats than one carries) is
-dropped uncompared once :data:`KEEP_STEPS` newer steps are in.
+dropped uncompared once :data:`KEEP_STEPS` newer steps are in, and a norm
+that arrives for such a step (a late rank's, a replayed spool's) is not kept.
 """
 
 from __future__ import annotations
@@ -126,11 +127,14 @@ def _store_run(
     """One run's new norms, with those already waiting for the same steps:
     complete steps are compared (and their waiting rows deleted), the rest wait."""
     first, last = min(steps), max(steps)
-    world_size = conn.execute(_WORLD_SIZE, {"run_id": run_id}).scalar_one()
+    world_size, newest = conn.execute(_RUN_FACTS, {"run_id": run_id}).one()
     if world_size < MIN_RANKS:
         return  # never compared (a hello says the world size before any norm): kept nowhere
-    waiting = _waiting(conn, run_id, first, last)
-    new_rows = [(step, rank) for step, norms in steps.items() for rank in norms]
+    # Steps KEEP_STEPS behind the run's newest are given up (the prune's rule): a
+    # late rank's norms for them (a spool replayed, a rank far behind) do not wait.
+    horizon = max(newest, last) - KEEP_STEPS
+    waiting = _waiting(conn, run_id, max(first, horizon), last) if last >= horizon else []
+    new_rows = [(step, rank) for step, norms in steps.items() if step >= horizon for rank in norms]
     for step, rank, norm in waiting:
         steps[step].setdefault(rank, norm)
     complete = sorted(s for s, norms in steps.items() if len(norms) >= world_size)
@@ -147,7 +151,7 @@ def _store_run(
 
 # Plain SQL for the statements every heartbeat runs: building them with the
 # expression language each time was most of what a heartbeat's norms cost.
-_WORLD_SIZE = text("SELECT world_size FROM runs WHERE id = :run_id")
+_RUN_FACTS = text("SELECT world_size, latest_step FROM runs WHERE id = :run_id")
 _WAITING = text(
     "SELECT step, rank, norm FROM local_grad_norms "
     "WHERE run_id = :run_id AND step BETWEEN :first AND :last"
