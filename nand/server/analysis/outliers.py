@@ -40,6 +40,7 @@ from typing import Any
 
 from sqlalchemy import Connection, bindparam, exists, select, text
 
+from nand.server.agents import bulk
 from nand.server.agents.attempts import RunIds
 from nand.server.analysis import alerts
 from nand.server.storage.db import insert_ignoring_conflicts
@@ -178,10 +179,8 @@ def _insert_waiting(conn: Connection, rows: list[tuple[int, int, int, float]]) -
     if not rows:
         return
     if conn.dialect.name == "sqlite":
-        sql = (
-            "INSERT OR IGNORE INTO local_grad_norms (run_id, step, rank, norm) VALUES (?, ?, ?, ?)"
-        )
-        conn.exec_driver_sql(sql, rows)
+        head = "INSERT OR IGNORE INTO local_grad_norms (run_id, step, rank, norm)"
+        bulk.insert(conn.exec_driver_sql, head, 4, rows)
         return
     columns = ("run_id", "step", "rank", "norm")
     statement = insert_ignoring_conflicts(conn, LocalGradNorm.__table__)
