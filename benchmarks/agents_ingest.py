@@ -11,8 +11,9 @@ takes them: at most ``--in-flight`` submitted and not yet acknowledged, so its
 mailbox never overflows. Every heartbeat carries what a DDP rank's does
 (``nand.agent.output.session``: step, loss, gradient norm, max activation,
 steps/s, the AMP scale, this rank's ``local_grad_norms`` for its step) and,
-with ``--dropped`` (the default), a cumulative ``dropped`` count, as every
-heartbeat of an agent that once lost a message carries.
+with ``--dropped`` (the default), one loss counted before the hello, so the
+first heartbeat carries a ``dropped`` count (an agent sends its counts when
+they change: ``nand.agent.transport.server_sink``).
 
 1. **Throughput**: a ``nand server`` process (SQLite file). After a 3 s
    warm-up, stored messages/s over ``--seconds`` from the database's count of

@@ -91,9 +91,9 @@ MAX_LOCAL_NORMS = 256
 
 
 def encode(message: Mapping[str, Any]) -> bytes:
-    """Pack one message, adding the protocol version."""
-    payload = dict(message)
-    payload.setdefault("v", PROTOCOL_VERSION)
+    """Pack one message, adding the protocol version (a dict that has it is packed as is)."""
+    has_v = type(message) is dict and "v" in message
+    payload = message if has_v else {**message, "v": message.get("v", PROTOCOL_VERSION)}
     packed: bytes = msgpack.packb(payload, use_bin_type=True, default=_plain)
     return packed
 

@@ -10,8 +10,9 @@ import zmq
 
 from nand import wire
 from nand.agent.identity import Identity
+from nand.agent.transport import server_sink
 from nand.agent.transport import spool as sp
-from nand.agent.transport.frames import Envelope
+from nand.agent.transport.frames import Envelope, outgoing_message
 from nand.agent.transport.mailbox import Mailbox, Outgoing
 from nand.agent.transport.sender import Sender
 from nand.agent.transport.server_sink import ServerSink
@@ -219,6 +220,48 @@ def test_dropped_counts_ride_in_the_next_heartbeat(rx):
     beats = [m["body"] for m in rx.all("heartbeat")]
     assert beats[-1]["step"] == 10 and beats[-1]["dropped"]["queue_full"] >= 1
     sink2.close()
+
+
+def test_loss_counts_ride_only_in_the_heartbeats_after_they_change(rx, monkeypatch):
+    """A heartbeat carries ``dropped`` when the counts moved since one last did
+    (and once a minute): repeating them cost every heartbeat a copy on the agent
+    and a check at the server for nothing (the server keeps the largest)."""
+    sink = ServerSink(rx.endpoint, ME, queue_max=3, poll_interval_s=5.0)
+    sink.heartbeat(StepSummary(step=0))  # starts the sender, which then sleeps
+    for step in range(1, 8):
+        sink.heartbeat(StepSummary(step=step))  # the mailbox overflows: losses counted
+    sink._sender.wake()  # type: ignore[union-attr]
+    assert sink.flush(5)
+
+    def beat(step: int) -> None:  # one at a time: no more losses than the test makes
+        sink.heartbeat(StepSummary(step=step))
+        sink._sender.wake()  # type: ignore[union-attr]
+        assert sink.flush(5)
+
+    beat(20), beat(21), beat(22)
+    sink._mailbox.drop("queue_full")  # one more loss
+    beat(30), beat(31)
+    monkeypatch.setattr(server_sink, "DROPPED_REPEAT_S", 0.0)  # a minute went by
+    beat(40)
+    sink.close()
+    carried = {m["body"]["step"]: m["body"].get("dropped") for m in rx.all("heartbeat")}
+    lost = sink.dropped()["queue_full"]
+    assert [carried[s] for s in (20, 21, 22)] == [{"queue_full": lost - 1}, None, None]
+    assert [carried[s] for s in (30, 31)] == [{"queue_full": lost}, None]
+    assert carried[40] == {"queue_full": lost}
+
+
+def test_a_frame_is_the_message_wire_agent_message_describes_byte_for_byte():
+    """The sender builds each message in one step; nand.wire.agent_message is
+    where the layout is written down, and the two give the same bytes."""
+    envelope = Envelope(agent="a" * 32, run="run-t", rank=3)
+    body = StepSummary(step=5, loss=1.5, local_grad_norms=[(5, 2.0)]).to_dict()
+    out = Outgoing(kind="heartbeat", seq=9, time=1234.5, body=body)
+    described = wire.agent_message(
+        "heartbeat", agent=envelope.agent, seq=9, run="run-t", rank=3, body=body
+    )
+    described["time"] = 1234.5
+    assert wire.encode(outgoing_message(envelope, out)) == wire.encode(described)
 
 
 def test_close_is_bounded_idempotent_and_later_calls_are_counted_not_raised():

@@ -102,6 +102,19 @@ def test_bad_frames_are_counted_by_reason_and_the_loop_goes_on(
     assert f'nand_messages_rejected_total{{reason="{reason}"}} 1.0' in text
 
 
+def test_a_message_in_several_parts_is_read_as_its_last_part_and_the_next_one_whole(
+    server, agents
+) -> None:
+    """The ingest reads a message part by part; a raw peer sending more than one
+    part (an agent sends one) must not shift the next message's parts."""
+    a = agents(run="parts")
+    first = a.message("heartbeat", {"step": 1})
+    a.sock.send_multipart([b"not for the server", wire.encode(first)])
+    second = a.heartbeat(2)
+    a.wait_acked({first["seq"], second})
+    assert a.acked == {first["seq"], second}
+
+
 def test_oversized_frames_are_refused(start_server) -> None:
     server = start_server(max_frame_bytes=10_000)
     a = FakeAgent(server.zmq_endpoint, run="big")

@@ -1,11 +1,12 @@
 """The ingest thread's shortcuts give what the long way gives: the heartbeat
 decoder (``nand.server.agents.decoding``), the lag histogram filled a batch at a time
-(``nand.server.observe``), and the gradient-outlier test's plain steps
-(``nand.server.analysis.outliers``)."""
+(``nand.server.observe``), the gradient-outlier test's plain steps
+(``nand.server.analysis.outliers``) and many rows a statement (``nand.server.agents.bulk``)."""
 
 from __future__ import annotations
 
 import math
+import sqlite3
 from typing import Any
 
 import msgpack
@@ -17,7 +18,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from nand import wire
 from nand.errors import WireError
 from nand.events import StepSummary
-from nand.server.agents import decoding
+from nand.server.agents import bulk, decoding
 from nand.server.analysis import outliers
 from nand.server.metrics import LAG_BUCKETS
 from nand.server.observe import observe_all
@@ -177,3 +178,28 @@ def test_the_outlier_test_finds_the_same_ranks_with_and_without_its_shortcut(
     with pytest.MonkeyPatch.context() as patched:
         patched.setattr(outliers, "_within_factor", lambda *_: False)
         assert outliers.standing_out(norms, factor) == found
+
+
+@pytest.mark.parametrize("extra", [-1, 0, 1, 7])
+@pytest.mark.parametrize("statements", [0, 1, 3])
+def test_rows_inserted_many_a_statement_are_the_rows_inserted_one_a_statement(
+    tmp_path, statements: int, extra: int
+) -> None:
+    """Around each boundary of a full statement, with the real heartbeats
+    table's columns (NULLs, floats, large integers) into a real SQLite file."""
+    per = bulk.rows_per_statement(8)
+    count = max(0, statements * per + extra)
+    rows = [
+        (1, i % 8, 1e9 + i, 2**40 + i, None if i % 5 == 0 else i / 3, 0.5, float(i), -1.0)
+        for i in range(count)
+    ]
+    columns = "(run_id, rank, time, step, loss, grad_norm, steps_per_s, max_activation)"
+    db = sqlite3.connect(tmp_path / "rows.db")
+    for table in ("one", "many"):
+        db.execute(f"CREATE TABLE {table} (id INTEGER PRIMARY KEY, run_id, rank, time, step, "
+                   "loss, grad_norm, steps_per_s, max_activation)")  # fmt: skip
+    db.executemany(f"INSERT INTO one {columns} VALUES ({', '.join('?' * 8)})", rows)
+    bulk.insert(db.executemany, f"INSERT INTO many {columns}", 8, rows)
+    one = db.execute("SELECT * FROM one ORDER BY id").fetchall()
+    assert db.execute("SELECT * FROM many ORDER BY id").fetchall() == one
+    assert len(one) == count

@@ -119,6 +119,20 @@ def test_a_step_a_rank_never_sends_is_dropped_once_old(server):
     assert _rows_kept(server, "gone") == [s for s in later for _ in range(2)]
 
 
+def test_a_late_ranks_norms_for_steps_already_given_up_do_not_wait(server):
+    """A rank far behind the others (its spool replayed after an outage, say)
+    sends norms for steps KEEP_STEPS behind the run's newest: the prune would
+    delete them uncompared, so they are not written at all."""
+    agents = ranks(server, "late-rank", 3)
+    ahead = KEEP_STEPS + 300
+    for agent in agents[:2]:
+        agent.heartbeat(ahead, local_grad_norms=[[ahead, 2.0]])
+        agent.wait_acked()
+    agents[2].heartbeat(5, local_grad_norms=[[5, 2.0], [6, 2.1]])
+    finish(agents)
+    assert _rows_kept(server, "late-rank") == [ahead, ahead]
+
+
 def test_two_ranks_and_a_healthy_spread_never_warn(server):
     pair = ranks(server, "pair", 2)
     beat(pair, range(10), odd={(1, 4): 1000.0})  # which of two is off? nobody can say
@@ -127,6 +141,17 @@ def test_two_ranks_and_a_healthy_spread_never_warn(server):
     beat(healthy, range(200))
     finish(healthy)
     assert outliers(server, "pair") == outliers(server, "healthy") == []
+
+
+def test_a_run_of_two_ranks_keeps_no_norms_waiting(server):
+    """Two ranks' norms are never compared, so none wait in the database: a row
+    a norm would be the server's work for nothing at every heartbeat."""
+    pair = ranks(server, "two-only", 2)
+    for agent in pair:  # one heartbeat (one batch) each: the first rank's norms would wait
+        agent.heartbeat(9, local_grad_norms=[[s, 2.0] for s in range(10)])
+        agent.wait_acked()
+    finish(pair)
+    assert _rows_kept(server, "two-only") == []
 
 
 def test_the_factor_is_the_servers_setting(server):

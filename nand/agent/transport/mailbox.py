@@ -46,6 +46,9 @@ class Mailbox:
         self.dropped: dict[str, int] = {}
         #: Messages that left the intake by being dropped (for flush accounting).
         self.intake_drops = 0
+        #: Goes up with every loss counted: a heartbeat tells whether the counts
+        #: moved without copying them (read without the lock: an int).
+        self.drops_version = 0
 
     def put(self, message: Outgoing) -> bool:
         """Append (caller holds the lock); False if ``message`` itself was dropped."""
@@ -80,6 +83,7 @@ class Mailbox:
         """Count a loss (caller holds the lock, or use :meth:`drop`)."""
         if n > 0:
             self.dropped[reason] = self.dropped.get(reason, 0) + n
+            self.drops_version += 1
 
     def dropped_counts(self) -> dict[str, int]:
         """A copy of the loss counters, by reason (cumulative)."""

@@ -27,7 +27,7 @@ from nand import wire
 from nand.agent.transport import connection
 from nand.agent.transport.backlog import Backlog
 from nand.agent.transport.failover import Failover
-from nand.agent.transport.frames import Envelope, Frame
+from nand.agent.transport.frames import Envelope, Frame, outgoing_message
 from nand.agent.transport.mailbox import Mailbox, Outgoing
 from nand.agent.transport.outbox import Outbox
 from nand.agent.transport.silence import Silence
@@ -288,12 +288,7 @@ class Sender(threading.Thread):
 
     def _encode(self, out: Outgoing) -> Frame | None:
         env = self.envelope
-        message = wire.agent_message(
-            out.kind, agent=env.agent, seq=out.seq, run=env.run, rank=env.rank, body={}
-        )
-        message["time"] = out.time
-        message["body"] = out.build_body()
-        data = wire.encode(message)
+        data = wire.encode(outgoing_message(env, out))
         if len(data) > self.settings.max_frame_bytes:
             self._warn("too_large", f"nand: dropping a {out.kind} of {len(data)} bytes")
             self.mailbox.drop("too_large")

@@ -25,9 +25,11 @@ Semantics the server relies on (see :mod:`nand.wire` for the messages):
   ``NAND_CURVE_SERVER_KEY`` the connection is CURVE-encrypted with a key pair
   the agent makes up.
 
-Losses are counted by reason and sent, cumulative, as ``dropped`` in every
-heartbeat (``{"queue_full": n, "spool_full": n, ...}``; reasons in
-:mod:`nand.agent.transport.mailbox`).
+Losses are counted by reason and sent, cumulative, as ``dropped`` in the
+next heartbeat after they change, and again every :data:`DROPPED_REPEAT_S`
+(``{"queue_full": n, "spool_full": n, ...}``; reasons in
+:mod:`nand.agent.transport.mailbox`). A heartbeat lost on the way is itself
+counted, so the counts move again and the next heartbeat carries them.
 
 At a normal interpreter exit without ``bye``, the sink says ``bye`` itself
 (reason ``exit``, the last step it saw); after an unhandled exception it does
@@ -48,14 +50,13 @@ its first message, which is preceded by a hello with its pid.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import sys
 import time
 import uuid
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from nand.agent import patches
@@ -69,6 +70,8 @@ from nand.endpoints import agent_endpoints
 from nand.events import Alert, Event, FlightWindow, StepSummary
 
 log = logging.getLogger("nand.agent.transport")
+#: Seconds after which a heartbeat repeats loss counts that have not changed.
+DROPPED_REPEAT_S = 60.0
 _LIVE: weakref.WeakSet[ServerSink] = weakref.WeakSet()
 
 
@@ -110,16 +113,19 @@ class ServerSink:
         self._sender: Sender | None = None
         self._warned = False
         self._hello_due = False  # a forked child introduces itself before its first message
+        self._guard = _Guard(self._log_once)
+        #: ``Mailbox.drops_version`` when a heartbeat last carried the loss counts.
+        self._drops_sent, self._drops_sent_at = 0, time.monotonic()
 
     # --- the Sink protocol (training thread; returns at once) ----------------
 
     def hello(self, info: dict[str, Any]) -> None:
-        with self._guard():
+        with self._guard:
             self._hello = dict(info)
             self._submit("hello", self._hello_body, keep=True)
 
     def event(self, event: Event, flight: FlightWindow | None) -> None:
-        with self._guard():
+        with self._guard:
             first = not self._first_event_sent
             self._first_event_sent = True
             self._last_step = max(self._last_step, int(event.step))
@@ -127,25 +133,36 @@ class ServerSink:
             self._submit("event", _with_flight(body, flight), keep=first)
 
     def heartbeat(self, summary: StepSummary) -> None:
-        with self._guard():
+        with self._guard:
             body = summary.to_dict()
             self._last_step = max(self._last_step, int(summary.step))
-            self._last_beat_body, self._last_beat_at = dict(body), time.monotonic()
-            lost = self.dropped()
+            now = time.monotonic()
+            lost = self._losses_to_report(now)
             if lost:
                 body["dropped"] = lost
-            self._submit("heartbeat", body)
+            # (the keepalive copies it: a repeat of counts already sent is harmless)
+            self._last_beat_body, self._last_beat_at = body, now
+            self._put("heartbeat", body)
+
+    def _losses_to_report(self, now: float) -> dict[str, int] | None:
+        """The loss counts if they moved since a heartbeat last carried them, or
+        that was :data:`DROPPED_REPEAT_S` ago; else None (no copy, no lock)."""
+        version = self._mailbox.drops_version
+        if version == self._drops_sent and now - self._drops_sent_at < DROPPED_REPEAT_S:
+            return None
+        self._drops_sent, self._drops_sent_at = version, now
+        return self.dropped() or None
 
     def flight(self, flight: FlightWindow, reason: str) -> None:
-        with self._guard():
+        with self._guard:
             self._submit("flight", _with_flight({"reason": reason}, flight))
 
     def alert(self, alert: Alert) -> None:
-        with self._guard():
+        with self._guard:
             self._submit("warning", alert.to_dict())
 
     def fingerprint(self, step: int, names: list[str], values: list[int], group: list[int]) -> None:
-        with self._guard():
+        with self._guard:
             body = {"step": step, "names": names, "values": values, "group": group}
             self._submit("fingerprint", body)
 
@@ -157,7 +174,7 @@ class ServerSink:
             return []
 
     def bye(self, step: int, reason: str) -> None:
-        with self._guard():
+        with self._guard:
             self._said_bye = True
             self._submit("bye", {"step": int(step), "reason": reason}, keep=True)
 
@@ -220,36 +237,32 @@ class ServerSink:
             body["token"] = self.token
         return body
 
-    @contextlib.contextmanager
-    def _guard(self) -> Iterator[None]:
-        """The agent's own errors are logged once and never reach the training loop."""
-        try:
-            yield
-        except Exception as exc:
-            self._log_once(exc)
-
     def _submit(self, kind: str, body: Any, keep: bool = False) -> None:
-        with self._guard():
-            wake = keep or kind == "event"
-            with self._mailbox.lock:
-                if self._closed:
-                    self._mailbox.count_drop("closed")
-                    return
-                if self._hello_due and kind != "hello":
-                    self._hello_due = False
-                    self._seq += 1
-                    hello = self._hello_body
-                    at = time.time()
-                    self._mailbox.put(
-                        Outgoing(kind="hello", seq=self._seq, time=at, body=hello, keep=True)
-                    )
+        with self._guard:
+            self._put(kind, body, keep)
+
+    def _put(self, kind: str, body: Any, keep: bool = False) -> None:
+        """Number ``body`` and hand it to the sender (caller guards)."""
+        wake = keep or kind == "event"
+        with self._mailbox.lock:
+            if self._closed:
+                self._mailbox.count_drop("closed")
+                return
+            if self._hello_due and kind != "hello":
+                self._hello_due = False
                 self._seq += 1
-                message = Outgoing(kind=kind, seq=self._seq, time=time.time(), body=body, keep=keep)
-                self._mailbox.put(message)
-                sender = self._ensure_sender()
-                wake = wake or len(self._mailbox.intake) >= self._mailbox.capacity // 2
-            if wake:
-                sender.wake()
+                hello = self._hello_body
+                at = time.time()
+                self._mailbox.put(
+                    Outgoing(kind="hello", seq=self._seq, time=at, body=hello, keep=True)
+                )
+            self._seq += 1
+            message = Outgoing(kind=kind, seq=self._seq, time=time.time(), body=body, keep=keep)
+            self._mailbox.put(message)
+            sender = self._ensure_sender()
+            wake = wake or len(self._mailbox.intake) >= self._mailbox.capacity // 2
+        if wake:
+            sender.wake()
 
     def _keepalive(self) -> None:
         """On the sender thread: repeat the last heartbeat if training went quiet.
@@ -309,6 +322,26 @@ class ServerSink:
         if not self._warned:
             self._warned = True
             log.warning("nand: transport error (ignored, training goes on): %r", exc)
+
+
+class _Guard:
+    """``with sink._guard:`` the agent's own errors are logged once and never
+    reach the training loop (a class, not ``contextlib.contextmanager``: it is
+    entered a few times a message, and a generator costs a microsecond each)."""
+
+    __slots__ = ("_log_once",)
+
+    def __init__(self, log_once: Callable[[BaseException], None]) -> None:
+        self._log_once = log_once
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, _: Any) -> bool:
+        if exc is None or not isinstance(exc, Exception):
+            return False
+        self._log_once(exc)
+        return True
 
 
 if TYPE_CHECKING:

@@ -48,7 +48,19 @@ class RunIds:
     by_agent: dict[str, int] = field(default_factory=dict)  # agent -> its attempt's id
 
     def of(self, message: dict[str, Any]) -> int:
-        return self.by_agent.get(message["agent"], self.live[message["run"]])
+        # Called several times a message: the live attempt is looked up only for
+        # an agent without one (its hello is not stored), not for every message.
+        run_id = self.by_agent.get(message["agent"])
+        return self.live[message["run"]] if run_id is None else run_id
+
+    def rank_keys(self, messages: Iterable[dict[str, Any]]) -> set[tuple[int, int]]:
+        """The ``(run id, rank)`` of every rank ``messages`` came from."""
+        senders = {(m["agent"], m["run"], m["rank"]) for m in messages}  # (one per agent)
+        return {(self._id(agent, run), rank) for agent, run, rank in senders}
+
+    def _id(self, agent: str, run: str) -> int:
+        run_id = self.by_agent.get(agent)
+        return self.live[run] if run_id is None else run_id
 
 
 def resolve(
@@ -62,11 +74,16 @@ def resolve(
 
     ``started`` maps each run name in the batch to its earliest message time.
     """
-    messages = list(messages)
+    agents: set[str] = set()
+    hellos = []
+    for message in messages:  # (one pass: a batch holds thousands)
+        agents.add(message["agent"])
+        if message["kind"] == "hello":
+            hellos.append(message)
     _create_first_attempts(conn, started, now)
     ids = RunIds(live=_live_attempts(conn, set(started)))
-    ids.by_agent = _known_agents(conn, {m["agent"] for m in messages})
-    for hello in (m for m in messages if m["kind"] == "hello"):
+    ids.by_agent = _known_agents(conn, agents)
+    for hello in hellos:
         if hello["agent"] not in ids.by_agent:
             ids.by_agent[hello["agent"]] = _attempt_for(conn, ids, hello, now, lost_after_s)
     return ids

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Engine, select, tuple_
+from sqlalchemy import Engine, bindparam, select, tuple_
 from sqlalchemy.orm import Session
 
 from nand.server.metrics import Metrics
@@ -53,6 +53,16 @@ class Peer:
     commanded: float = 0.0
 
 
+#: Every batch asks it: built once (the runs are an expanding parameter).
+_PENDING_STOPS = (
+    select(Run.name, Rank.rank, Run.stop_step, Run.stop_reason)
+    .join(Rank, Rank.run_id == Run.id)
+    .where(Run.name.in_(bindparam("runs", expanding=True)), Run.stop_step.is_not(None))
+    .where(Rank.finished_at.is_(None))
+    .where(Run.superseded_at.is_(None))  # a stop of an earlier attempt is over
+)
+
+
 class Commander:
     def __init__(self, engine: Engine, settings: Settings, metrics: Metrics, send: Send) -> None:
         self.engine = engine
@@ -62,25 +72,30 @@ class Commander:
         self.peers: dict[bytes, Peer] = {}
         self._flight_asked: set[tuple[str, int]] = set()
         self._last_poll = time.time()
+        #: The connections of the batch being handled (set by :meth:`seen`).
+        self._batch: set[bytes] = set()
 
     def seen(self, accepted: Accepted, now: float) -> None:
-        for ident, message in accepted:
-            peer = self.peers.get(ident)
-            if peer is None:
+        """Remember the batch's connections (a new one by its first message)."""
+        idents = {ident for ident, _ in accepted}
+        new = idents.difference(self.peers)
+        for ident, message in accepted if new else ():
+            if ident in new and ident not in self.peers:
                 self.peers[ident] = Peer(message["run"], message["rank"], now)
-            else:
-                peer.seen = now
+        for ident in idents:
+            self.peers[ident].seen = now
+        self._batch = idents
 
     def after_batch(self, accepted: Accepted) -> None:
-        """Answer a committed batch with the commands its senders are due."""
-        stops = self._pending_stops({m["run"] for _, m in accepted})
+        """Answer a committed batch with the commands its senders are due
+        (its connections: those :meth:`seen` was told of last)."""
+        peers = [(ident, self.peers[ident]) for ident in self._batch if ident in self.peers]
+        stops = self._pending_stops({peer.run for _, peer in peers})
         now = time.time()
-        for ident in (
-            () if not stops else {ident for ident, m in accepted if (m["run"], m["rank"]) in stops}
-        ):
-            peer = self.peers.get(ident)
-            if peer is not None and now - peer.commanded >= COMMAND_EVERY_S:
-                self._stop(ident, peer, *stops[(peer.run, peer.rank)], now)
+        for ident, peer in peers if stops else ():
+            target = stops.get((peer.run, peer.rank))
+            if target is not None and now - peer.commanded >= COMMAND_EVERY_S:
+                self._stop(ident, peer, *target, now)
         self._ask_for_flights(accepted)
 
     def due(self) -> bool:
@@ -114,14 +129,8 @@ class Commander:
         """(run, rank) → (stop step, reason) for ranks of these runs that have not said bye."""
         if not runs:
             return {}
-        statement = (
-            select(Run.name, Rank.rank, Run.stop_step, Run.stop_reason)
-            .join(Rank, Rank.run_id == Run.id)
-            .where(Run.name.in_(runs), Run.stop_step.is_not(None), Rank.finished_at.is_(None))
-            .where(Run.superseded_at.is_(None))  # a stop of an earlier attempt is over
-        )
-        with Session(self.engine) as session:
-            rows = session.execute(statement).all()
+        with self.engine.connect() as conn:  # (a batch's worth: no ORM session)
+            rows = conn.execute(_PENDING_STOPS, {"runs": list(runs)}).all()
         return {(name, rank): (int(step or 0), reason) for name, rank, step, reason in rows}
 
     def _ask_for_flights(self, accepted: Accepted) -> None:

@@ -21,7 +21,7 @@ from sqlalchemy import Connection, Engine, bindparam, case, func, insert, select
 from sqlalchemy import update as sql_update
 from sqlalchemy.exc import IntegrityError
 
-from nand.server.agents import attempts
+from nand.server.agents import attempts, bulk
 from nand.server.agents import rows as build
 from nand.server.agents.attempts import RunIds
 from nand.server.agents.sanitize import clean_str
@@ -147,7 +147,8 @@ def _claim(
             seen.update((agent, seq) for (seq,) in found)
     fresh = [m for key, m in unique.items() if key not in seen] if seen else list(unique.values())
     if fresh:
-        rows = [(m["agent"], m["seq"], run_ids.of(m)) for m in fresh]
+        of = run_ids.of
+        rows = [(m["agent"], m["seq"], of(m)) for m in fresh]
         insert_rows(conn, Message, ("agent", "seq", "run_id"), rows)
     return fresh
 
@@ -162,17 +163,14 @@ def insert_rows(
     conn: Connection, table: Any, columns: tuple[str, ...], rows: list[tuple[Any, ...]]
 ) -> None:
     """A fast executemany of ``rows`` (tuples in the order of ``columns``): on
-    SQLite straight to the driver (no per-row SQLAlchemy parameter processing:
-    the columns here need none, and no dict is built per row); elsewhere
-    SQLAlchemy's batched multi-row INSERT."""
+    SQLite straight to the driver, many rows a statement (:mod:`bulk`; no
+    per-row SQLAlchemy parameter processing: the columns here need none, and no
+    dict is built per row); elsewhere SQLAlchemy's batched multi-row INSERT."""
     if conn.dialect.name != "sqlite":
         conn.execute(insert(table), [dict(zip(columns, row, strict=True)) for row in rows])
         return
-    sql = (
-        f"INSERT INTO {table.__tablename__} ({', '.join(columns)}) "
-        f"VALUES ({', '.join('?' for _ in columns)})"
-    )
-    conn.exec_driver_sql(sql, rows)
+    head = f"INSERT INTO {table.__tablename__} ({', '.join(columns)})"
+    bulk.insert(conn.exec_driver_sql, head, len(columns), rows)  # (many rows a statement)
 
 
 def _store(
@@ -209,7 +207,7 @@ def _rank_key(message: dict[str, Any], run_ids: RunIds) -> tuple[int, int]:
 def _ensure_ranks(
     conn: Connection, fresh: list[dict[str, Any]], run_ids: RunIds, now: float
 ) -> dict[tuple[int, int], int]:
-    keys = {_rank_key(m, run_ids) for m in fresh}
+    keys = run_ids.rank_keys(fresh)
     rows = [
         {"run_id": r, "rank": k, "first_seen": now, "last_seen": now, "step_changed_at": now}
         for r, k in keys

@@ -2,11 +2,12 @@
 
 An agent counts what it loses by reason (:data:`nand.events.DROP_REASONS`:
 its memory queue or disk spool full during a long outage, a frame too large…)
-and sends the cumulative counts in every heartbeat as ``dropped``. Heartbeats
-repeat those counts, arrive late (a spool replayed after the outage) and out
-of order, so they are never added up: ``drops`` keeps, per agent and reason,
-the largest count seen (:func:`store`). A rank may have had several agents (a
-forked worker, a restarted process), each counting from 0, so the rank's
+and sends the cumulative counts as ``dropped`` in the next heartbeat after
+they change, and again every minute. Heartbeats repeat those counts, arrive
+late (a spool replayed after the outage) and out of order, so they are never
+added up: ``drops`` keeps, per agent and reason, the largest count seen
+(:func:`store`). A rank may have had several agents (a forked worker, a
+restarted process), each counting from 0, so the rank's
 losses (``ranks.dropped``, what the REST API and the dashboard show) are the
 sum over its agents, recomputed for the ranks a batch touched.
 
@@ -18,7 +19,8 @@ count is written again at least that often.
 
 With several servers on one database, two batches for agents of the same rank
 may each recompute the sum without the other's rows; the next heartbeat of
-either agent written after the refresh puts it right.
+either agent that carries its counts (within a minute) written after the
+refresh puts it right.
 
 >>> total({"spool_full": 1000, "rejected": 204})
 1204

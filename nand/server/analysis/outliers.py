@@ -18,13 +18,14 @@ is over ``factor`` times the median or under ``1/factor`` of it
 :data:`MAD_LIMIT` robust standard deviations (1.4826 median absolute
 deviations), so that ranks whose norms are spread widely on every healthy
 step do not warn on their spread. It takes :data:`MIN_RANKS` ranks: with two,
-nobody can tell which one is off.
+nobody can tell which one is off (so a smaller run's norms are not kept at all).
 
 Each finding is a ``grad_outlier`` warning (``nand.server.analysis.alerts``) naming the
 rank and the step; a rank that goes on standing out warns again only
 :data:`QUIET_STEPS` steps later. A step that some rank never reports (it died,
 or more steps passed between two of its heartbeats than one carries) is
-dropped uncompared once :data:`KEEP_STEPS` newer steps are in.
+dropped uncompared once :data:`KEEP_STEPS` newer steps are in, and a norm
+that arrives for such a step (a late rank's, a replayed spool's) is not kept.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from typing import Any
 
 from sqlalchemy import Connection, bindparam, exists, select, text
 
+from nand.server.agents import bulk
 from nand.server.agents.attempts import RunIds
 from nand.server.analysis import alerts
 from nand.server.storage.db import insert_ignoring_conflicts
@@ -126,16 +128,17 @@ def _store_run(
     """One run's new norms, with those already waiting for the same steps:
     complete steps are compared (and their waiting rows deleted), the rest wait."""
     first, last = min(steps), max(steps)
-    world_size = conn.execute(_WORLD_SIZE, {"run_id": run_id}).scalar_one()
-    waiting = _waiting(conn, run_id, first, last)
-    new_rows = [(step, rank) for step, norms in steps.items() for rank in norms]
+    world_size, newest = conn.execute(_RUN_FACTS, {"run_id": run_id}).one()
+    if world_size < MIN_RANKS:
+        return  # never compared (a hello says the world size before any norm): kept nowhere
+    # Steps KEEP_STEPS behind the run's newest are given up (the prune's rule): a
+    # late rank's norms for them (a spool replayed, a rank far behind) do not wait.
+    horizon = max(newest, last) - KEEP_STEPS
+    waiting = _waiting(conn, run_id, max(first, horizon), last) if last >= horizon else []
+    new_rows = [(step, rank) for step, norms in steps.items() if step >= horizon for rank in norms]
     for step, rank, norm in waiting:
         steps[step].setdefault(rank, norm)
-    complete = (
-        []
-        if world_size < MIN_RANKS
-        else sorted(s for s, norms in steps.items() if len(norms) >= world_size)
-    )
+    complete = sorted(s for s, norms in steps.items() if len(norms) >= world_size)
     for step in complete:
         for outlier in standing_out(steps[step], factor):
             _warn(conn, run_id, step, outlier)
@@ -149,7 +152,7 @@ def _store_run(
 
 # Plain SQL for the statements every heartbeat runs: building them with the
 # expression language each time was most of what a heartbeat's norms cost.
-_WORLD_SIZE = text("SELECT world_size FROM runs WHERE id = :run_id")
+_RUN_FACTS = text("SELECT world_size, latest_step FROM runs WHERE id = :run_id")
 _WAITING = text(
     "SELECT step, rank, norm FROM local_grad_norms "
     "WHERE run_id = :run_id AND step BETWEEN :first AND :last"
@@ -176,10 +179,8 @@ def _insert_waiting(conn: Connection, rows: list[tuple[int, int, int, float]]) -
     if not rows:
         return
     if conn.dialect.name == "sqlite":
-        sql = (
-            "INSERT OR IGNORE INTO local_grad_norms (run_id, step, rank, norm) VALUES (?, ?, ?, ?)"
-        )
-        conn.exec_driver_sql(sql, rows)
+        head = "INSERT OR IGNORE INTO local_grad_norms (run_id, step, rank, norm)"
+        bulk.insert(conn.exec_driver_sql, head, 4, rows)
         return
     columns = ("run_id", "step", "rank", "norm")
     statement = insert_ignoring_conflicts(conn, LocalGradNorm.__table__)
