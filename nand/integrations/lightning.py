@@ -7,7 +7,9 @@ The callback watches the trained module (through the strategy's DDP/FSDP
 wrapper, so a rank that produced a NaN is told from those that received it)
 and the first optimizer. Each training batch starts a micro-step and is
 checked as the input data: Lightning hands it to ``training_step``, not to
-``forward``. ``step`` is ``trainer.global_step``. With
+``forward``. With automatic optimization a replay (``mode="light"``, see the
+README) runs ``training_step`` again on the batch, with ``self.log`` off
+(:func:`replay_step`). ``step`` is ``trainer.global_step``. With
 ``on_nonfinite="stop"`` the bad update is skipped and ``trainer.should_stop``
 ends ``fit`` cleanly; ``"raise"`` lets :class:`nand.NonFiniteError` out of
 ``trainer.fit``. The framework's run name is the logger's ``name/version``,
@@ -21,6 +23,8 @@ metrics at) and ``WandbLogger`` (``nand.integrations.tensorboard``, ``.wandb``).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 try:
@@ -70,7 +74,7 @@ class NandCallback(pl.Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if self.watch is not None:
-            self.watch.new_batch(batch)
+            self.watch.new_batch(batch, replay_step(trainer, pl_module, batch_idx))
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._close("closed")
@@ -83,6 +87,49 @@ class NandCallback(pl.Callback):
     def _close(self, reason: str) -> None:
         if self.watch is not None:  # (kept: watch.first and watch.events stay readable)
             self.watch.close(reason)
+
+
+def replay_step(
+    trainer: pl.Trainer, module: pl.LightningModule, batch_idx: int
+) -> Callable[[Any], Any] | None:
+    """What Lightning's closure runs before its backward, for a replay of the
+    batch: ``training_step`` under the precision's autocast, with
+    ``self.log``/``log_dict`` doing nothing (a replay must not log twice, nor
+    reduce across ranks with ``sync_dist``), its loss divided for gradient
+    accumulation and scaled by the precision's GradScaler as Lightning's
+    backward is. None with manual optimization: its ``training_step`` steps
+    the optimizer itself, which a replay must not do."""
+    if not module.automatic_optimization:
+        return None
+    from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+
+    takes_index = is_param_in_hook_signature(module.training_step, "batch_idx", min_args=2)
+    index = (batch_idx,) if takes_index else ()  # (as Lightning's loop decides)
+    precision = trainer.strategy.precision_plugin
+
+    def step(batch: Any) -> Any:
+        with _logging_off(module), precision.train_step_context():
+            output = module.training_step(batch, *index)
+        loss = output["loss"] if isinstance(output, Mapping) else output
+        loss = loss / trainer.accumulate_grad_batches
+        scaler = getattr(precision, "scaler", None)
+        return scaler.scale(loss) if scaler is not None else loss
+
+    return step
+
+
+def _ignore(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+@contextmanager
+def _logging_off(module: pl.LightningModule) -> Iterator[None]:
+    """``module.log`` and ``log_dict`` do nothing in the block (instance attributes)."""
+    module.log = module.log_dict = _ignore  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del module.log, module.log_dict
 
 
 def _run_name(trainer: pl.Trainer) -> str | None:

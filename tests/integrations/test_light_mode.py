@@ -142,10 +142,13 @@ def test_an_incident_light_mode_cannot_make_exact_switches_to_the_full_mode_for_
 
 
 @pytest.mark.parametrize("kind", ["forward", "backward"])
-def test_under_lightning_the_light_mode_probes_every_module_from_the_first_batch(kind, light):
+def test_under_lightning_the_light_mode_replays_training_step_and_names_what_the_truth_names(
+    kind, light
+):
     """Lightning marks micro-steps with ``new_batch`` (its ``training_step``
-    calls the model's parts): no replay could repeat that, so the first batch
-    switches the watch to the full mode, and the first incident is exact."""
+    calls the model's parts, and logs): the callback gives nand the step that
+    runs a batch again, with ``self.log`` off (a replay that logged would count
+    a fifth batch); its replay names the module."""
     pytest.importorskip("lightning")
     from tests.integrations.scenario import scenario
     from tests.integrations.test_frameworks import run_lightning
@@ -153,6 +156,10 @@ def test_under_lightning_the_light_mode_probes_every_module_from_the_first_batch
     s = scenario("gpt2", kind)
     trained = run_lightning(s, 4)
     assert trained.said() == s.answer
+    assert trained.watch is not None and trained.watch.first is not None
+    first = trained.watch.first
+    assert first.reproduced is True and "mode='full'" not in first.replay, first.replay
+    assert trained.logged["batches"] == 4
 
 
 def test_a_backward_fault_under_a_gradient_penalty_is_named_in_light_mode_as_in_the_full_mode(

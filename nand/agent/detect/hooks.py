@@ -339,7 +339,7 @@ class Hooks:
         state.last = state.pending = None
         state.micro += 1
 
-    def new_batch(self, root: ModuleInfo, batch: Any) -> None:
+    def new_batch(self, root: ModuleInfo, batch: Any, step: Callable[[Any], Any] | None) -> None:
         """A batch arrives where the root's forward is not what takes it
         (Lightning's ``training_step``): it starts the micro-step and is
         checked as the input data. From then on root calls mark nothing."""
@@ -358,6 +358,8 @@ class Hooks:
                     self._probe_input(root, name, t)
         except Exception as exc:
             state.guard.failed(exc, "the batch check")
+        if state.held is not None:  # (rerun/held.py; guarded itself)
+            state.held.hold_batch(batch, step)
 
     # --- helpers (called from the hooks) ---------------------------------------
 

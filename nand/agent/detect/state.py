@@ -20,6 +20,8 @@ class Holder(Protocol):
 
     def hold_gradients(self, output: Any) -> None: ...
 
+    def hold_batch(self, batch: Any, step: Callable[[Any], Tensor] | None) -> None: ...
+
 
 class HookState:
     """What the hooks share: the buffer, the last recorded output, the guard.

@@ -15,7 +15,10 @@ of its own, one dispatch less per call), device work none:
   divided for accumulation: exactly what the step's backward started from).
   Only the first gradient to arrive is kept: a gradient penalty's loss is
   made of a first backward (``autograd.grad`` with ``create_graph``), which
-  a replay runs again from there; the second arrives through it.
+  a replay runs again from there; the second arrives through it;
+- in ``Watch.new_batch`` with a framework's ``step`` (Lightning's), the batch
+  and that step instead, which returns the loss its backward started from,
+  scaled as it was (a replay seeds it with ones); root calls are not held then.
 
 Nothing is copied: the batch is the user's tensor, the gradient autograd's
 (of a model that returns its 0-d loss, only that loss's: see ``_seeded``).
@@ -50,12 +53,20 @@ AUTOCAST_DEVICES = ("cpu", "cuda")
 
 class HeldStep:
     """One root call: its inputs, RNG and autocast state, and the gradients
-    that arrived at its outputs (``grads``: output path -> gradient)."""
+    that arrived at its outputs (``grads``: output path -> gradient). Or one
+    batch with the framework's ``step`` that runs it again (see :meth:`Held.hold_batch`)."""
 
-    __slots__ = ("args", "autocast", "cuda_rng", "grads", "kwargs", "rng")
+    __slots__ = ("args", "autocast", "cuda_rng", "grads", "kwargs", "rng", "step")
 
-    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device) -> None:
+    def __init__(
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        device: torch.device,
+        step: Callable[[Any], Tensor] | None = None,
+    ) -> None:
         self.args = args
+        self.step = step
         self.kwargs = kwargs
         self.rng = _cpu_generator.get_state()  # (what torch.get_rng_state calls)
         self.cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
@@ -132,6 +143,19 @@ class Held:
 
     def hold_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """A root call starts (not under torch.compile): keep what re-runs it."""
+        if not self._state.external_batches:  # (else a batch is the micro-step)
+            self._hold(args, kwargs, None)
+
+    def hold_batch(self, batch: Any, step: Callable[[Any], Tensor] | None) -> None:
+        """``Watch.new_batch``: a framework's micro-step, which ``step(batch)``
+        runs again (Lightning's closure: ``training_step`` and the loss its
+        backward starts from). Without a ``step`` nothing is held."""
+        if step is not None:
+            self._hold((batch,), {}, step)
+
+    def _hold(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], step: Callable[[Any], Tensor] | None
+    ) -> None:
         if self.paused or self.off:
             return
         try:
@@ -140,13 +164,13 @@ class Held:
                 self.steps.clear()
                 self._read_at = reads
             if len(self.steps) < MAX_HELD:  # (the first ones: their index is the micro-step)
-                self.steps.append(HeldStep(args, kwargs, self.device))
+                self.steps.append(HeldStep(args, kwargs, self.device, step))
         except Exception as exc:
             self._failed(exc)
 
     def hold_gradients(self, output: Any) -> None:
         """The root call returned ``output``: keep the gradients that arrive there."""
-        if self.paused or self.off or not self.steps:
+        if self.paused or self.off or not self.steps or self._state.external_batches:
             return
         held = self.steps[-1]
         try:
