@@ -181,7 +181,7 @@ class Watch:
         """Start a micro-step with ``batch``, checked as the input data: for loops
         in which the model's ``forward`` is not what takes the batch (Lightning's
         ``training_step``); from then on micro-steps are counted here. A replay
-        runs ``step(batch)``, which returns the loss scaled as its backward's.
+        runs ``step(batch)``, which returns the loss its backward started from.
         """
         self._tiers.new_batch(batch, step)  # (light mode without a step: full from now on)
 

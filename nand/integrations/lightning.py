@@ -96,24 +96,25 @@ def replay_step(
     batch: ``training_step`` under the precision's autocast, with
     ``self.log``/``log_dict`` doing nothing (a replay must not log twice, nor
     reduce across ranks with ``sync_dist``), its loss divided for gradient
-    accumulation and scaled by the precision's GradScaler as Lightning's
-    backward is. None with manual optimization: its ``training_step`` steps
-    the optimizer itself, which a replay must not do."""
-    if not module.automatic_optimization:
+    accumulation as Lightning's backward is. None (every module probed, see
+    ``Watch.new_batch``) with manual optimization, whose ``training_step``
+    steps the optimizer itself, and with a GradScaler ("16-mixed"): the light
+    checks see no output of the model there (``training_step`` calls its
+    parts), and a NaN made in forward is then told from the scaler's
+    overflow by the per-module probes only."""
+    precision = trainer.strategy.precision_plugin
+    if not module.automatic_optimization or getattr(precision, "scaler", None) is not None:
         return None
     from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 
     takes_index = is_param_in_hook_signature(module.training_step, "batch_idx", min_args=2)
     index = (batch_idx,) if takes_index else ()  # (as Lightning's loop decides)
-    precision = trainer.strategy.precision_plugin
 
     def step(batch: Any) -> Any:
         with _logging_off(module), precision.train_step_context():
             output = module.training_step(batch, *index)
         loss = output["loss"] if isinstance(output, Mapping) else output
-        loss = loss / trainer.accumulate_grad_batches
-        scaler = getattr(precision, "scaler", None)
-        return scaler.scale(loss) if scaler is not None else loss
+        return loss / trainer.accumulate_grad_batches
 
     return step
 

@@ -17,8 +17,8 @@ of its own, one dispatch less per call), device work none:
   made of a first backward (``autograd.grad`` with ``create_graph``), which
   a replay runs again from there; the second arrives through it;
 - in ``Watch.new_batch`` with a framework's ``step`` (Lightning's), the batch
-  and that step instead, which returns the loss its backward started from,
-  scaled as it was (a replay seeds it with ones); root calls are not held then.
+  and that step instead, which returns the loss its backward started from
+  (a replay seeds it with ones); root calls are not held then.
 
 Nothing is copied: the batch is the user's tensor, the gradient autograd's
 (of a model that returns its 0-d loss, only that loss's: see ``_seeded``).

@@ -76,7 +76,7 @@ def _backward(seeds: list[tuple[Tensor, Tensor]], params: list[nn.Parameter]) ->
 
 
 def _ones(loss: object) -> dict[str, Tensor]:
-    """A framework's step returns the loss its backward started from (scaled)."""
+    """A framework's step returns the loss its backward started from."""
     return {"": torch.ones_like(loss)} if isinstance(loss, Tensor) else {}
 
 
