@@ -178,14 +178,13 @@ class Watch:
         self._boundary.loss_tensor = loss
         return loss
 
-    def new_batch(self, batch: Any) -> None:
-        """Start a micro-step with ``batch``, checked as the input data.
-
-        For loops in which the watched model's ``forward`` is not what takes
-        the batch (Lightning's ``training_step``, which may call a submodule):
-        from the first call on, micro-steps are counted here, not at root calls.
+    def new_batch(self, batch: Any, step: Callable[[Any], Tensor] | None = None) -> None:
+        """Start a micro-step with ``batch``, checked as the input data: for loops
+        in which the model's ``forward`` is not what takes the batch (Lightning's
+        ``training_step``); from then on micro-steps are counted here. A replay
+        runs ``step(batch)``, which returns the loss its backward started from.
         """
-        self._tiers.new_batch(batch)  # (light mode: every module probed from now on)
+        self._tiers.new_batch(batch, step)  # (light mode without a step: full from now on)
 
     def flight_window(self) -> FlightWindow:
         """The flight recorder: per-module telemetry of the last steps."""

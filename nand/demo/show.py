@@ -130,7 +130,10 @@ def _launch_job(
 def _follow(
     args: argparse.Namespace, term: Terminal, base: str, run: str, job: subprocess.Popen[bytes]
 ) -> dict[str, Any] | None:
-    """Show progress until the job ends; print the verdict the moment it diverges."""
+    """Show progress until the job ends; print the verdict once it diverged and
+    every rank has stopped: the rank that made the value may report after a
+    rank that received it (its replay runs first), and the first verdict
+    would blame the receiver."""
     verdict: dict[str, Any] | None = None
     announced = False
     while True:
@@ -140,7 +143,8 @@ def _follow(
             verdict = request_json(run_url(base, run, "/verdict"))
         except (ApiError, OSError):
             ranks = []  # the run has not said hello yet
-        if verdict and verdict["state"] == "diverged" and not announced:
+        settled = finished or (ranks and all(r["state"] != "running" for r in ranks))
+        if verdict and verdict["state"] == "diverged" and settled and not announced:
             announced = True
             _print_verdict(term, verdict)
         elif ranks and not announced:

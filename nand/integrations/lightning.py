@@ -7,7 +7,9 @@ The callback watches the trained module (through the strategy's DDP/FSDP
 wrapper, so a rank that produced a NaN is told from those that received it)
 and the first optimizer. Each training batch starts a micro-step and is
 checked as the input data: Lightning hands it to ``training_step``, not to
-``forward``. ``step`` is ``trainer.global_step``. With
+``forward``. With automatic optimization a replay (``mode="light"``, see the
+README) runs ``training_step`` again on the batch, with ``self.log`` off
+(:func:`replay_steps`). ``step`` is ``trainer.global_step``. With
 ``on_nonfinite="stop"`` the bad update is skipped and ``trainer.should_stop``
 ends ``fit`` cleanly; ``"raise"`` lets :class:`nand.NonFiniteError` out of
 ``trainer.fit``. The framework's run name is the logger's ``name/version``,
@@ -21,6 +23,8 @@ metrics at) and ``WandbLogger`` (``nand.integrations.tensorboard``, ``.wandb``).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 try:
@@ -46,6 +50,7 @@ class NandCallback(pl.Callback):
         self.options = watch_options(options)
         self.to_tracker = bool(self.options.pop("to_tracker", False))
         self.watch: nand.Watch | None = None
+        self._steps: Callable[[int], Callable[[Any], Any]] | None = None  # (replay_steps)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         optimizers = trainer.optimizers
@@ -65,12 +70,14 @@ class NandCallback(pl.Callback):
         optimizer = optimizers[0] if optimizers else None
         self.watch = nand.watch(model, optimizer, on_stop=stop, **options)
         self.watch.step = trainer.global_step
+        self._steps = replay_steps(trainer, pl_module)
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if self.watch is not None:
-            self.watch.new_batch(batch)
+            step = self._steps(batch_idx) if self._steps is not None else None
+            self.watch.new_batch(batch, step)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._close("closed")
@@ -83,6 +90,54 @@ class NandCallback(pl.Callback):
     def _close(self, reason: str) -> None:
         if self.watch is not None:  # (kept: watch.first and watch.events stay readable)
             self.watch.close(reason)
+
+
+def replay_steps(
+    trainer: pl.Trainer, module: pl.LightningModule
+) -> Callable[[int], Callable[[Any], Any]] | None:
+    """For batch ``batch_idx``, what Lightning's closure runs before its
+    backward, for a replay of the batch: ``training_step`` under the precision's autocast, with
+    ``self.log``/``log_dict`` doing nothing (a replay must not log twice, nor
+    reduce across ranks with ``sync_dist``), its loss divided for gradient
+    accumulation as Lightning's backward is. None (every module probed, see
+    ``Watch.new_batch``) with manual optimization, whose ``training_step``
+    steps the optimizer itself, and with a GradScaler ("16-mixed"): the light
+    checks see no output of the model there (``training_step`` calls its
+    parts), and a NaN made in forward is then told from the scaler's
+    overflow by the per-module probes only."""
+    precision = trainer.strategy.precision_plugin
+    if not module.automatic_optimization or getattr(precision, "scaler", None) is not None:
+        return None
+    from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+
+    takes_index = is_param_in_hook_signature(module.training_step, "batch_idx", min_args=2)
+
+    def step_of(batch_idx: int) -> Callable[[Any], Any]:
+        index = (batch_idx,) if takes_index else ()  # (as Lightning's loop decides)
+
+        def step(batch: Any) -> Any:
+            with _logging_off(module), precision.train_step_context():
+                output = module.training_step(batch, *index)
+            loss = output["loss"] if isinstance(output, Mapping) else output
+            return None if loss is None else loss / trainer.accumulate_grad_batches
+
+        return step
+
+    return step_of
+
+
+def _ignore(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+@contextmanager
+def _logging_off(module: pl.LightningModule) -> Iterator[None]:
+    """``module.log`` and ``log_dict`` do nothing in the block (instance attributes)."""
+    module.log = module.log_dict = _ignore  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del module.log, module.log_dict
 
 
 def _run_name(trainer: pl.Trainer) -> str | None:

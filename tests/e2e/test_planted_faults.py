@@ -29,6 +29,7 @@ def assert_origin(verdict: dict, rank: int, module: str, step: int, phase: str) 
     assert got == (rank, module, step, phase), verdict["summary"]
 
 
+@pytest.mark.nand_mode("full")  # (the "overflow" hint reads the per-layer history: full mode only)
 def test_forward_overflow_on_one_rank_names_that_rank_layer_and_step(nand_server, tmp_path):
     codes, verdict = run_job(
         nand_server, tmp_path, "overflow", 2, "--steps", "16", "--fault", "overflow:rank=1:step=12"

@@ -48,6 +48,7 @@ class Trained:
     model: nn.Module
     raised: nand.NonFiniteError | None  # what came out of fit/train/the loop, if anything
     prefix: str = ""  # what the framework's module adds in front of the model's names
+    logged: dict[str, float] = dataclasses.field(default_factory=dict)  # (Lightning's metrics)
 
     def said(self) -> Finding | None:
         """nand's first event in the plain model's names."""
@@ -70,7 +71,7 @@ def run_lightning(s: Scenario, steps: int, fp16: bool = False, **options: Any) -
     from nand.integrations.lightning import NandCallback
 
     class Module(pl.LightningModule):
-        """As users write one: the model an attribute, the loss in training_step."""
+        """As users write one: the model an attribute, the loss in training_step, logged."""
 
         def __init__(self) -> None:
             super().__init__()
@@ -83,7 +84,10 @@ def run_lightning(s: Scenario, steps: int, fp16: bool = False, **options: Any) -
             return self.planted.batch(batch)
 
         def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-            return self.planted.loss(s.case.loss(self.model, batch))
+            loss = self.planted.loss(s.case.loss(self.model, batch))
+            self.log("train_loss", loss)
+            self.log("batches", 1.0, on_step=False, on_epoch=True, reduce_fx="sum")
+            return loss
 
         def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
             self.planted.before_update(optimizer, self.trainer.global_step)
@@ -110,7 +114,8 @@ def run_lightning(s: Scenario, steps: int, fp16: bool = False, **options: Any) -
         trainer.fit(module, DataLoader(s.dataset(steps), batch_size=None))
     except nand.NonFiniteError as exc:
         raised = exc
-    return Trained(callback.watch, trainer.global_step, module.model, raised, prefix="model.")
+    logged = {name: float(value) for name, value in trainer.callback_metrics.items()}
+    return Trained(callback.watch, trainer.global_step, module.model, raised, "model.", logged)
 
 
 # --- HF Trainer ---------------------------------------------------------------

@@ -9,6 +9,10 @@ on the same run. Steps are few: three, the fault at step 1.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 from torch import nn
 
@@ -142,10 +146,13 @@ def test_an_incident_light_mode_cannot_make_exact_switches_to_the_full_mode_for_
 
 
 @pytest.mark.parametrize("kind", ["forward", "backward"])
-def test_under_lightning_the_light_mode_probes_every_module_from_the_first_batch(kind, light):
+def test_under_lightning_the_light_mode_replays_training_step_and_names_what_the_truth_names(
+    kind, light
+):
     """Lightning marks micro-steps with ``new_batch`` (its ``training_step``
-    calls the model's parts): no replay could repeat that, so the first batch
-    switches the watch to the full mode, and the first incident is exact."""
+    calls the model's parts, and logs): the callback gives nand the step that
+    runs a batch again, with ``self.log`` off (a replay that logged would count
+    a fifth batch); its replay names the module."""
     pytest.importorskip("lightning")
     from tests.integrations.scenario import scenario
     from tests.integrations.test_frameworks import run_lightning
@@ -153,6 +160,10 @@ def test_under_lightning_the_light_mode_probes_every_module_from_the_first_batch
     s = scenario("gpt2", kind)
     trained = run_lightning(s, 4)
     assert trained.said() == s.answer
+    assert trained.watch is not None and trained.watch.first is not None
+    first = trained.watch.first
+    assert first.reproduced is True and "mode='full'" not in first.replay, first.replay
+    assert trained.logged["batches"] == 4
 
 
 def test_a_backward_fault_under_a_gradient_penalty_is_named_in_light_mode_as_in_the_full_mode(
@@ -167,3 +178,25 @@ def test_a_backward_fault_under_a_gradient_penalty_is_named_in_light_mode_as_in_
     assert run.watch.first.reproduced is True, run.watch.first.replay
     full = full_mode_first("gpt2", GRADIENT_PENALTY, fault, 3, monkeypatch)
     assert where(run.watch.first) == full
+
+
+def test_under_lightning_ddp_the_rank_that_made_the_nan_replays_alone_and_the_other_received_it(
+    light, tmp_path
+):
+    """Two torchrun ranks (gloo) fit with Lightning's DDP strategy; rank 1's
+    ``net.2`` makes a NaN in forward at step 2 (``lightning_ddp.py``). Rank 1
+    replays its ``training_step`` without a collective (its ``self.log`` with
+    ``sync_dist=True`` is off in the replay): the job ends, rank 1 names the
+    layer, reproduced, and rank 0 received the NaN through the all-reduce."""
+    pytest.importorskip("lightning")
+    from tests.integrations import lightning_ddp as job
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc-per-node=2", job.__file__, str(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    made, got = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (1, 0))
+    where_made = (made["step"], made["phase"], made["module"], made["cause"])
+    assert where_made == (job.FAULT_STEP, "forward", job.FAULT_MODULE, "produced"), made
+    assert made["reproduced"] is True, made["replay"]
+    assert (got["step"], got["phase"], got["cause"]) == (job.FAULT_STEP, "grad", "received"), got

@@ -21,9 +21,8 @@ Per module call:
   (positional and keyword, nested); the root's outputs get a "loss" tensor
   hook: the gradient arriving there comes from the loss computation. A
   module called with no watched forward running is an **entry point**: its
-  inputs are probed as data too (``entry.py``; the root and containers keep
-  the count). The root's two hooks also hold what a replay needs
-  (``rerun/held.py``): no hooks of its own.
+  inputs are probed as data too (``entry.py``; the root and containers keep the
+  count). The root's two hooks also hold what a replay needs (``rerun/held.py``).
 
 Under ``torch.compile`` every probe goes to a fixed slot (``compiled.py``).
 Torch keeps module hooks in the modules' ``__dict__``, so ``copy.deepcopy``
@@ -341,7 +340,7 @@ class Hooks:
         state.last = state.pending = None
         state.micro += 1
 
-    def new_batch(self, root: ModuleInfo, batch: Any) -> None:
+    def new_batch(self, root: ModuleInfo, batch: Any, step: Callable[[Any], Any] | None) -> None:
         """A batch arrives where the root's forward is not what takes it
         (Lightning's ``training_step``): it starts the micro-step and is
         checked as the input data. From then on root calls mark nothing."""
@@ -360,6 +359,8 @@ class Hooks:
                     self._probe_input(root, name, t)
         except Exception as exc:
             state.guard.failed(exc, "the batch check")
+        if state.held is not None:  # (rerun/held.py; guarded itself)
+            state.held.hold_batch(batch, step)
 
     # --- helpers (called from the hooks) ---------------------------------------
 
@@ -395,6 +396,5 @@ class Hooks:
         """The gradient hooks for ``site``: cached, one pair per site."""
         hooks = self._grad_hooks.get(id(site))
         if hooks is None:
-            hooks = GradHooks(self.state, site)
-            self._grad_hooks[id(site)] = hooks
+            hooks = self._grad_hooks[id(site)] = GradHooks(self.state, site)
         return hooks

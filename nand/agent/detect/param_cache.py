@@ -103,6 +103,15 @@ class ParamCache:
                 self._by_module.setdefault(name.rpartition(".")[0], []).append(p)
         return [p for p in self._by_module.get(module, []) if usable(p)]
 
+    def params_behind(self, module: str) -> list[Tensor]:
+        """The parameters a forward finding at ``module`` may come from: its
+        own; at the root, every one after them (in the light mode the root's
+        output is the only forward probe, and every module feeds it)."""
+        own = self.params_of(module)
+        if module:
+            return own
+        return own + [p for p in self.params() if usable(p) and not any(p is o for o in own)]
+
     def param_site(self, p: Tensor) -> Site:
         """Where a finding about parameter ``p`` itself is reported."""
         return self._site(p, "param", "")

@@ -32,6 +32,8 @@ class Holder(Protocol):
 
     def hold_gradients(self, output: Any, probes: LossProbes | None = None) -> set[int]: ...
 
+    def hold_batch(self, batch: Any, step: Callable[[Any], Tensor] | None) -> None: ...
+
 
 class HookState:
     """What the hooks share: the buffer, the last recorded output, the guard.

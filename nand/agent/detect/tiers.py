@@ -35,7 +35,7 @@ after it turns full while its first compiled call is traced
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -103,13 +103,14 @@ class Tiers:
             log.warning("nand: %s; %s", why, said)
         return said
 
-    def new_batch(self, batch: Any) -> None:
+    def new_batch(self, batch: Any, step: Callable[[Any], Any] | None) -> None:
         """``Watch.new_batch``: micro-steps are marked by batches, not by calls
-        of the root (Lightning's ``training_step`` calls the model's parts):
-        no replay can be exact, so every module is probed from the first one."""
-        if self.light:
+        of the root (Lightning's ``training_step`` calls the model's parts).
+        Without the ``step`` that runs a batch again no replay can be exact,
+        so every module is probed from the first one."""
+        if self.light and step is None:
             self.go_full("micro-steps are marked by new_batch, which no replay can repeat")
-        self.hooks.new_batch(self.infos[self.root], batch)
+        self.hooks.new_batch(self.infos[self.root], batch, step)
 
     def window_read(self, micro_steps: int, stepped: bool) -> int:
         """A step's window was read (``stepped``: by a step, not at close).

@@ -19,7 +19,10 @@ of its own, one dispatch less per call), device work none:
   a replay runs again from there; the second arrives through it. The same
   hook calls the root's probe of that gradient (the ``loss`` phase's): one
   registration and one call from autograd into Python a step, not two
-  (``benchmarks/root_checks.py``: a few µs on CPU).
+  (``benchmarks/root_checks.py``: a few µs on CPU);
+- in ``Watch.new_batch`` with a framework's ``step`` (Lightning's), the batch
+  and that step instead, which returns the loss its backward started from
+  (a replay seeds it with ones); root calls are not held then.
 
 Nothing is copied: the batch is the user's tensor, the gradient autograd's
 (of a model that returns its 0-d loss, only that loss's: see ``_seeded``).
@@ -57,9 +60,10 @@ AUTOCAST_DEVICES = ("cpu", "cuda")
 
 class HeldStep:
     """One root call: its inputs, RNG and autocast state, and the gradients
-    that arrived at its outputs (``grads``: output path -> gradient)."""
+    that arrived at its outputs (``grads``: output path -> gradient). Or one
+    batch with the framework's ``step`` that runs it again (see :meth:`Held.hold_batch`)."""
 
-    __slots__ = ("args", "attrs", "autocast", "cuda_rng", "grads", "kwargs", "rng")
+    __slots__ = ("args", "attrs", "autocast", "cuda_rng", "grads", "kwargs", "rng", "step")
 
     def __init__(
         self,
@@ -67,8 +71,10 @@ class HeldStep:
         kwargs: dict[str, Any],
         device: torch.device,
         attrs: HeldAttrs | None = None,
+        step: Callable[[Any], Tensor] | None = None,
     ) -> None:
         self.args = args
+        self.step = step
         self.kwargs = kwargs
         self.attrs = attrs  # the modules' plain values (see attrs.py)
         self.rng = _cpu_generator.get_state()  # (what torch.get_rng_state calls)
@@ -175,6 +181,19 @@ class Held:
 
     def hold_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """A root call starts (not under torch.compile): keep what re-runs it."""
+        if not self._state.external_batches:  # (else a batch is the micro-step)
+            self._hold(args, kwargs, None)
+
+    def hold_batch(self, batch: Any, step: Callable[[Any], Tensor] | None) -> None:
+        """``Watch.new_batch``: a framework's micro-step, which ``step(batch)``
+        runs again (Lightning's closure: ``training_step`` and the loss its
+        backward starts from). Without a ``step`` nothing is held."""
+        if step is not None:
+            self._hold((batch,), {}, step)
+
+    def _hold(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], step: Callable[[Any], Tensor] | None
+    ) -> None:
         if self.paused or self.off:
             return
         try:
@@ -185,7 +204,8 @@ class Held:
                 self.steps = []
                 self._read_at = reads
             if len(self.steps) < MAX_HELD:  # (the first ones: their index is the micro-step)
-                self.steps.append(HeldStep(args, kwargs, self.device, take(self.modules)))
+                attrs = take(self.modules)
+                self.steps.append(HeldStep(args, kwargs, self.device, attrs, step))
         except Exception as exc:
             self._failed(exc)
 
@@ -196,7 +216,7 @@ class Held:
         one; the hook that keeps the gradient calls it too. Returns the ``id``
         of each output whose probe it took on (the root hooks it no more)."""
         taken: set[int] = set()
-        if self.paused or self.off or not self.steps:
+        if self.paused or self.off or not self.steps or self._state.external_batches:
             return taken
         held = self.steps[-1]
         try:

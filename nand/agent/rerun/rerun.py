@@ -154,7 +154,7 @@ class Rerun:
             return "not replayed: read one step late (read='deferred'), after the update"
         if self.boundary.params_gathered or any(map(params_are_gathered, self.root.modules())):
             return "not replayed: FSDP shards the parameters (a replay would need the other ranks)"
-        if self.state.external_batches:
+        if self.state.external_batches and not self.held.steps:  # (held with a step only)
             return "not replayed: micro-steps are marked by new_batch, not by calls of the model"
         if self.left <= 0:
             return "not replayed: this run's replays (NAND_REPLAYS) are spent"
@@ -164,7 +164,8 @@ class Rerun:
                 f"not replayed: the inputs of micro-step {event.micro_step} were not held "
                 f"(the model ran compiled or outside its root module, or after {MAX_HELD} calls)"
             )
-        if _backward(event) and not steps[event.micro_step].grads:
+        held = steps[event.micro_step]
+        if _backward(event) and not held.grads and held.step is None:
             return "not replayed: no gradient reached the model's outputs"
         return ""
 

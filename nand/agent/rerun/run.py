@@ -1,6 +1,7 @@
 """One replay: the held micro-step's forward and backward run again.
 
-The root module is called with the held inputs, under the autocast state
+The root module is called with the held inputs (or a framework's step
+with the held batch, see ``held``), under the autocast state
 and RNG states the micro-step had, with anomaly mode recording each backward
 node's forward line (``check_nan=False``: nothing raises), inside an
 :class:`~nand.agent.rerun.opwatch.OpWatch`. The backward starts from the
@@ -54,8 +55,9 @@ def replay(
             for kind, dtype in held.autocast.items():
                 stack.enter_context(torch.autocast(kind, dtype=dtype))
             with torch.autograd.set_detect_anomaly(True, check_nan=False):
-                output = root(*held.args, **held.kwargs)
-        seeds = _seeds(output, held.grads) if backward else []
+                output = (held.step or root)(*held.args, **held.kwargs)
+        grads = held.grads if held.step is None else _ones(output)
+        seeds = _seeds(output, grads) if backward else []
         params = [p for p in root.parameters() if p.requires_grad]
         if seeds and params:
             with watch:
@@ -71,6 +73,11 @@ def _backward(seeds: list[tuple[Tensor, Tensor]], params: list[nn.Parameter]) ->
     outputs = [out for out, _ in seeds]
     grads = [grad for _, grad in seeds]
     torch.autograd.grad(outputs, params, grads, allow_unused=True)
+
+
+def _ones(loss: object) -> dict[str, Tensor]:
+    """A framework's step returns the loss its backward started from."""
+    return {"": torch.ones_like(loss)} if isinstance(loss, Tensor) else {}
 
 
 def _seeds(output: object, grads: dict[str, Tensor]) -> list[tuple[Tensor, Tensor]]:

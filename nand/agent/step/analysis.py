@@ -378,19 +378,19 @@ def _forward_sites(buf: Probed) -> list[Site]:
 class ParamSource(Protocol):
     """The parameters the optimizer hooks know (``optimizer.OptimizerHooks``)."""
 
-    def params_of(self, module: str) -> list[Tensor]: ...
+    def params_behind(self, module: str) -> list[Tensor]: ...
 
     def param_site(self, p: Tensor) -> Site: ...
 
 
 def param_behind(finding: Finding, micro: int, source: ParamSource) -> Finding | None:
-    """A forward finding at a module whose own parameter is non-finite.
+    """A forward finding at a module whose own parameter (the root: any) is non-finite.
 
     The slow path, for a parameter nobody read because it was implied
     finite: something other than the optimizer wrote it (a checkpoint, user
     code). Reported as that parameter, like a parameter read bad.
     """
-    for p in source.params_of(finding.module):
+    for p in source.params_behind(finding.module):
         if not bool(torch.isfinite(local(p)).all()):
             site = source.param_site(p)
             return Finding(
