@@ -5,9 +5,11 @@ comes a page at a time, in rank order, keyed by rank (``after``): a rank that
 reports while a client pages is never listed twice. What a rank's relation
 depends on is read without loading every rank: the origin is the least cached
 first key over the rank rows (one indexed query), and whether another rank
-went non-finite at the same point is one more. The counts by state read a few
-columns of every rank row, no event. :func:`run_summary` builds a run's
-summary the same way (what the event streams' poller sends for a big run).
+went non-finite at the same point is one more. The counts by state are the
+run's tally kept by the ingest and two indexed range counts
+(:mod:`nand.server.analysis.counts`): no request reads every rank row.
+:func:`run_summary` builds a run's summary from a few columns of every rank
+(what the event streams' poller sends for a big run).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from nand.events import Relation
-from nand.server.analysis import bigrun, correlate, runsummary, views
+from nand.server.analysis import bigrun, correlate, counts, runsummary, views
 from nand.server.analysis.failures import RankFacts
 from nand.server.analysis.runsummary import RunFacts
 from nand.server.http.schemas import RankPage, RunSummary
@@ -33,16 +35,16 @@ def rank_page(
     rows = _page_rows(session, run.id, after, limit + 1)
     more = len(rows) > limit
     rows = rows[:limit]
-    states = bigrun.state_counts(session, run.id, settings, now)[0]
+    counted = counts.state_counts(session, run, settings, now)
     relations = _relations(session, run.id, [e for _, e in rows if e is not None])
     flights = store.ranks_with_flight(session, run.id)
     items = views.rank_statuses(run, rows, settings, now, flights, relations)
     return RankPage(
         items=items,
-        total=sum(states.values()),
+        total=counted.ranks,
         limit=limit,
         next_after=rows[-1][0].rank if more else None,
-        states=states,
+        states=counted.states,
     )
 
 
