@@ -241,7 +241,7 @@ def test_a_new_event_in_a_big_run_shows_in_the_next_verdict(mixed) -> None:
     assert counted.model_dump() == recounted.model_dump()
 
 
-def _recounted(session: Session, run: Run) -> dict[str, int]:
+def recounted_tally(session: Session, run: Run) -> dict[str, int]:
     """The run's tally recounted from every rank row (``correlate``'s rules)."""
     rows = store.ranks_of(session, [run.id])[run.id]
     diverged = [rank for rank, first in rows if first is not None]
@@ -256,7 +256,7 @@ def _recounted(session: Session, run: Run) -> dict[str, int]:
     }
 
 
-def _tally(session: Session, run: Run) -> dict[str, int]:
+def kept_tally(session: Session, run: Run) -> dict[str, int]:
     row = session.get(RunTally, run.id)
     assert row is not None
     return {name: getattr(row, name) for name in ("ranks", "diverged", "diverged_gone")} | {
@@ -270,9 +270,9 @@ def test_the_tallies_kept_by_the_ingest_equal_the_ranks_recounted(mixed, name: s
     engine, _ = mixed
     with Session(engine) as session:
         run = _run(session, name)
-        recounted = _recounted(session, run)
+        recounted = recounted_tally(session, run)
         assert all(recounted.values()), recounted  # (every class occurs)
-        assert _tally(session, run) == recounted
+        assert kept_tally(session, run) == recounted
 
 
 def _calm_run(engine: Engine, run: str, world: int, now: float) -> None:
