@@ -17,8 +17,9 @@ earlier than the last, and the verdict is polled until it names it: p50/p99.
 ``reads``: ``--ranks`` ranks through the real ingest (``write_batch``: hello,
 two heartbeats, a third of them a received NaN, one produced), then the run's
 rows copied ``--copies`` times under new rank numbers in SQL (the ingest of
-100,000 hellos takes longer than this machine can spare); one server on that
-SQLite file; each endpoint timed over HTTP, median of 5.
+100,000 hellos takes longer than this machine can spare; the run's tally
+follows the copy through the same triggers); one server on that SQLite file;
+each endpoint timed over HTTP, median of 5.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import loadgen  # noqa: E402
 from nand import wire  # noqa: E402
-from nand.server import migrate  # noqa: E402
 from nand.server.agents.writer import write_batch  # noqa: E402
+from nand.server.storage import migrate  # noqa: E402
 from nand.testing import free_port  # noqa: E402
 from tests.server import pg  # noqa: E402
 from tests.server.processes import ServerProcess  # noqa: E402
@@ -172,7 +173,10 @@ def populate(path: Path, ranks: int, copies: int) -> None:
 
 
 def _copy(path: Path, ranks: int, copies: int) -> None:
-    """The run's rank rows, first events and heartbeats again under ranks + k * ranks."""
+    """The run's rank rows, first events and heartbeats again under ranks + k * ranks.
+
+    The run's tally (``run_tallies``) follows by itself: the triggers that keep it
+    fire on these inserts and updates as on the ingest's (migration 0013)."""
     db = sqlite3.connect(path)
     (run_id,) = db.execute("select id from runs where name = 'wide'").fetchone()
     for k in range(1, copies):

@@ -1,17 +1,18 @@
-"""A run of thousands of ranks, summarised by the database: counts by state, the
-failing ranks and each diverged rank's relation, each in one SQL statement.
+"""A run of thousands of ranks, summarised without reading every rank row: counts
+by state, the failing ranks and each diverged rank's relation.
 
 ``views.verdict`` loads every rank row and its first event: 1.4 s at 20,000
-ranks. Here the states are decided by one ``CASE`` over the rank rows (the
-same order as ``correlate.rank_state``), counted with ``GROUP BY``; only the
-ranks that failed (lost, crashed, stalled) come back as rows; the origin is
-the least cached first key (``rankpage``, indexed); and each diverged rank's
-relation to it is another ``CASE`` (``correlate.relation``), so the rows read
-per request are a few columns of the diverged ranks, no ORM object. The
-number of statements does not depend on the number of ranks. The answer is
-the one ``views.verdict`` gives (``tests/server/test_big_runs.py`` holds
-them equal); the API takes this path for a run of more than
-``Settings.big_run_ranks`` ranks.
+ranks. Here the counts by state are the run's tally kept by the ingest and two
+indexed range counts (:mod:`nand.server.analysis.counts`); only the ranks that
+failed (lost, crashed, stalled) come back as rows, each kind from an index; the
+origin is the least cached first key (``ix_ranks_first_key``, its first
+entry); and each diverged rank's relation to it is a ``CASE``
+(``correlate.relation``), read once per new event (:data:`SPREAD`). The number
+of statements does not depend on the number of ranks, nor, between events,
+the rows they read (failing ranks aside). The answer is the one
+``views.verdict`` gives (``tests/server/test_big_runs.py`` holds them equal);
+the API takes this path for a run of more than ``Settings.big_run_ranks``
+ranks.
 """
 
 from __future__ import annotations
@@ -172,7 +173,7 @@ def verdict(session: Session, run: Run, settings: Settings, now: float) -> Verdi
 def _common(
     session: Session, run: Run, state: str, found: list, live: int, settings: Settings
 ) -> dict[str, Any]:
-    gaps = losses.per_rank(session.scalars(_with_drops(run.id)))
+    gaps = losses.per_rank(session.scalars(with_drops(run.id)))
     return {
         "run": run.name,
         **views.attempt_fields(run),
@@ -189,7 +190,8 @@ def _common(
     }
 
 
-def _with_drops(run_id: int) -> Select[Rank]:
+def with_drops(run_id: int) -> Select[Rank]:
+    """The run's ranks that reported losses (``ix_ranks_dropped``)."""
     return select(Rank).where(Rank.run_id == run_id, Rank.dropped.is_not(None))
 
 
@@ -271,7 +273,7 @@ def _rank_id(run_id: int, rank: int) -> ScalarSelect[int]:
 def run_detail(session: Session, run: Run, settings: Settings, now: float) -> RunDetail:
     """``views.run_detail`` of a big run: its summary is read off its verdict."""
     found = verdict(session, run, settings, now)
-    gaps = losses.per_rank(session.scalars(_with_drops(run.id)))
+    gaps = losses.per_rank(session.scalars(with_drops(run.id)))
     ranks_seen = counts.ranks_seen(session, run.id)
     summary_ = RunSummary(
         run=run.name,

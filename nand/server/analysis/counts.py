@@ -51,6 +51,16 @@ class StateCounts:
     ranks: int
 
 
+#: The tally's columns in the order of :class:`Tally`'s fields.
+TALLY_COLUMNS = (
+    RunTally.ranks,
+    RunTally.diverged,
+    RunTally.diverged_gone,
+    RunTally.crashed,
+    RunTally.finished,
+)
+
+
 def _open() -> ColumnElement[bool]:
     """The partial indexes' condition (``models.RANK_OPEN``), for the planner to match."""
     return and_(Rank.first_event_id.is_(None), Rank.finished_at.is_(None))
@@ -96,9 +106,9 @@ def state_counts(session: Session, run: Run, settings: Settings, now: float) -> 
     stalled = (
         select(func.count()).where(_stalled(run.id, lost_before, stalled_before)).scalar_subquery()
     )
-    columns = (RunTally.ranks, RunTally.diverged, RunTally.diverged_gone)
-    columns += (RunTally.crashed, RunTally.finished)
-    row = session.execute(select(*columns, lost, stalled).where(RunTally.run_id == run.id)).first()
+    row = session.execute(
+        select(*TALLY_COLUMNS, lost, stalled).where(RunTally.run_id == run.id)
+    ).first()
     tally = Tally(*row[:5]) if row is not None else Tally()
     n_lost, n_stalled = (row[5], row[6]) if row is not None else (0, 0)
     running = tally.open - n_lost - n_stalled

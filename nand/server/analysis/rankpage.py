@@ -8,8 +8,8 @@ first key over the rank rows (one indexed query), and whether another rank
 went non-finite at the same point is one more. The counts by state are the
 run's tally kept by the ingest and two indexed range counts
 (:mod:`nand.server.analysis.counts`): no request reads every rank row.
-:func:`run_summary` builds a run's summary from a few columns of every rank
-(what the event streams' poller sends for a big run).
+:func:`run_summary` builds a run's summary the same way (what the event
+streams' poller sends for a big run).
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from nand.events import Relation
-from nand.server.analysis import bigrun, correlate, counts, runsummary, views
-from nand.server.analysis.failures import RankFacts
+from nand.server.analysis import bigrun, correlate, counts, losses, runsummary, views
 from nand.server.analysis.runsummary import RunFacts
 from nand.server.http.schemas import RankPage, RunSummary
 from nand.server.settings import Settings
@@ -63,12 +62,6 @@ def _page_rows(
     return [(rank, event) for rank, event in session.execute(statement).all()]
 
 
-def _rank_facts(session: Session, run_id: int) -> list[RankFacts]:
-    """Every rank's facts from a few columns of its row (no event, no ORM object)."""
-    rows = session.execute(select(*bigrun.FACT_COLUMNS).where(Rank.run_id == run_id))
-    return [bigrun.facts(*row) for row in rows]
-
-
 def _relations(session: Session, run_id: int, firsts: list[EventRow]) -> dict[int, Relation]:
     head = bigrun.origin(session, run_id)
     if head is None or not firsts:
@@ -79,13 +72,15 @@ def _relations(session: Session, run_id: int, firsts: list[EventRow]) -> dict[in
     )
 
 
-def run_facts(session: Session, run: Run) -> RunFacts:
-    """A run's facts without loading every rank row and first event."""
-    head = bigrun.origin(session, run.id)
-    together = bigrun.same_point(session, run.id, head) if head is not None else []
-    return RunFacts(_rank_facts(session, run.id), head, together)
-
-
 def run_summary(session: Session, run: Run, settings: Settings, now: float) -> RunSummary:
-    """The run's summary (``runsummary.build``) from :func:`run_facts`."""
-    return runsummary.build(run, run_facts(session, run), settings, now)
+    """The run's summary (``runsummary.build``) from its failing ranks, origin and
+    tally: the same as from every rank (``tests/server/test_scale.py``)."""
+    counted = settings.for_world(run.world_size)
+    head = bigrun.origin(session, run.id)
+    tally = counts.state_counts(session, run, counted, now)
+    also = head.rank if head is not None else None
+    failing = bigrun.failing_facts(session, run.id, counted, now, tally, also)
+    together = bigrun.same_point(session, run.id, head) if head is not None else []
+    gaps = losses.per_rank(session.scalars(bigrun.with_drops(run.id)))
+    seen = runsummary.Seen(tally.ranks, set(tally.states), losses.summed(gaps.values()))
+    return runsummary.build(run, RunFacts(failing, head, together), settings, now, seen)
