@@ -292,7 +292,7 @@ def _calm_run(engine: Engine, run: str, world: int, now: float) -> None:
         write_batch(engine, messages[start : start + 2000], now)
 
 
-def test_a_big_runs_ranks_page_and_verdict_read_as_much_at_3000_ranks_as_at_600(
+def test_a_big_runs_ranks_page_verdict_and_summary_read_as_much_at_3000_ranks_as_at_600(
     tmp_path,
 ) -> None:
     engine = create_engine(f"sqlite:///{tmp_path / 'n.db'}")
@@ -313,6 +313,7 @@ def test_a_big_runs_ranks_page_and_verdict_read_as_much_at_3000_ranks_as_at_600(
     for call in (
         lambda s, run: rankpage.rank_page(s, run, SETTINGS, now, 400, 100),
         lambda s, run: bigrun.verdict(s, run, SETTINGS, now),
+        lambda s, run: rankpage.run_summary(s, run, SETTINGS, now),
     ):
         narrow, wide = cost("narrow", call), cost("wide", call)
         # Counting the ranks by state read every rank row (5 times more here).
