@@ -90,7 +90,9 @@ class Rank(Base):
         Index("ix_ranks_run_rank", "run_id", "rank", unique=True),
         # A big run's lost and stalled ranks, counted by range (nand.server.analysis.counts):
         _partial("ix_ranks_open_seen", RANK_OPEN, "run_id", "last_seen"),
-        _partial("ix_ranks_open_step", RANK_OPEN, "run_id", "step_changed_at"),
+        # (last_seen too: the stalled count reads no row; the entry moves on each
+        # heartbeat anyway, as its step moves on)
+        _partial("ix_ranks_open_step", RANK_OPEN, "run_id", "step_changed_at", "last_seen"),
         _partial("ix_ranks_closed", RANK_CLOSED, "run_id", "rank"),
         _partial("ix_ranks_dropped", "dropped IS NOT NULL", "run_id", "rank"),
         # The origin: the least first key of the diverged ranks (bigrun.origin).

@@ -132,7 +132,7 @@ def upgrade() -> None:
     )
     op.execute(_backfill())
     _partial("ix_ranks_open_seen", ["run_id", "last_seen"], OPEN)
-    _partial("ix_ranks_open_step", ["run_id", "step_changed_at"], OPEN)
+    _partial("ix_ranks_open_step", ["run_id", "step_changed_at", "last_seen"], OPEN)
     _partial("ix_ranks_closed", ["run_id", "rank"], CLOSED)
     _partial("ix_ranks_dropped", ["run_id", "rank"], "dropped IS NOT NULL")
     _partial("ix_ranks_first_key", FIRST_KEY, "first_event_id IS NOT NULL")
