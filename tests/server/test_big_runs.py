@@ -316,5 +316,6 @@ def test_a_big_runs_ranks_page_verdict_and_summary_read_as_much_at_3000_ranks_as
         lambda s, run: rankpage.run_summary(s, run, SETTINGS, now),
     ):
         narrow, wide = cost("narrow", call), cost("wide", call)
-        # Counting the ranks by state read every rank row (5 times more here).
-        assert wide < 1.5 * narrow, (narrow, wide)
+        # Counting the ranks by state read every rank row (5 times more here); the
+        # slack: a few index levels more, and the counter's granularity.
+        assert wide < 1.5 * narrow + 10, (narrow, wide)
