@@ -121,12 +121,13 @@ def _partial(name: str, columns: list[str], where: str) -> None:
 
 
 def upgrade() -> None:
-    count = {"nullable": False, "server_default": "0"}
     op.create_table(
         "run_tallies",
         sa.Column("run_id", sa.Integer(), nullable=False),
-        sa.Column("ranks", sa.Integer(), **count),
-        *(sa.Column(column, sa.Integer(), **count) for column in COUNTED),
+        *(
+            sa.Column(column, sa.Integer(), nullable=False, server_default="0")
+            for column in ("ranks", *COUNTED)
+        ),
         sa.ForeignKeyConstraint(["run_id"], ["runs.id"], ondelete="CASCADE"),
         sa.PrimaryKeyConstraint("run_id"),
     )
