@@ -2,7 +2,7 @@
 the reads of a 100,000-rank run (verdict, run page, /ranks, /series).
 
     python benchmarks/ranks100k.py ingest --servers 1,2,3 --ranks 20000 --seconds 30
-    python benchmarks/ranks100k.py latency --ranks 1000,20000 --probes 20
+    python benchmarks/ranks100k.py latency --ranks 1000,20000 --probes 20 [--db sqlite]
     python benchmarks/ranks100k.py reads --ranks 20000 --copies 5   # a 100,000-rank run
 
 ``ingest``: a throwaway PostgreSQL (``tests/server/pg.py``), N ``nand server``
@@ -10,15 +10,16 @@ processes on it, ``benchmarks/loadgen.py`` with ``--procs`` processes of
 simulated ranks spread over the servers, heartbeats as fast as the servers
 acknowledge (``--heartbeat-s 0``): stored msg/s, and each server's peak RSS.
 
-``latency``: one server on PostgreSQL, a job of N simulated ranks at the
-heartbeat period of ``nand.cadence``; every second a fresh rank sends a NaN
-earlier than the last, and the verdict is polled until it names it: p50/p99.
+``latency``: one server on PostgreSQL (or SQLite: ``--db sqlite``), a job of
+N simulated ranks at the heartbeat period of ``nand.cadence``; every second a
+fresh rank sends a NaN earlier than the last, and the verdict is polled until it names it: p50/p99.
 
 ``reads``: ``--ranks`` ranks through the real ingest (``write_batch``: hello,
 two heartbeats, a third of them a received NaN, one produced), then the run's
 rows copied ``--copies`` times under new rank numbers in SQL (the ingest of
-100,000 hellos takes longer than this machine can spare); one server on that
-SQLite file; each endpoint timed over HTTP, median of 5.
+100,000 hellos takes longer than this machine can spare; the run's tally
+follows the copy through the same triggers); one server on that SQLite file;
+each endpoint timed over HTTP, median of 5.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 import httpx
@@ -40,13 +43,15 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import loadgen  # noqa: E402
 from nand import wire  # noqa: E402
-from nand.server import migrate  # noqa: E402
 from nand.server.agents.writer import write_batch  # noqa: E402
+from nand.server.storage import migrate  # noqa: E402
 from nand.testing import free_port  # noqa: E402
 from tests.server import pg  # noqa: E402
 from tests.server.processes import ServerProcess  # noqa: E402
 
 ALIVE = {"NAND_LOST_AFTER_S": "1e9", "NAND_STALLED_AFTER_S": "1e9"}
+#: Every rank silent for longer than this (stretched for the world size): lost.
+LOST = {"NAND_LOST_AFTER_S": "0.001", "NAND_STALLED_AFTER_S": "0.001"}
 
 
 def peak_rss_mb(server: ServerProcess) -> float:
@@ -89,15 +94,32 @@ def ingest(args: argparse.Namespace) -> None:
 
 
 def latency(args: argparse.Namespace) -> None:
-    cluster = pg.start_cluster()
-    try:
+    with _databases(args.db) as fresh:
         for world in [int(n) for n in args.ranks.split(",")]:
-            with cluster.database() as url:
+            with fresh() as url:
                 server = ServerProcess(url, free_port(), **ALIVE).start()
                 try:
-                    print(_latency_at(server, world, args), flush=True)
+                    print(f"[{args.db}] {_latency_at(server, world, args)}", flush=True)
                 finally:
                     server.stop()
+
+
+@contextmanager
+def _databases(kind: str) -> Iterator[Callable[[], AbstractContextManager[str]]]:
+    """Fresh empty databases of ``kind``: a throwaway PostgreSQL's, or SQLite files."""
+    if kind == "sqlite":
+        with tempfile.TemporaryDirectory() as tmp:
+            made = iter(range(1_000))
+
+            @contextmanager
+            def sqlite_file() -> Iterator[str]:
+                yield f"sqlite:///{tmp}/nand{next(made)}.db"
+
+            yield sqlite_file
+        return
+    cluster = pg.start_cluster()
+    try:
+        yield cluster.database
     finally:
         cluster.stop()
 
@@ -172,7 +194,10 @@ def populate(path: Path, ranks: int, copies: int) -> None:
 
 
 def _copy(path: Path, ranks: int, copies: int) -> None:
-    """The run's rank rows, first events and heartbeats again under ranks + k * ranks."""
+    """The run's rank rows, first events and heartbeats again under ranks + k * ranks.
+
+    The run's tally (``run_tallies``) follows by itself: the triggers that keep it
+    fire on these inserts and updates as on the ingest's (migration 0013)."""
     db = sqlite3.connect(path)
     (run_id,) = db.execute("select id from runs where name = 'wide'").fetchone()
     for k in range(1, copies):
@@ -203,7 +228,7 @@ def reads(args: argparse.Namespace) -> None:
         path = Path(args.db or f"{tmp}/nand.db")
         if not path.exists():
             populate(path, args.ranks, args.copies)
-        for label, env in (("alive", ALIVE), ("every rank lost", {})):
+        for label, env in (("alive", ALIVE), ("every rank lost", LOST)):
             server = ServerProcess(f"sqlite:///{path}", free_port(), **env).start()
             try:
                 _time_reads(server, label)
@@ -250,6 +275,7 @@ def main() -> None:
     two.add_argument("--probes", type=int, default=20)
     two.add_argument("--probe-at", type=float, default=10.0)
     two.add_argument("--procs", type=int, default=2)
+    two.add_argument("--db", choices=("postgresql", "sqlite"), default="postgresql")
     three = sub.add_parser("reads")
     three.add_argument("--ranks", type=int, default=20_000)
     three.add_argument("--copies", type=int, default=5)

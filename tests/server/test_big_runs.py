@@ -20,10 +20,10 @@ from sqlalchemy.orm import Session
 
 from nand import wire
 from nand.server.agents.writer import write_batch
-from nand.server.analysis import bigrun, rankpage, series, views
+from nand.server.analysis import bigrun, correlate, rankpage, series, views
 from nand.server.settings import Settings
 from nand.server.storage import migrate, store
-from nand.server.storage.models import Run
+from nand.server.storage.models import Run, RunTally
 
 
 def _hello(run: str, rank: int, world: int) -> dict[str, Any]:
@@ -35,14 +35,16 @@ def _hello(run: str, rank: int, world: int) -> dict[str, Any]:
 
 
 class VmSteps:
-    """SQLite virtual-machine instructions run on ``engine``'s connections, in thousands."""
+    """SQLite virtual-machine instructions run on ``engine``'s connections, in
+    thousands (``per``: instructions per count)."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, per: int = 1000) -> None:
         self.count = 0
+        self.per = per
         event.listen(engine, "connect", self._connected)
 
     def _connected(self, dbapi_connection: Any, _record: Any) -> None:
-        dbapi_connection.set_progress_handler(self._tick, 1000)
+        dbapi_connection.set_progress_handler(self._tick, self.per)
 
     def _tick(self) -> int:
         self.count += 1
@@ -237,3 +239,83 @@ def test_a_new_event_in_a_big_run_shows_in_the_next_verdict(mixed) -> None:
         )
     assert quiet in counted.ranks_affected
     assert counted.model_dump() == recounted.model_dump()
+
+
+def recounted_tally(session: Session, run: Run) -> dict[str, int]:
+    """The run's tally recounted from every rank row (``correlate``'s rules)."""
+    rows = store.ranks_of(session, [run.id])[run.id]
+    diverged = [rank for rank, first in rows if first is not None]
+    others = [rank for rank, first in rows if first is None]
+    crashed = [r for r in others if correlate.crashed_bye(r.bye_reason or "")]
+    return {
+        "ranks": len(rows),
+        "diverged": len(diverged),
+        "diverged_gone": sum(1 for r in diverged if r.finished_at is not None),
+        "crashed": len(crashed),
+        "finished": sum(1 for r in others if r.finished_at is not None) - len(crashed),
+    }
+
+
+def kept_tally(session: Session, run: Run) -> dict[str, int]:
+    row = session.get(RunTally, run.id)
+    assert row is not None
+    return {name: getattr(row, name) for name in ("ranks", "diverged", "diverged_gone")} | {
+        "crashed": row.crashed,
+        "finished": row.finished,
+    }
+
+
+@pytest.mark.parametrize("name", ["narrow", "wide"])
+def test_the_tallies_kept_by_the_ingest_equal_the_ranks_recounted(mixed, name: str) -> None:
+    engine, _ = mixed
+    with Session(engine) as session:
+        run = _run(session, name)
+        recounted = recounted_tally(session, run)
+        assert all(recounted.values()), recounted  # (every class occurs)
+        assert kept_tally(session, run) == recounted
+
+
+def _calm_run(engine: Engine, run: str, world: int, now: float) -> None:
+    """Every rank alive and reporting; two in three received a NaN, rank 7 produced it."""
+    messages = []
+    for r in range(world):
+        hello = {"world_size": world, "host": f"n{r // 8}", "pid": r + 1}
+        messages += [
+            _message(run, r, 1, "hello", hello),
+            _message(run, r, 2, "heartbeat", {"step": 3, "steps_per_s": 1.0}),
+        ]
+        if r == 7:
+            messages.append(_message(run, r, 3, "event", _nan(r, 2, "forward", "produced", world)))
+        elif r % 3:
+            messages.append(_message(run, r, 3, "event", _nan(r, 2, "grad", "received", world)))
+    for start in range(0, len(messages), 2000):
+        write_batch(engine, messages[start : start + 2000], now)
+
+
+def test_a_big_runs_ranks_page_verdict_and_summary_read_as_much_at_3000_ranks_as_at_600(
+    tmp_path,
+) -> None:
+    engine = create_engine(f"sqlite:///{tmp_path / 'n.db'}")
+    steps = VmSteps(engine, per=100)
+    migrate.upgrade(engine)
+    now = time.time()
+    _calm_run(engine, "narrow", 600, now)
+    _calm_run(engine, "wide", 3000, now)
+
+    def cost(name: str, call: Callable[[Session, Run], object]) -> int:
+        with Session(engine) as session:
+            run = _run(session, name)
+            call(session, run)  # (a verdict keeps the spread: the next one is a poll)
+            before = steps.count
+            call(session, run)
+            return steps.count - before
+
+    for call in (
+        lambda s, run: rankpage.rank_page(s, run, SETTINGS, now, 400, 100),
+        lambda s, run: bigrun.verdict(s, run, SETTINGS, now),
+        lambda s, run: rankpage.run_summary(s, run, SETTINGS, now),
+    ):
+        narrow, wide = cost("narrow", call), cost("wide", call)
+        # Counting the ranks by state read every rank row (5 times more here); the
+        # slack: a few index levels more, and the counter's granularity.
+        assert wide < 1.5 * narrow + 10, (narrow, wide)

@@ -8,13 +8,13 @@ import time
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import inspect, text
+from sqlalchemy import inspect, select, text
 
 from nand import wire
 from nand.server.agents.writer import write_batch
 from nand.server.storage import migrate
 from nand.server.storage.db import make_engine
-from nand.server.storage.models import Base
+from nand.server.storage.models import Base, Run
 
 
 def test_empty_database_upgrades_to_head_and_models_match_it(db_url) -> None:
@@ -81,4 +81,23 @@ def test_a_database_of_revision_0002_upgrades_to_attempts_and_takes_a_rerun(db_u
         query = "SELECT attempt, launch, superseded_at IS NULL FROM runs ORDER BY attempt"
         rows = conn.execute(text(query)).all()
     assert [tuple(r) for r in rows] == [(1, "uid-1", False), (2, "uid-2", True)]
+    engine.dispose()
+
+
+def test_a_database_of_revision_0012_upgrades_to_tallies_that_count_its_ranks(db_url) -> None:
+    from sqlalchemy.orm import Session
+
+    from tests.server.test_big_runs import _mixed_run, kept_tally, recounted_tally
+
+    engine = make_engine(db_url)
+    migrate.upgrade(engine, "0012")
+    _mixed_run(engine, "before", 70, time.time())  # (every kind of rank, written at 0012)
+    migrate.upgrade(engine)
+    _mixed_run(engine, "after", 70, time.time())
+    with Session(engine) as session:
+        for name in ("before", "after"):
+            run = session.scalars(select(Run).where(Run.name == name)).one()
+            recounted = recounted_tally(session, run)
+            assert all(recounted.values()), (name, recounted)
+            assert kept_tally(session, run) == recounted, name
     engine.dispose()

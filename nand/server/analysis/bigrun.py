@@ -1,95 +1,60 @@
-"""A run of thousands of ranks, summarised by the database: counts by state, the
-failing ranks and each diverged rank's relation, each in one SQL statement.
+"""A run of thousands of ranks, summarised without reading every rank row: counts
+by state, the failing ranks and each diverged rank's relation.
 
 ``views.verdict`` loads every rank row and its first event: 1.4 s at 20,000
-ranks. Here the states are decided by one ``CASE`` over the rank rows (the
-same order as ``correlate.rank_state``), counted with ``GROUP BY``; only the
-ranks that failed (lost, crashed, stalled) come back as rows; the origin is
-the least cached first key (``rankpage``, indexed); and each diverged rank's
-relation to it is another ``CASE`` (``correlate.relation``), so the rows read
-per request are a few columns of the diverged ranks, no ORM object. The
-number of statements does not depend on the number of ranks. The answer is
-the one ``views.verdict`` gives (``tests/server/test_big_runs.py`` holds
-them equal); the API takes this path for a run of more than
-``Settings.big_run_ranks`` ranks.
+ranks. Here the counts by state are the run's tally kept by the ingest and two
+indexed range counts (:mod:`nand.server.analysis.counts`); only the ranks that
+failed (lost, crashed, stalled) come back as rows, each kind from an index; the
+origin is the least cached first key (``ix_ranks_first_key``, its first
+entry); and each diverged rank's relation to it is a ``CASE``
+(``correlate.relation``), read once per new event (:data:`SPREAD`). The number
+of statements does not depend on the number of ranks, nor, between events,
+the rows they read (failing ranks aside). The answer is the one
+``views.verdict`` gives (``tests/server/test_big_runs.py`` holds them equal);
+the API takes this path for a run of more than ``Settings.big_run_ranks``
+ranks.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any, cast
 
-from sqlalchemy import ColumnElement, ScalarSelect, Select, and_, case, func, or_, select, tuple_
+from sqlalchemy import ColumnElement, ScalarSelect, Select, and_, case, or_, select, tuple_
 from sqlalchemy.orm import Session
 
-from nand.events import RankState, Relation
-from nand.server.analysis import alerts, correlate, losses, replicas, runsummary, summary, views
+from nand.events import Relation
+from nand.server.analysis import (
+    alerts,
+    correlate,
+    counts,
+    losses,
+    replicas,
+    runsummary,
+    summary,
+    views,
+)
 from nand.server.analysis.failures import RankFacts
 from nand.server.analysis.origins import origin_out, to_event
 from nand.server.http.schemas import RunDetail, RunSummary, Verdict
 from nand.server.settings import Settings
 from nand.server.storage.models import EventRow, Rank, Run
 
-#: Diverged ranks are not failures of their own (the origin is); live ranks are not failing.
-FAILING: tuple[RankState, ...] = ("lost", "crashed", "stalled")
-
-
-def state_of(settings: Settings, now: float) -> ColumnElement[str]:
-    """A rank row's state in SQL: ``correlate.rank_state``'s order and thresholds."""
-    exception = func.substr(Rank.bye_reason, 1, 10) == "exception:"
-    # (LIKE ignores ASCII case on SQLite: a type named "stoprequested" would read as a stop.)
-    crashed = and_(exception, ~Rank.bye_reason.contains("StopRequested"))
-    return case(
-        (Rank.first_event_id.is_not(None), "diverged"),
-        (crashed, "crashed"),
-        (Rank.finished_at.is_not(None), "finished"),
-        (Rank.last_seen < now - settings.lost_after_s, "lost"),
-        (Rank.step_changed_at < now - settings.stalled_after_s, "stalled"),
-        else_="running",
-    )
-
-
-def state_counts(
-    session: Session, run_id: int, settings: Settings, now: float
-) -> tuple[dict[RankState, int], int, int]:
-    """Ranks by state, how many a stop can still reach, and the latest step."""
-    state = state_of(settings, now).label("state")
-    statement = (
-        select(state, Rank.finished_at.is_(None), func.count(), func.max(Rank.step))
-        .where(Rank.run_id == run_id)
-        .group_by(state, Rank.finished_at.is_(None))
-    )
-    counts: Counter[RankState] = Counter()
-    live, latest = 0, 0
-    for name, unfinished, count, step in session.execute(statement):
-        counts[cast(RankState, name)] += count
-        live += count if unfinished and name in views.LIVE_STATES else 0
-        latest = max(latest, step or 0)
-    return dict(counts), live, latest
+#: The columns of a rank row that :func:`facts` reads (also rankpage's, for small runs).
+FACT_COLUMNS = counts.FACT_COLUMNS
 
 
 def failing_facts(
-    session: Session, run_id: int, settings: Settings, now: float, also: int | None = None
+    session: Session,
+    run_id: int,
+    settings: Settings,
+    now: float,
+    tally: counts.StateCounts,
+    also: int | None = None,
 ) -> list[RankFacts]:
     """The facts of the ranks that failed (and of rank ``also``: the origin's)."""
-    state = state_of(settings, now)
-    wanted = state.in_(FAILING) if also is None else or_(state.in_(FAILING), Rank.rank == also)
-    rows = session.execute(select(*FACT_COLUMNS).where(Rank.run_id == run_id, wanted))
+    crashed = tally.states.get("crashed", 0) > 0
+    rows = counts.failing_ranks(session, run_id, settings, now, crashed, also)
     return [facts(*row) for row in rows]
-
-
-#: The columns of a rank row that :func:`facts` reads (also rankpage's, for small runs).
-FACT_COLUMNS = (
-    Rank.rank,
-    Rank.step,
-    Rank.last_seen,
-    Rank.step_changed_at,
-    Rank.first_event_id.is_not(None),
-    Rank.finished_at,
-    Rank.bye_reason,
-    Rank.steps_per_s,
-    Rank.dropped,
-)
 
 
 def facts(*row: Any) -> RankFacts:
@@ -113,7 +78,7 @@ def origin(session: Session, run_id: int) -> EventRow | None:
     statement = (
         select(EventRow)
         .join(Rank, EventRow.id == Rank.first_event_id)
-        .where(Rank.run_id == run_id)
+        .where(Rank.run_id == run_id, Rank.first_event_id.is_not(None))  # (ix_ranks_first_key)
         .order_by(
             Rank.first_step,
             Rank.first_micro_step,
@@ -134,15 +99,16 @@ def same_point(session: Session, run_id: int, head: EventRow) -> list[int]:
         .where(
             and_(
                 Rank.run_id == run_id,
+                Rank.first_event_id.is_not(None),
                 Rank.first_step == head.step,
                 Rank.first_micro_step == head.micro_step,
                 Rank.first_phase_rank == head.phase_rank,
                 EventRow.module == head.module,
             )
         )
-        .order_by(Rank.rank)
     )
-    return list(session.scalars(statement))
+    # (sorted here: an ORDER BY rank would walk the run's ranks by ix_ranks_run_rank)
+    return sorted(session.scalars(statement))
 
 
 def relation_of(head: EventRow) -> ColumnElement[str]:
@@ -186,28 +152,28 @@ def verdict(session: Session, run: Run, settings: Settings, now: float) -> Verdi
     """``views.verdict`` of a big run, from the statements above."""
     settings = settings.for_world(run.world_size)
     head = origin(session, run.id)
-    counts, live, latest = state_counts(session, run.id, settings, now)
-    ranks = failing_facts(session, run.id, settings, now, head.rank if head else None)
+    tally = counts.state_counts(session, run, settings, now)
+    ranks = failing_facts(session, run.id, settings, now, tally, head.rank if head else None)
     together = same_point(session, run.id, head) if head is not None else []
     facts = runsummary.RunFacts(ranks, head, together)
     states = runsummary.rank_states(facts, settings, now)
     found = runsummary.failures_of(facts, states, settings)
     # (run_state reads which states occur, not which rank is in which)
-    state = runsummary.run_state(run, found, dict(enumerate(counts)))
-    common = _common(session, run, state, found, live, settings)
+    state = runsummary.run_state(run, found, dict(enumerate(tally.states)))
+    common = _common(session, run, state, found, tally.live, settings)
     if head is None:
         failed = views.failures_text(found, settings, "")
         text = views.joined(views.replica_text(run, state), failed)
-        world = sum(counts.values())
-        calm = summary.calm_summary(state, [latest] * world)
+        # (a rank's step only grows, as the run's latest does: the same maximum)
+        calm = summary.calm_summary(state, [run.latest_step] * tally.ranks)
         return Verdict(**common, summary=text or calm)
-    return _diverged(session, run, head, together, common, found, state, settings)
+    return _diverged(session, run, head, together, common, found, state, settings, tally.ranks)
 
 
 def _common(
     session: Session, run: Run, state: str, found: list, live: int, settings: Settings
 ) -> dict[str, Any]:
-    gaps = losses.per_rank(session.scalars(_with_drops(run.id)))
+    gaps = losses.per_rank(session.scalars(with_drops(run.id)))
     return {
         "run": run.name,
         **views.attempt_fields(run),
@@ -224,7 +190,8 @@ def _common(
     }
 
 
-def _with_drops(run_id: int) -> Select[Rank]:
+def with_drops(run_id: int) -> Select[Rank]:
+    """The run's ranks that reported losses (``ix_ranks_dropped``)."""
     return select(Rank).where(Rank.run_id == run_id, Rank.dropped.is_not(None))
 
 
@@ -246,11 +213,12 @@ def _diverged(
     found: list,
     state: str,
     settings: Settings,
+    ranks_seen: int,
 ) -> Verdict:
     head = to_event(head_row)
     evidence = views.origin_evidence(session, run.id, head)
     hint = correlate.hint(head, evidence)
-    world = max(run.world_size, session.scalar(_rank_count(run.id)) or 0)
+    world = max(run.world_size, ranks_seen)
     device = session.scalar(select(Rank.device).where(Rank.id == _rank_id(run.id, head.rank)))
     where = str(session.get_bind().engine.url)
     key = (where, run.id, run.event_count, head_row.id, world, hint, repr(evidence), device or "")
@@ -298,10 +266,6 @@ def _spread(session: Session, run_id: int, head_row: EventRow, key: tuple[Any, .
     return sorted(rel), received, any(k == "simultaneous" for k in rel.values()), sentence
 
 
-def _rank_count(run_id: int) -> Select[int]:
-    return select(func.count()).select_from(Rank).where(Rank.run_id == run_id)
-
-
 def _rank_id(run_id: int, rank: int) -> ScalarSelect[int]:
     return select(Rank.id).where(Rank.run_id == run_id, Rank.rank == rank).scalar_subquery()
 
@@ -309,8 +273,8 @@ def _rank_id(run_id: int, rank: int) -> ScalarSelect[int]:
 def run_detail(session: Session, run: Run, settings: Settings, now: float) -> RunDetail:
     """``views.run_detail`` of a big run: its summary is read off its verdict."""
     found = verdict(session, run, settings, now)
-    gaps = losses.per_rank(session.scalars(_with_drops(run.id)))
-    ranks_seen = session.scalar(_rank_count(run.id)) or 0
+    gaps = losses.per_rank(session.scalars(with_drops(run.id)))
+    ranks_seen = counts.ranks_seen(session, run.id)
     summary_ = RunSummary(
         run=run.name,
         **views.attempt_fields(run),

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -60,7 +61,17 @@ def _event_fields(row: EventRow, run: str) -> Event:
 def event_out(row: EventRow, run: str) -> EventOut:
     event = to_event(row, run)
     # JSON has no NaN/inf: ``values`` keeps in words what min/max said.
-    return EventOut(id=row.id, values=value_kinds(event), **json_safe(event.to_dict()))
+    return EventOut(id=row.id, values=value_kinds(event), **json_safe(_fields(event)))
+
+
+#: An event's field names. Its fields are flat (``shape`` a list of ints, which
+#: ``json_safe`` copies), so a page of 500 ranks need not pay for ``dataclasses.asdict``'s
+#: deep copy (two thirds of a /ranks page's time at 100,000 ranks).
+_FIELDS = tuple(field.name for field in dataclasses.fields(Event))
+
+
+def _fields(event: Event) -> dict[str, object]:
+    return {name: getattr(event, name) for name in _FIELDS}
 
 
 def origin_row(ranks: RankRows) -> EventRow | None:

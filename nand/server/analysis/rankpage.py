@@ -5,9 +5,11 @@ comes a page at a time, in rank order, keyed by rank (``after``): a rank that
 reports while a client pages is never listed twice. What a rank's relation
 depends on is read without loading every rank: the origin is the least cached
 first key over the rank rows (one indexed query), and whether another rank
-went non-finite at the same point is one more. The counts by state read a few
-columns of every rank row, no event. :func:`run_summary` builds a run's
-summary the same way (what the event streams' poller sends for a big run).
+went non-finite at the same point is one more. The counts by state are the
+run's tally kept by the ingest and two indexed range counts
+(:mod:`nand.server.analysis.counts`): no request reads every rank row.
+:func:`run_summary` builds a run's summary the same way (what the event
+streams' poller sends for a big run).
 """
 
 from __future__ import annotations
@@ -16,8 +18,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from nand.events import Relation
-from nand.server.analysis import bigrun, correlate, runsummary, views
-from nand.server.analysis.failures import RankFacts
+from nand.server.analysis import bigrun, correlate, counts, losses, runsummary, views
 from nand.server.analysis.runsummary import RunFacts
 from nand.server.http.schemas import RankPage, RunSummary
 from nand.server.settings import Settings
@@ -33,16 +34,16 @@ def rank_page(
     rows = _page_rows(session, run.id, after, limit + 1)
     more = len(rows) > limit
     rows = rows[:limit]
-    states = bigrun.state_counts(session, run.id, settings, now)[0]
+    counted = counts.state_counts(session, run, settings, now)
     relations = _relations(session, run.id, [e for _, e in rows if e is not None])
     flights = store.ranks_with_flight(session, run.id)
     items = views.rank_statuses(run, rows, settings, now, flights, relations)
     return RankPage(
         items=items,
-        total=sum(states.values()),
+        total=counted.ranks,
         limit=limit,
         next_after=rows[-1][0].rank if more else None,
-        states=states,
+        states=counted.states,
     )
 
 
@@ -61,12 +62,6 @@ def _page_rows(
     return [(rank, event) for rank, event in session.execute(statement).all()]
 
 
-def _rank_facts(session: Session, run_id: int) -> list[RankFacts]:
-    """Every rank's facts from a few columns of its row (no event, no ORM object)."""
-    rows = session.execute(select(*bigrun.FACT_COLUMNS).where(Rank.run_id == run_id))
-    return [bigrun.facts(*row) for row in rows]
-
-
 def _relations(session: Session, run_id: int, firsts: list[EventRow]) -> dict[int, Relation]:
     head = bigrun.origin(session, run_id)
     if head is None or not firsts:
@@ -77,13 +72,15 @@ def _relations(session: Session, run_id: int, firsts: list[EventRow]) -> dict[in
     )
 
 
-def run_facts(session: Session, run: Run) -> RunFacts:
-    """A run's facts without loading every rank row and first event."""
-    head = bigrun.origin(session, run.id)
-    together = bigrun.same_point(session, run.id, head) if head is not None else []
-    return RunFacts(_rank_facts(session, run.id), head, together)
-
-
 def run_summary(session: Session, run: Run, settings: Settings, now: float) -> RunSummary:
-    """The run's summary (``runsummary.build``) from :func:`run_facts`."""
-    return runsummary.build(run, run_facts(session, run), settings, now)
+    """The run's summary (``runsummary.build``) from its failing ranks, origin and
+    tally: the same as from every rank (``tests/server/test_scale.py``)."""
+    counted = settings.for_world(run.world_size)
+    head = bigrun.origin(session, run.id)
+    tally = counts.state_counts(session, run, counted, now)
+    also = head.rank if head is not None else None
+    failing = bigrun.failing_facts(session, run.id, counted, now, tally, also)
+    together = bigrun.same_point(session, run.id, head) if head is not None else []
+    gaps = losses.per_rank(session.scalars(bigrun.with_drops(run.id)))
+    seen = runsummary.Seen(tally.ranks, set(tally.states), losses.summed(gaps.values()))
+    return runsummary.build(run, RunFacts(failing, head, together), settings, now, seen)

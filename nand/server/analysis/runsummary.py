@@ -3,15 +3,15 @@ one function, :func:`build`, from a run's :class:`RunFacts`.
 
 The facts come two ways: from every rank row and its first event, loaded
 whole (:func:`of_rows`: a small run, or the verdict's rows), or for a run of
-thousands of ranks from a light query of a few columns per rank and two
-indexed queries for the origin (``rankpage.run_facts``). Either way the
+thousands of ranks from indexed queries of its failing ranks and origin and
+the run's tally (``rankpage.run_summary``, with :class:`Seen`). Either way the
 fields, the rank states, the order of the failures (:mod:`nand.server.analysis.failures`)
 and the run's state are decided here, once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from nand.events import RankState, RunState
@@ -30,6 +30,16 @@ class RunFacts:
     ranks: Sequence[RankFacts]
     head: EventRow | None = None
     together: Sequence[int] = ()
+
+
+@dataclass(frozen=True)
+class Seen:
+    """What a big run's summary takes from its tally instead of every rank's facts
+    (``rankpage.run_summary``): how many ranks, which states occur, the losses summed."""
+
+    ranks: int
+    states: Collection[RankState]
+    dropped: dict[str, int]
 
 
 def rank_facts(rank: Rank, diverged: bool) -> RankFacts:
@@ -76,26 +86,34 @@ def run_state(run: Run, found: Sequence[Failure], states: dict[int, RankState]) 
     return replicas.run_state(failures.run_state(found, states), run)
 
 
-def build(run: Run, facts: RunFacts, settings: Settings, now: float) -> RunSummary:
-    """The run's summary: every field of :class:`RunSummary` is decided here."""
+def build(
+    run: Run, facts: RunFacts, settings: Settings, now: float, seen: Seen | None = None
+) -> RunSummary:
+    """The run's summary: every field of :class:`RunSummary` is decided here.
+
+    ``facts``: every rank's, or with ``seen`` only the failing ranks' and the origin's."""
     settings = settings.for_world(run.world_size)
     states = rank_states(facts, settings, now)
-    dropped = losses.summed(r.dropped for r in facts.ranks)
+    if seen is None:
+        dropped = losses.summed(r.dropped for r in facts.ranks)
+        seen = Seen(len(facts.ranks), set(states.values()), dropped)
     head = facts.head
+    # (run_state reads which states occur, not which rank is in which)
+    occurring = dict(enumerate(seen.states))
     return RunSummary(
         run=run.name,
         attempt=run.attempt,
         launch=run.launch,
         live=run.superseded_at is None,
-        state=run_state(run, failures_of(facts, states, settings), states),
-        world_size=max(run.world_size, len(facts.ranks)),
-        ranks_seen=len(facts.ranks),
+        state=run_state(run, failures_of(facts, states, settings), occurring),
+        world_size=max(run.world_size, seen.ranks),
+        ranks_seen=seen.ranks,
         latest_step=run.latest_step,
         started_at=run.started_at,
         last_seen=run.last_seen,
         event_count=run.event_count,
         warnings=run.warning_count,
         origin=origin_out(head, [], list(facts.together)) if head is not None else None,
-        messages_dropped=losses.total(dropped),
-        dropped=dropped,
+        messages_dropped=losses.total(seen.dropped),
+        dropped=seen.dropped,
     )

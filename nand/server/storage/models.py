@@ -21,6 +21,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -70,9 +71,33 @@ class Run(Base):
     warning_count: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
 
+#: A rank that has neither diverged nor said bye: lost, stalled or running by the clock.
+RANK_OPEN = "first_event_id IS NULL AND finished_at IS NULL"
+#: A rank's cached first event's logical key (and its rank: ties go to the lowest).
+FIRST_KEY = ("run_id", "first_step", "first_micro_step", "first_phase_rank", "first_order", "rank")
+#: A rank that said bye without diverging: crashed or finished.
+RANK_CLOSED = "first_event_id IS NULL AND finished_at IS NOT NULL"
+
+
+def _partial(name: str, where: str, *columns: str) -> Index:
+    """An index of the rows ``where`` holds (SQLite and PostgreSQL both have them)."""
+    return Index(name, *columns, sqlite_where=text(where), postgresql_where=text(where))
+
+
 class Rank(Base):
     __tablename__ = "ranks"
-    __table_args__ = (Index("ix_ranks_run_rank", "run_id", "rank", unique=True),)
+    __table_args__ = (
+        Index("ix_ranks_run_rank", "run_id", "rank", unique=True),
+        # A big run's lost and stalled ranks, counted by range (nand.server.analysis.counts):
+        _partial("ix_ranks_open_seen", RANK_OPEN, "run_id", "last_seen"),
+        # (last_seen too: the stalled count reads no row; the entry moves on each
+        # heartbeat anyway, as its step moves on)
+        _partial("ix_ranks_open_step", RANK_OPEN, "run_id", "step_changed_at", "last_seen"),
+        _partial("ix_ranks_closed", RANK_CLOSED, "run_id", "rank"),
+        _partial("ix_ranks_dropped", "dropped IS NOT NULL", "run_id", "rank"),
+        # The origin: the least first key of the diverged ranks (bigrun.origin).
+        _partial("ix_ranks_first_key", "first_event_id IS NOT NULL", *FIRST_KEY),
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
@@ -102,6 +127,25 @@ class Rank(Base):
     #: the sum over its agents of each one's latest cumulative count (``drops``);
     #: null: none reported.
     dropped: Mapped[dict[str, int] | None] = mapped_column(JSON, nullable=True)
+
+
+class RunTally(Base):
+    """A run's ranks counted by what the ingest knows, in ``correlate.rank_state``'s
+    order: every rank seen, diverged (has a first non-finite event; ``diverged_gone``:
+    and said bye), and of the others crashed (a bye with an exception) and
+    finished (any other bye). Kept by triggers on ``ranks`` (migration 0013) in the
+    transaction that changes a rank, as ``n = n + d`` on this row, so several
+    servers on one database never lose an update. The rest are open ranks: lost,
+    stalled or running by the clock (``nand.server.analysis.counts``)."""
+
+    __tablename__ = "run_tallies"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    ranks: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    diverged: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    diverged_gone: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    crashed: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    finished: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
 
 class EventRow(Base):
