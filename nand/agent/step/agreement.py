@@ -64,7 +64,10 @@ def settle_shards(
     cache = source if isinstance(source, ParamCache) else None
     params = [p for p in cache.params() if usable(p)] if cache is not None else []
     unnamed = finding is not None and finding.phase == "forward" and not finding.module
-    own = _first_bad(params) if unnamed else len(params)
+    # The owner says which shard too, whether it named it itself (a parameter
+    # found behind its forward) or not: the others name its module from it.
+    owner = mine and finding is not None and finding.phase == "param"
+    own = _first_bad(params) if unnamed or owner else len(params)
     figures = torch.tensor([1.0 if mine else 0.0, -float(own)], device=device)
     _all_reduce_max(figures, "the parameter-shard check")
     someone_made_it, first = figures[0].item() > 0, int(-figures[1].item())
