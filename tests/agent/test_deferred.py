@@ -288,14 +288,18 @@ def test_deferred_reads_the_host_once_per_step_and_adds_no_sync():
 # --- skip on the device -----------------------------------------------------------
 
 
+def _fused(kind: str, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """An optimizer that can skip an update on the device (``fused=True``)."""
+    if kind == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    return torch.optim.SGD(model.parameters(), lr=1e-2, fused=True)
+
+
 @pytest.mark.parametrize("fused", ["adamw", "sgd"])
 def test_skip_on_the_device_keeps_the_weights_and_the_gradients(fused, caplog):
     caplog.set_level(logging.WARNING, logger="nand")
     model = mlp(plant_after=0)
-    if fused == "adamw":
-        opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
-    else:
-        opt = torch.optim.SGD(model.parameters(), lr=1e-2, fused=True)
+    opt = _fused(fused, model)
     before_bad: list[torch.Tensor] = []
     after_bad: list[torch.Tensor] = []
     arm = arm_on_batch(model, model[1], 2, math.nan)
@@ -355,10 +359,7 @@ def test_light_warn_read_late_skips_the_bad_update_on_the_device_and_replays_it_
     the weights step 2 ran with, and names the module as the full mode does."""
     caplog.set_level(logging.WARNING, logger="nand")
     model = mlp(plant_after=0)
-    if fused == "adamw":
-        opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
-    else:
-        opt = torch.optim.SGD(model.parameters(), lr=1e-2, fused=True)
+    opt = _fused(fused, model)
     arm = arm_on_batch(model, model[1], 2, math.nan)
     weights: dict[str, list[torch.Tensor]] = {}
     with nand.watch(model, opt, mode="light", read="deferred") as w:  # (on_nonfinite="warn")
