@@ -20,7 +20,7 @@ def test_every_part_is_left_out_and_timed() -> None:
     assert done.returncode == 0, done.stderr
     timed = {line[2:26].strip() for line in done.stdout.splitlines() if line.startswith("  ")}
     parts = ["early warnings", "analysis", "update plan", "bias-gradient probes", "input probe"]
-    parts += ["forward probes", "inline checks", "gradient norms"]
+    parts += ["forward probes", "inline checks", "gradient norms", "held for replay"]
     expected = {"none", "nand", "hooks only", *(f"- {part}" for part in parts)}
     assert timed == expected, done.stdout
     # A part whose patch broke nand would switch it off, which nand logs.
