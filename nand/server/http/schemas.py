@@ -37,9 +37,7 @@ class EventOut(BaseModel):
     module_type: str
     order: int
     cause: Cause
-    #: For a received value, the collective it came through ("the gradient
-    #: all-reduce", ...; ``nand.events.Event.via``); "" when not known.
-    via: str = ""
+    via: str = ""  # a received value: the collective it came through (Event.via)
     call: int = 0
     nan: int | None = None
     posinf: int | None = None
