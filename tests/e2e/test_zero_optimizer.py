@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch.multiprocessing as mp
 
+from nand.events import VIA_ZERO_BROADCAST
 from nand.testing import free_port
 from tests.e2e import zero_job
 from tests.e2e.conftest import embedded_test_server
@@ -64,6 +65,7 @@ def test_the_rank_whose_shard_update_made_the_parameter_inf_produced_it_the_othe
     received = results[("zero-lr", 0)]["nand"]["first"]
     assert _first(produced) == ("param", param, PLANTED_STEP, 0, "produced")
     assert _first(received) == ("param", param, PLANTED_STEP, 0, "received")
+    assert received["via"] == VIA_ZERO_BROADCAST and produced["via"] == ""
 
     verdict = _verdict(job, "zero-lr")
     origin = verdict["origin"]
@@ -73,6 +75,7 @@ def test_the_rank_whose_shard_update_made_the_parameter_inf_produced_it_the_othe
     assert origin["cause"] == "produced" and not verdict["simultaneous"]
     assert verdict["ranks_received"] == [0], verdict["summary"]
     assert f"rank {PLANTED_RANK} produced" in verdict["summary"]
+    assert f"rank 0 received it through {VIA_ZERO_BROADCAST}" in verdict["summary"]
 
 
 def test_every_rank_making_its_own_shard_non_finite_at_one_update_is_simultaneous(job):
@@ -108,6 +111,7 @@ def test_a_nan_in_one_ranks_optimizer_state_is_its_finding_and_the_parameter_it_
         "optimizer_state", f"{param}:exp_avg_sq", PLANTED_STEP, 0, "produced",
     )  # fmt: skip
     assert _first(received) == ("param", param, PLANTED_STEP + 1, 0, "received")
+    assert received["via"] == VIA_ZERO_BROADCAST
 
     verdict = _verdict(job, "zero-state")
     origin = verdict["origin"]
@@ -115,6 +119,7 @@ def test_a_nan_in_one_ranks_optimizer_state_is_its_finding_and_the_parameter_it_
         PLANTED_RANK, "optimizer_state", PLANTED_STEP,
     )  # fmt: skip
     assert verdict["ranks_received"] == [0] and not verdict["simultaneous"]
+    assert f"rank 0 received it through {VIA_ZERO_BROADCAST}" in verdict["summary"]
 
 
 def test_a_healthy_zero_run_is_silent_and_its_losses_are_bit_identical_to_the_run_without_nand(
@@ -155,3 +160,4 @@ def test_stop_stops_every_rank_at_the_same_step_the_receiver_with_stop_requested
     # broadcast): none waits for the other.
     assert producer["left_at"] == receiver["left_at"] == PLANTED_STEP + 1
     assert _first(receiver["first"])[4] == "received"
+    assert receiver["first"]["via"] == VIA_ZERO_BROADCAST

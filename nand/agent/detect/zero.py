@@ -10,7 +10,7 @@ non-finite therefore arrives here through that broadcast:
 - a non-finite parameter in this rank's own shard was made here: ``produced``
   (the update read finite gradients, or a ``grad`` finding would come first);
 - one in another rank's shard, while this rank's own shard is finite, was
-  ``received``, through ``ZeRO's parameter broadcast`` (:data:`VIA`);
+  ``received``, through "ZeRO's parameter broadcast" (``VIA_ZERO_BROADCAST``);
 - when every rank's own shard went non-finite, each rank reports its own:
   all of them made one.
 
@@ -29,8 +29,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-#: The collective a parameter from another rank's shard comes through.
-VIA = "ZeRO's parameter broadcast"
+from nand.events import VIA_ZERO_BROADCAST
 
 
 def is_zero(optimizer: Any) -> bool:
@@ -116,7 +115,7 @@ def settle_zero(finding: Any, cache: ParamSites | None) -> Any:
         )  # fmt: skip
     owner = shard.owner(p)
     who = f"rank {owner}'s" if owner is not None else "another rank's"
-    note = f"updated by {who} shard of the ZeRO optimizer; {VIA} brought it here"
-    finding.cause = "received"
+    note = f"updated by {who} shard of the ZeRO optimizer; {VIA_ZERO_BROADCAST} brought it here"
+    finding.cause, finding.via = "received", VIA_ZERO_BROADCAST
     finding.note = f"{finding.note}; {note}" if finding.note else note
     return finding
