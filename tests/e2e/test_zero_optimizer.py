@@ -32,8 +32,8 @@ Results = dict[tuple[str, int], dict[str, Any]]
 def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Results, str]]:
     """The job's results per (run, rank), and the server's HTTP address."""
     folder: Path = tmp_path_factory.mktemp("zero")
-    with embedded_test_server(folder) as server:
-        results = mp.Manager().dict()
+    with embedded_test_server(folder) as server, mp.Manager() as manager:
+        results = manager.dict()
         args = (free_port(), server.zmq_endpoint, results)
         mp.spawn(zero_job.rank_main, args=args, nprocs=WORLD, join=True)
         yield dict(results), server.http_url

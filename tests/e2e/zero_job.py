@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import os
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -180,7 +181,9 @@ RUNS = (
 
 def rank_main(rank: int, port: int, endpoint: str, results: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NAND_TOKEN=TOKEN)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    # A rank left waiting in a collective (a policy that did not agree) fails
+    # the job within a minute instead of hanging it.
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
     try:
         plain: dict[str, dict[str, Any]] = {}
         for scenario, run, policy in RUNS:
