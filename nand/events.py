@@ -72,6 +72,7 @@ RELATIONS: tuple[Relation, ...] = get_args(Relation)
 #: A newer agent may send words not listed; they are shown as sent.
 VIA_GRAD_ALL_REDUCE = "the gradient all-reduce"  # (DDP's; FSDP's reduce-scatter too)
 VIA_FSDP_ALL_GATHER = "FSDP's parameter all-gather"
+VIA_ZERO_BROADCAST = "ZeRO's parameter broadcast"  # (ZeroRedundancyOptimizer's, after step)
 
 #: Why an agent dropped messages before the server had them (its transport
 #: counts them and sends the cumulative counts in every heartbeat as ``dropped``):

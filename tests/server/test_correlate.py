@@ -115,6 +115,23 @@ def test_agent_cause_received_is_trusted() -> None:
     assert correlate.relations(firsts)[1] == "received"
 
 
+def test_a_parameter_received_at_the_update_that_made_it_elsewhere_is_not_simultaneous() -> None:
+    # ZeRO: rank 1's shard update made fc.weight inf; its broadcast landed it in
+    # rank 0's copy at the same update (same step, phase and parameter).
+    firsts = [ev(0, 2, "param", "fc.weight", cause="received"), ev(1, 2, "param", "fc.weight")]
+    assert correlate.origin(firsts).rank == 1  # type: ignore[union-attr]
+    assert correlate.relations(firsts) == {0: "received", 1: "origin"}
+    assert correlate.first_ranks(firsts) == [1]
+    text = summary.diverged_summary(firsts, 2, "optimizer_update")
+    assert text.startswith("rank 1 produced") and "rank 0 received it" in text
+
+
+def test_every_zero_rank_making_its_own_shard_non_finite_at_one_update_is_simultaneous() -> None:
+    firsts = [ev(0, 2, "param", "fc2.weight", order=2), ev(1, 2, "param", "fc1.weight")]
+    assert correlate.relations(firsts) == {0: "simultaneous", 1: "simultaneous"}
+    assert correlate.first_ranks(firsts) == [0, 1]
+
+
 def test_loss_went_non_finite() -> None:
     firsts = [ev(0, 7, "loss", "", nan=1), ev(1, 7, "grad", "fc.weight", nan=1)]
     assert correlate.hint(correlate.origin(firsts)) == "loss"

@@ -31,6 +31,7 @@ from torch import Tensor
 
 from nand.agent.detect.param_cache import ParamCache, usable
 from nand.agent.detect.probes import local
+from nand.agent.detect.zero import settle_zero
 from nand.agent.safety import PeerGone
 from nand.agent.step.analysis import Finding, ParamSource
 from nand.events import VIA_FSDP_ALL_GATHER
@@ -53,6 +54,21 @@ def with_agreed_flag(gathered: Tensor | None, n_extras: int, device: torch.devic
         flag = (~torch.isfinite(main)).any().float().reshape(1)
     _all_reduce_max(flag, "the agreed non-finite flag")
     return torch.cat([gathered, flag.to(gathered.device)])
+
+
+def settle(
+    finding: Finding | None,
+    source: ParamSource | None,
+    micro: int,
+    device: torch.device,
+    gathered: bool,
+) -> Finding | None:
+    """This rank's finding, settled against the sharded optimizer's partition
+    (ZeRO: no collective, see ``detect.zero``) and, where every rank must take
+    part (``gathered``: FSDP, something non-finite on some rank), the others'
+    parameter shards (:func:`settle_shards`)."""
+    finding = settle_zero(finding, source if isinstance(source, ParamCache) else None)
+    return settle_shards(finding, source, micro, device) if gathered else finding
 
 
 def settle_shards(

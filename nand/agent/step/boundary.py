@@ -29,7 +29,7 @@ from nand.agent.detect.compiled import CompiledSlots
 from nand.agent.detect.ddp import LocalGradCheck, grads_are_reduced, install, params_are_gathered
 from nand.agent.detect.probes import MICRO, ProbeBuffer
 from nand.agent.identity import Identity
-from nand.agent.step.agreement import settle_shards, with_agreed_flag
+from nand.agent.step.agreement import settle, settle_shards, with_agreed_flag
 from nand.agent.step.analysis import (
     COMPILED_NOTE,
     Finding,
@@ -261,8 +261,8 @@ class Boundary:
             finding = None if self.clean else self._finding(values, extras, w)
         except Exception as exc:  # the others wait in the agreement below: take part first
             error = exc
-        if self.params_gathered and any_bad:  # (every rank takes part: see agreement.py)
-            finding = settle_shards(finding, self.params, w.prev_micro, self.buf.device)
+        gathered = self.params_gathered and any_bad  # (every rank takes part: agreement.py)
+        finding = settle(finding, self.params, w.prev_micro, self.buf.device, gathered)
         if error is not None:
             raise error
         if finding is None:

@@ -84,6 +84,7 @@ def origin(session: Session, run_id: int) -> EventRow | None:
             Rank.first_micro_step,
             Rank.first_phase_rank,
             Rank.first_order,
+            EventRow.cause == "received",  # (ties: one not received first, correlate.origin)
             Rank.rank,
         )
         .limit(1)
@@ -103,12 +104,23 @@ def same_point(session: Session, run_id: int, head: EventRow) -> list[int]:
                 Rank.first_step == head.step,
                 Rank.first_micro_step == head.micro_step,
                 Rank.first_phase_rank == head.phase_rank,
-                EventRow.module == head.module,
+                _at_point(head),
             )
         )
     )
     # (sorted here: an ORDER BY rank would walk the run's ranks by ix_ranks_run_rank)
     return sorted(session.scalars(statement))
+
+
+def _at_point(head: EventRow) -> ColumnElement[bool]:
+    """At the origin's step, micro-step and phase: at its point, on its own
+    (``correlate.same_point``: the module, or any parameter of one update; not
+    received)."""
+    module = EventRow.module == head.module
+    here = or_(module, EventRow.phase == "param") if head.phase == "param" else module
+    if head.cause == "received":
+        return and_(Rank.rank == head.rank, here)
+    return and_(here, or_(Rank.rank == head.rank, EventRow.cause != "received"))
 
 
 def relation_of(head: EventRow) -> ColumnElement[str]:
@@ -119,7 +131,7 @@ def relation_of(head: EventRow) -> ColumnElement[str]:
         EventRow.step == head.step,
         EventRow.micro_step == head.micro_step,
         EventRow.phase_rank == head.phase_rank,
-        EventRow.module == head.module,
+        _at_point(head),
     )
     through = or_(
         and_(EventRow.phase == "grad", key > head_key, EventRow.step == head.step),
