@@ -16,7 +16,7 @@ To tell the rank that made the value from the ranks that received it, nand
 looks at this rank's partial result just before the reduction: a forward
 hook registered *before* DTensor's own (``prepend=True``) and a tensor hook
 on the layer's DTensor input, whose gradient still holds the partial sums.
-One reduction each (max |x|, non-finite exactly when the part is), kept on
+One reduction each (``aminmax``, non-finite exactly when the part is), kept on
 the device; read only on a step whose first finding is such a layer's (see
 :meth:`TensorParallelCheck.settle`). Models without a tensor-parallel layer
 get no hook.
@@ -52,12 +52,12 @@ RECEIVED_NOTE = "this rank's own partial result was finite before the reduction"
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Partial:
-    """This rank's part of one reduction: where, and its max |x| (0-d, on the device)."""
+    """This rank's part of one reduction: where, and its (min, max) (0-d, on the device)."""
 
     module: str
     phase: str  # "forward" or "backward"
     micro: int  # root calls so far when it was taken (``HookState.micro``)
-    peak: Tensor
+    extremes: tuple[Tensor, ...]
 
 
 def tensor_parallel_modules(root: nn.Module) -> list[nn.Module]:
@@ -71,10 +71,12 @@ def is_partial(t: Any) -> bool:
     return placements is not None and any(p.is_partial() for p in placements)
 
 
-def _peak(t: Any) -> Tensor:
-    """max |x| of this rank's part, kept on the device (NaN and inf reach it)."""
+def _extremes(t: Any) -> tuple[Tensor, ...]:
+    """(min, max) of this rank's part, kept on the device: one ``aminmax``
+    pass (several times faster than ``abs().amax()`` on CPU); NaN and
+    infinities reach one of them."""
     local: Tensor = t._local_tensor.detach()
-    return local.abs().amax() if local.numel() else local.new_zeros(())
+    return tuple(torch.aminmax(local)) if local.numel() else ()
 
 
 class TensorParallelCheck:
@@ -148,7 +150,7 @@ class TensorParallelCheck:
     def _keep(self, module: nn.Module, phase: str, t: Any, micro: int | None = None) -> None:
         name = self.names.get(module, "")
         at = self.micro() if micro is None else micro
-        self.partials.append(Partial(name, phase, at, _peak(t)))
+        self.partials.append(Partial(name, phase, at, _extremes(t)))
 
 
 class Settled(Protocol):
@@ -180,7 +182,8 @@ def finite_parts(partials: list[Partial], module: str, phase: str, micro: int) -
     """Whether this rank's partial results at ``module``/``phase``/``micro``
     were all finite (None: none was taken there). One host read, on a step
     that already went non-finite."""
-    peaks = [p.peak for p in partials if (p.module, p.phase, p.micro) == (module, phase, micro)]
-    if not peaks:
+    here = [p for p in partials if (p.module, p.phase, p.micro) == (module, phase, micro)]
+    if not here:
         return None
-    return bool(torch.isfinite(torch.stack([p.float() for p in peaks])).all().item())
+    figures = [x.float().reshape(1) for p in here for x in p.extremes]
+    return not figures or bool(torch.isfinite(torch.cat(figures)).all().item())
