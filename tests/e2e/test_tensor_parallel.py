@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from nand.events import VIA_TP_ALL_REDUCE, VIA_TP_GRAD_ALL_REDUCE
 from nand.testing import free_port
 from tests.e2e.conftest import TOKEN, embedded_test_server
 from tests.e2e.jobs import settled_verdict
@@ -47,8 +48,6 @@ RUNS = {
     "tp-skip": ("forward", "skip"),
     "tp-stop": ("forward", "stop"),
 }
-VIA_FORWARD = "the tensor-parallel all-reduce"
-VIA_BACKWARD = "the tensor-parallel all-reduce of the input gradient"
 
 
 def _train(run: str, rank: int, with_nand: bool) -> dict[str, Any]:
@@ -96,7 +95,7 @@ def _train(run: str, rank: int, with_nand: bool) -> dict[str, Any]:
     if watch is not None and watch.first is not None:
         f = watch.first
         result["first"] = (f.step, f.micro_step, f.phase, f.module, f.cause)
-        result["via"] = getattr(f, "via", "")
+        result["via"] = f.via
     return result
 
 
@@ -134,8 +133,8 @@ def _assert_origin_and_receiver(jobs, run, origin, received, via) -> None:
     # held it where the reduction brought it, its own part finite.
     assert truth_1["truth"] == (*origin, False)
     assert truth_0["truth"] == (*received, True)
-    assert nand_1["first"] == (*origin, "produced")
-    assert nand_0["first"] == (*received, "received")
+    assert (nand_1["first"], nand_1["via"]) == ((*origin, "produced"), "")
+    assert (nand_0["first"], nand_0["via"]) == ((*received, "received"), via)
     verdict = jobs["verdicts"][run]
     head = verdict["origin"]
     assert (head["rank"], head["step"], head["micro_step"], head["phase"], head["module"]) == (
@@ -143,6 +142,7 @@ def _assert_origin_and_receiver(jobs, run, origin, received, via) -> None:
         *origin,
     ), verdict["summary"]
     assert verdict["ranks_received"] == [0], verdict["summary"]
+    assert f"rank 0 received it through {via}" in verdict["summary"]
 
 
 def test_an_inf_made_in_a_column_parallel_layer_is_received_in_the_row_parallel_all_reduce(
@@ -150,7 +150,7 @@ def test_an_inf_made_in_a_column_parallel_layer_is_received_in_the_row_parallel_
 ):
     origin = (BAD_STEP, BAD_MICRO, "forward", "mlp.fc1")
     received = (BAD_STEP, BAD_MICRO, "forward", "mlp.fc2")
-    _assert_origin_and_receiver(jobs, "tp-forward", origin, received, VIA_FORWARD)
+    _assert_origin_and_receiver(jobs, "tp-forward", origin, received, VIA_TP_ALL_REDUCE)
 
 
 def test_a_nan_written_into_one_ranks_weight_shard_is_received_by_the_other_at_the_next_forward(
@@ -158,7 +158,7 @@ def test_a_nan_written_into_one_ranks_weight_shard_is_received_by_the_other_at_t
 ):
     origin = (BAD_STEP, ACCUM - 1, "param", "mlp.fc1.weight")
     received = (BAD_STEP + 1, 0, "forward", "mlp.fc2")
-    _assert_origin_and_receiver(jobs, "tp-param", origin, received, VIA_FORWARD)
+    _assert_origin_and_receiver(jobs, "tp-param", origin, received, VIA_TP_ALL_REDUCE)
 
 
 def test_an_inf_gradient_made_on_one_rank_is_received_in_the_input_gradients_all_reduce(
@@ -166,7 +166,7 @@ def test_an_inf_gradient_made_on_one_rank_is_received_in_the_input_gradients_all
 ):
     origin = (BAD_STEP, BAD_MICRO, "backward", "mlp.fc2")
     received = (BAD_STEP, BAD_MICRO, "backward", "mlp.fc1")
-    _assert_origin_and_receiver(jobs, "tp-backward", origin, received, VIA_BACKWARD)
+    _assert_origin_and_receiver(jobs, "tp-backward", origin, received, VIA_TP_GRAD_ALL_REDUCE)
 
 
 def test_a_healthy_tensor_parallel_run_is_silent_and_its_losses_are_bit_identical_without_nand(

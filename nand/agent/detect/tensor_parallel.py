@@ -38,14 +38,12 @@ import torch
 from torch import Tensor, nn
 
 from nand.agent.safety import Guard
+from nand.events import VIA_TP_ALL_REDUCE, VIA_TP_GRAD_ALL_REDUCE
 
 if TYPE_CHECKING:
     from nand.agent.detect.hooks import Hooks
     from nand.agent.detect.modules import ModuleInfo
 
-#: The collective a received value came through, in the verdict's words.
-FORWARD_VIA = "the tensor-parallel all-reduce"
-BACKWARD_VIA = "the tensor-parallel all-reduce of the input gradient"
 #: Said in a finding that the check turned into ``received``.
 RECEIVED_NOTE = "this rank's own partial result was finite before the reduction"
 
@@ -161,21 +159,22 @@ class Settled(Protocol):
     micro: int
     cause: Any
     note: str
+    via: str
 
 
-def received_through_tp(finding: Settled, partials: list[Partial]) -> str:
+def received_through_tp(finding: Settled, partials: list[Partial]) -> None:
     """A tensor-parallel layer's non-finite result whose own part on this rank
     was finite came from another rank's part: ``finding`` becomes
-    ``received``. Returns the collective's name ("" when nothing changed)."""
+    ``received``, through the reduction (``via``)."""
     if not partials or finding.cause not in ("produced", "propagated"):
-        return ""
+        return
     if finding.phase not in ("forward", "backward"):
-        return ""
+        return
     if finite_parts(partials, finding.module, finding.phase, finding.micro) is not True:
-        return ""  # none taken there, or this rank's own part was not finite: made here
+        return  # none taken there, or this rank's own part was not finite: made here
     finding.cause = "received"
+    finding.via = VIA_TP_ALL_REDUCE if finding.phase == "forward" else VIA_TP_GRAD_ALL_REDUCE
     finding.note = f"{finding.note}; {RECEIVED_NOTE}" if finding.note else RECEIVED_NOTE
-    return FORWARD_VIA if finding.phase == "forward" else BACKWARD_VIA
 
 
 def finite_parts(partials: list[Partial], module: str, phase: str, micro: int) -> bool | None:

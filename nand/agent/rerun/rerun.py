@@ -156,11 +156,11 @@ class Rerun:
             return "not replayed: FSDP shards the parameters (a replay would need the other ranks)"
         if self.boundary.tp is not None:
             return "not replayed: tensor parallelism (a replay would need the other ranks)"
-        if self.state.external_batches and not self.held.steps:  # (held with a step only)
+        steps = self._steps()  # (the window replayed: under a late read, the one before)
+        if self.state.external_batches and not steps:  # (held with a step only)
             return "not replayed: micro-steps are marked by new_batch, not by calls of the model"
         if self.left <= 0:
             return "not replayed: this run's replays (NAND_REPLAYS) are spent"
-        steps = self._steps()
         if event.micro_step >= len(steps):
             return (
                 f"not replayed: the inputs of micro-step {event.micro_step} were not held "
