@@ -55,6 +55,26 @@ def tensor_parallel_net() -> Net:
     return model
 
 
+def fsdp_tensor_parallel_net() -> Net:
+    """The model on a 2 x 2 mesh: the MLP split over ``tp`` (ranks 0-1 and
+    2-3), every parameter then sharded by FSDP2 over ``dp`` (ranks 0-2, 1-3)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    torch.manual_seed(0)
+    model = Net()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    plan = {"mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()}
+    parallelize_module(model, mesh["tp"], plan)  # type: ignore[arg-type]
+    fully_shard(model, mesh=mesh["dp"])
+    return model
+
+
 def local(t: Any) -> Tensor:
     """This rank's part of ``t`` (a DTensor's local tensor), detached."""
     inner = getattr(t, "_local_tensor", t)

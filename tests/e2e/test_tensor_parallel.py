@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from nand.events import VIA_TP_ALL_REDUCE, VIA_TP_GRAD_ALL_REDUCE
+from nand.events import VIA_FSDP_ALL_GATHER, VIA_TP_ALL_REDUCE, VIA_TP_GRAD_ALL_REDUCE
 from nand.testing import free_port
 from tests.e2e.conftest import TOKEN, embedded_test_server
 from tests.e2e.jobs import settled_verdict
@@ -32,6 +32,7 @@ from tests.e2e.tensor_parallel_job import (
     Truth,
     batch,
     finite,
+    fsdp_tensor_parallel_net,
     local,
     plant,
     tensor_parallel_net,
@@ -190,3 +191,75 @@ def test_skip_drops_the_same_step_on_every_rank_and_training_goes_on_finite(jobs
 def test_stop_stops_every_rank_at_the_same_step(jobs):
     outcomes = {with_nand["outcome"] for _, with_nand in _ranks(jobs, "tp-stop")}
     assert {o.split("@")[1] for o in outcomes} == {str(BAD_STEP)}, outcomes
+
+
+# --- FSDP2 x tensor parallelism on a 2 x 2 mesh -----------------------------
+
+
+def _train_2d(rank: int, with_nand: bool) -> dict[str, Any]:
+    """NaN written into rank 1's shard of mlp.fc1.weight after step 2's update;
+    each data-parallel pair (ranks 0-1, 2-3) its own batches."""
+    import nand
+
+    model = fsdp_tensor_parallel_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    clock = Clock()
+    plant("param", model, opt, rank, clock)
+    truth = None if with_nand else Truth(model, opt, clock)
+    watch = nand.watch(model, opt, run="fsdp-tp", log_events=False) if with_nand else None
+    own_finite = []  # this rank's own shards after each update (ground truth)
+    for clock.step in range(STEPS):
+        if truth is not None:
+            truth.new_micro_step()
+        model(batch(clock.step, rank // 2)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        own_finite.append(all(finite(p) for p in model.parameters()))
+    if watch is None:
+        assert truth is not None
+        return {"truth": truth.first, "own_finite": own_finite}
+    watch.close()
+    f = watch.first
+    assert f is not None
+    return {"first": (f.step, f.micro_step, f.phase, f.module, f.cause), "via": f.via}
+
+
+def _rank_main_2d(rank: int, port: int, endpoint: str, results: Any) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+        NAND_SERVER=endpoint, NAND_TOKEN=TOKEN, NAND_HEARTBEAT_S="0.5",
+    )  # fmt: skip
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=4)
+    results[rank] = (_train_2d(rank, with_nand=False), _train_2d(rank, with_nand=True))
+    dist.destroy_process_group()
+
+
+def test_fsdp2_with_tensor_parallelism_names_the_shards_owner_and_three_receivers_by_collective(
+    tmp_path,
+):
+    with embedded_test_server(tmp_path) as server:
+        results = mp.Manager().dict()
+        mp.spawn(_rank_main_2d, args=(free_port(), server.zmq_endpoint, results), nprocs=4)
+        verdict = settled_verdict(server.http_url, "fsdp-tp", 4)
+    truth = {rank: without for rank, (without, _) in results.items()}
+    found = {
+        rank: (with_nand["first"], with_nand["via"]) for rank, (_, with_nand) in results.items()
+    }
+    # Without nand: only rank 1's own shard went bad; rank 3 (its FSDP peer)
+    # first held it in fc1's forward (the weight all-gathered), ranks 0 and 2
+    # in fc2's, their own partial results finite.
+    assert [truth[r]["own_finite"][BAD_STEP] for r in range(4)] == [True, False, True, True]
+    assert truth[1]["truth"] == (BAD_STEP, 0, "param", "mlp.fc1.weight", False)
+    assert truth[3]["truth"] == (BAD_STEP + 1, 0, "forward", "mlp.fc1", False)
+    assert truth[0]["truth"] == truth[2]["truth"] == (BAD_STEP + 1, 0, "forward", "mlp.fc2", True)
+    assert found == {
+        1: ((BAD_STEP, 0, "param", "mlp.fc1.weight", "produced"), ""),
+        3: ((BAD_STEP + 1, 0, "forward", "mlp.fc1", "received"), VIA_FSDP_ALL_GATHER),
+        0: ((BAD_STEP + 1, 0, "forward", "mlp.fc2", "received"), VIA_TP_ALL_REDUCE),
+        2: ((BAD_STEP + 1, 0, "forward", "mlp.fc2", "received"), VIA_TP_ALL_REDUCE),
+    }
+    assert (verdict["origin"]["rank"], verdict["ranks_received"]) == (1, [0, 2, 3])
+    summary = verdict["summary"]
+    assert f"ranks 0, 2 received it through {VIA_TP_ALL_REDUCE}" in summary, summary
+    assert f"rank 3 received it through {VIA_FSDP_ALL_GATHER}" in summary, summary
