@@ -73,6 +73,8 @@ RELATIONS: tuple[Relation, ...] = get_args(Relation)
 VIA_GRAD_ALL_REDUCE = "the gradient all-reduce"  # (DDP's; FSDP's reduce-scatter too)
 VIA_FSDP_ALL_GATHER = "FSDP's parameter all-gather"
 VIA_ZERO_BROADCAST = "ZeRO's parameter broadcast"  # (ZeroRedundancyOptimizer's, after step)
+VIA_TP_ALL_REDUCE = "the tensor-parallel all-reduce"  # (a row-parallel layer's output)
+VIA_TP_GRAD_ALL_REDUCE = "the tensor-parallel all-reduce of the input gradient"
 
 #: Why an agent dropped messages before the server had them (its transport
 #: counts them and sends the cumulative counts in every heartbeat as ``dropped``):

@@ -154,6 +154,8 @@ class Rerun:
             return "not replayed: read one step late (read='deferred'), after the update"
         if self.boundary.params_gathered or any(map(params_are_gathered, self.root.modules())):
             return "not replayed: FSDP shards the parameters (a replay would need the other ranks)"
+        if self.boundary.tp is not None:
+            return "not replayed: tensor parallelism (a replay would need the other ranks)"
         steps = self._steps()  # (the window replayed: under a late read, the one before)
         if self.state.external_batches and not steps:  # (held with a step only)
             return "not replayed: micro-steps are marked by new_batch, not by calls of the model"
