@@ -173,7 +173,7 @@ class Hooks:
     def _watch_gradient(self, output: Tensor, hooks: GradHooks, proxy: BiasProxy | None) -> None:
         """Probe ``output``'s gradient in backward: through the bias proxy for
         the module's first call in a micro-step, else with a hook of its own."""
-        if proxy is None or proxy.armed == self.state.micro:
+        if proxy is None or proxy.armed == self.state.micro or self.state.pipelined:
             hooks.attach(output)
         else:
             proxy.armed = self.state.micro  # the bias gradient stands for this one

@@ -19,13 +19,16 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 from operator import attrgetter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 from torch.compiler import is_dynamo_compiling as is_compiling
 
 from nand.events import Phase
+
+if TYPE_CHECKING:
+    from nand.agent.detect.pipeline import Handoff
 
 #: Marks the start of a micro-step (a root forward call) in ``ProbeBuffer.sites``.
 MICRO = None
@@ -171,8 +174,8 @@ class ProbeBuffer:
     """
 
     __slots__ = (
-        "device", "exact_norms", "extras", "norm_sites", "norms", "others", "pairs", "room",
-        "sites", "slab", "slots", "slotted", "spans", "spilled", "wide_norms",
+        "device", "exact_norms", "extras", "norm_sites", "norms", "others", "pairs", "pipeline",
+        "room", "sites", "slab", "slots", "slotted", "spans", "spilled", "wide_norms",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -195,6 +198,8 @@ class ProbeBuffer:
         #: float32/16 values fit, so a norm is non-finite exactly when its tensor
         #: is, and needs no check against a tensor that has moved on since.
         self.exact_norms = False
+        #: A pipeline stage's micro-batch marks (``pipeline.Handoff``), or None.
+        self.pipeline: Handoff | None = None
 
     def probe(self, t: Tensor, site: Site) -> None:
         """Launch one aminmax of ``t`` (float, non-empty) for ``site``. No sync.
@@ -249,6 +254,8 @@ class ProbeBuffer:
         self.slotted = None
         self.others.clear()
         self.wide_norms = False
+        if self.pipeline is not None:
+            self.pipeline.marks = []
 
     def _refit(self) -> None:
         """After a window that spilled: a slab where and as large as it needed."""

@@ -37,11 +37,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
+from nand.agent.detect import pipeline
 from nand.agent.detect.compile_switch import CompileSwitch
 from nand.agent.detect.compiled import CompiledSlots
 from nand.agent.detect.hooks import Hooks
@@ -87,6 +89,9 @@ class Tiers:
             log.warning("nand: mode='light' on a compiled model: every module probed instead")
         self.light = mode == "light" and not compiled
         self.hooks.install(self.root, self.infos, proxies=proxies, modules=not self.light)
+        listener = pipeline.listen(self.root, self.hooks.state)  # (a pipeline stage's chunks)
+        if listener is not None:
+            self.hooks.handles.append(cast(RemovableHandle, listener))
         if self.light:  # compiled later: full from the first compiled call (compile_switch.py)
             self._switch = CompileSwitch(self.root, self._compiled_now)
             self.hooks.handles.append(self._switch.handle)

@@ -199,7 +199,7 @@ class Boundary:
         return Window(
             step=step, prev_step=prev_step, prev_micro=prev_micro, skipped=skipped, record=record,
             micro_base=micro_base, sites=buf.sites[:], norm_sites=buf.norm_sites[:],
-            n_pairs=n_pairs, n_norms=len(buf.norms), spans=spans,
+            n_pairs=n_pairs, n_norms=len(buf.norms), spans=spans, pipeline=buf.pipeline,
             compiled=buf.slotted is not None, grads_scaled=scaled, lagged=self.deferred is not None,
         )  # fmt: skip
 

@@ -1,0 +1,269 @@
+"""A real pipeline-parallel job for ``test_pipeline_parallel``: 2 gloo processes,
+``torch.distributed.pipelining`` stages cut by hand from one user model (the
+way torchtitan does: a copy of the model with the other stages' layers
+deleted, so each stage keeps the user's qualified names), GPipe or 1F1B.
+
+Each rank runs several short runs one after the other (one spawn for all:
+the processes cost more than the runs). A run is a fault, a schedule and
+either plain hooks (:class:`GroundTruth`, no nand) or ``nand.watch`` against
+the test's server; what it saw goes into ``results[(run, rank)]``.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+import nand
+
+N_MICRO, BATCH, STEPS, FAULT_STEP = 4, 8, 3, 1
+#: Micro-batch 2's data, scaled: the gated blocks square it, and stage 1's first
+#: block overflows float32 (stage 0's outputs stay finite, ~1e21).
+OVERFLOW_SCALE, OVERFLOW_MB = 1e6, 2
+#: Micro-batch 1's data, scaled: stage 0's last block feeds its activation
+#: values above 44, where its backward (exp(2x) / (exp(2x) + 1)**2) is inf / inf.
+BACKWARD_SCALE, BACKWARD_MB = 100.0, 1
+
+
+class _UnsafeTanhFn(torch.autograd.Function):
+    """tanh with a numerically unsafe hand-written backward (a classic)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        ctx.save_for_backward(x)
+        return torch.tanh(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        (x,) = ctx.saved_tensors
+        e = torch.exp(2 * x)
+        return grad * 4 * e / (e + 1) ** 2
+
+
+class UnsafeTanh(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return _UnsafeTanhFn.apply(x)
+
+
+class Block(nn.Module):
+    """A bilinear gate: a(x) * b(x), then an optional activation."""
+
+    def __init__(self, act: nn.Module | None = None) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.act = act
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.a(x) * self.b(x)
+        return self.act(h) if self.act is not None else h
+
+
+class Net(nn.Module):
+    """The user's model; a stage deletes what is not its own (``None``)."""
+
+    def __init__(self, unsafe: bool) -> None:
+        super().__init__()
+        self.embed: nn.Module | None = nn.Linear(8, 16)
+        acts = [None, UnsafeTanh() if unsafe else None, None, None]
+        self.layers = nn.ModuleDict({str(i): Block(act) for i, act in enumerate(acts)})
+        self.head: nn.Module | None = nn.Linear(16, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.embed is not None:
+            x = self.embed(x)
+        for layer in self.layers.values():
+            x = layer(x)
+        return self.head(x) if self.head is not None else x
+
+
+def stage_of(model: Net, stage: int) -> Net:
+    """Stage 0: ``embed``, ``layers.0``, ``layers.1``; stage 1: ``layers.2``,
+    ``layers.3``, ``head``: the user's names, as a manual split keeps them."""
+    part = copy.deepcopy(model)
+    for key in [k for k in part.layers if (int(k) < 2) != (stage == 0)]:
+        del part.layers[key]
+    if stage == 0:
+        part.head = None
+    else:
+        part.embed = None
+    return part
+
+
+@dataclass(frozen=True)
+class Run:
+    name: str
+    schedule: str  # "gpipe" | "1f1b"
+    fault: str  # "none" | "overflow" (row 3) | "backward" (row 4)
+    nand: bool = True
+    policy: str = "warn"
+
+
+def batches(fault: str) -> list[tuple[Tensor, Tensor]]:
+    """The same data on both stages (the last one takes the targets)."""
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for step in range(STEPS):
+        x, y = torch.randn(BATCH, 8, generator=g), torch.randn(BATCH, 4, generator=g)
+        rows = BATCH // N_MICRO
+        if step == FAULT_STEP and fault == "overflow":
+            x[OVERFLOW_MB * rows : (OVERFLOW_MB + 1) * rows] *= OVERFLOW_SCALE
+        if step == FAULT_STEP and fault == "backward":
+            x[BACKWARD_MB * rows : (BACKWARD_MB + 1) * rows] *= BACKWARD_SCALE
+        out.append((x, y))
+    return out
+
+
+class GroundTruth:
+    """Where this rank first saw a non-finite value, from plain hooks (no nand):
+    (step, micro-batch, phase, module, made here). Forward and backward both
+    run the micro-batches of a stage in order, so each module's call count in
+    the step is the micro-batch index. Only the stage's chunks count: its
+    first step also runs the module on made-up tensors to learn shapes."""
+
+    def __init__(self, root: nn.Module) -> None:
+        self.step = 0
+        self.active = False
+        self.first: tuple[int, int, str, str, bool] | None = None
+        self._calls: dict[str, int] = {}
+        root.register_forward_pre_hook(self._inputs)
+        for name, module in root.named_modules():
+            module.register_forward_hook(self._forward(name))
+            module.register_full_backward_hook(self._backward(name))
+
+    def follow(self, stage: Any) -> None:
+        """Look only while ``stage`` runs a micro-batch (forward or backward)."""
+        for name in ("forward_one_chunk", "backward_one_chunk"):
+            setattr(stage, name, self._looking(getattr(stage, name)))
+
+    def _looking(self, method: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            self.active = True
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.active = False
+
+        return run
+
+    def new_step(self, step: int) -> None:
+        self.step, self._calls = step, {}
+
+    def _count(self, key: str) -> int:
+        if not self.active:
+            return -1
+        n = self._calls.get(key, 0)
+        self._calls[key] = n + 1
+        return n
+
+    def _see(self, mb: int, phase: str, module: str, made_here: bool) -> None:
+        if self.first is None and self.active:
+            self.first = (self.step, mb, phase, module, made_here)
+
+    def _inputs(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        mb = self._calls.get("fwd:", 0)  # (the root's forward hook counts it)
+        if not _finite(args):
+            self._see(mb, "forward", "", False)  # (the stage's input: not made here)
+
+    def _forward(self, name: str) -> Any:
+        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            mb = self._count("fwd:" + name)
+            if not _finite(output):
+                self._see(mb, "forward", name, _finite(args))
+
+        return hook
+
+    def _backward(self, name: str) -> Any:
+        def hook(module: nn.Module, grad_in: Any, grad_out: Any) -> None:
+            mb = self._count("bwd:" + name)
+            if name == "" and not _finite(grad_out):
+                self._see(mb, "backward", "", False)  # arrived at the stage's output
+            elif _finite(grad_out) and not _finite(grad_in):
+                self._see(mb, "backward", name, True)
+
+        return hook
+
+
+def _finite(value: Any) -> bool:
+    if isinstance(value, Tensor):
+        return not value.is_floating_point() or bool(torch.isfinite(value).all())
+    if isinstance(value, tuple | list):
+        return all(_finite(v) for v in value)
+    return True
+
+
+def run_once(rank: int, run: Run, endpoint: str, run_id: str) -> dict[str, Any]:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    torch.manual_seed(0)
+    part = stage_of(Net(unsafe=run.fault == "backward"), rank)
+    opt = torch.optim.SGD(part.parameters(), lr=0.05)
+    truth = GroundTruth(part) if not run.nand else None
+    stage = PipelineStage(part, rank, 2, torch.device("cpu"))
+    if truth is not None:
+        truth.follow(stage)
+    kind = ScheduleGPipe if run.schedule == "gpipe" else Schedule1F1B
+    schedule = kind(stage, n_microbatches=N_MICRO, loss_fn=nn.functional.mse_loss)
+    options = {"server": endpoint, "run": run_id, "on_nonfinite": run.policy}
+    watch = nand.watch(part, opt, log_events=False, **options) if run.nand else None
+    losses: list[list[float]] = []
+    updated: list[bool] = []  # per step: did the optimizer change this stage's weights
+    outcome = "finished"
+    try:
+        for step, (x, y) in enumerate(batches(run.fault)):
+            if truth is not None:
+                truth.new_step(step)
+            opt.zero_grad()
+            if rank == 0:
+                schedule.step(x)
+            else:
+                mb_losses: list[Tensor] = []
+                schedule.step(target=y, losses=mb_losses)
+                losses.append([loss.detach().item() for loss in mb_losses])
+            before = [p.detach().clone() for p in part.parameters()]
+            try:
+                opt.step()
+            finally:
+                pairs = zip(before, part.parameters(), strict=True)
+                updated.append(any(not torch.equal(b, a) for b, a in pairs))
+    except nand.NonFiniteError as exc:
+        outcome = f"NonFiniteError@{exc.event.step}"
+    except nand.StopRequested as exc:
+        outcome = f"StopRequested@{exc.step}"
+    finally:
+        if watch is not None:
+            watch.close()
+    first = watch.first if watch is not None else None
+    return {
+        "truth": truth.first if truth is not None else None,
+        "first": _event(first),
+        "losses": losses,
+        "updated": updated,
+        "outcome": outcome,
+        "finite_weights": all(bool(torch.isfinite(p).all()) for p in part.parameters()),
+    }
+
+
+def _event(event: Any) -> dict[str, Any] | None:
+    if event is None:
+        return None
+    keys = ("step", "micro_step", "phase", "module", "cause", "via")
+    return {key: getattr(event, key, None) for key in keys}
+
+
+def rank_main(
+    rank: int, port: int, endpoint: str, prefix: str, runs: list[Run], results: Any
+) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        for run in runs:
+            results[(run.name, rank)] = run_once(rank, run, endpoint, f"{prefix}-{run.name}")
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
