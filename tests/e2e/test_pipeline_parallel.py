@@ -72,10 +72,11 @@ def test_an_overflow_in_stage_1_is_its_own_and_stage_0_received_the_gradient(job
     first = {rank: results[(f"overflow-{schedule}", rank)]["first"] for rank in (0, 1)}
     assert _where(first[1]) == (*truth[1][:4], "produced")
     assert _where(first[0]) == (FAULT_STEP, 2, "backward", "", "received")
-    assert first[0]["via"] in (None, "the pipeline's send/recv from stage 1")
+    assert first[0]["via"] == "the pipeline's send/recv from stage 1"
     verdict = verdicts[f"overflow-{schedule}"]
     _assert_origin(verdict, rank=1, where=truth[1][:4])
     assert verdict["ranks_received"] == [0], verdict["summary"]
+    assert "rank 0 received it through the pipeline's send/recv from stage 1" in verdict["summary"]
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -87,10 +88,11 @@ def test_a_nan_made_in_stage_0s_backward_reaches_stage_1_only_in_the_next_forwar
     first = {rank: results[(f"backward-{schedule}", rank)]["first"] for rank in (0, 1)}
     assert _where(first[0]) == (*truth[0][:4], "produced")
     assert _where(first[1]) == (FAULT_STEP + 1, 0, "forward", "", "received")
-    assert first[1]["via"] in (None, "the pipeline's send/recv from stage 0")
+    assert first[1]["via"] == "the pipeline's send/recv from stage 0"
     verdict = verdicts[f"backward-{schedule}"]
     _assert_origin(verdict, rank=0, where=truth[0][:4])
     assert verdict["ranks_received"] == [1], verdict["summary"]
+    assert "rank 1 received it through the pipeline's send/recv from stage 0" in verdict["summary"]
 
 
 def test_skip_drops_the_same_step_on_every_stage_and_training_goes_on(job):

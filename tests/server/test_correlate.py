@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from nand.events import Event, FlightWindow
+from nand.events import VIA_FSDP_ALL_GATHER, Event, FlightWindow
 from nand.server.analysis import correlate, summary
 from nand.server.analysis.evidence import FlightEvidence, flight_evidence
 
@@ -81,16 +81,28 @@ def test_bad_data_on_one_rank_points_at_its_input() -> None:
 def test_fsdp_bad_shard_arrives_in_next_step_forward_on_every_rank() -> None:
     shard = {"posinf": 1, "shape": [64, 32], "max_abs": 0.2, "dtype": "float32", "host": "n2"}
     firsts = [ev(2, 30, "param", "layers.1.weight", module_type="Linear", **shard)]
-    firsts += [ev(r, 31, "forward", "layers.1", module_type="Linear", nan=4) for r in (0, 1, 3)]
+    received = {"cause": "received", "via": VIA_FSDP_ALL_GATHER}  # (what an FSDP agent says)
+    firsts += [
+        ev(r, 31, "forward", "layers.1", module_type="Linear", nan=4, **received) for r in (0, 1, 3)
+    ]
     rel = correlate.relations(firsts)
     assert rel == {2: "origin", 0: "received", 1: "received", 3: "received"}
     hint = correlate.hint(correlate.origin(firsts))
     assert hint == "param_written"  # one element, the rest small: not the learning rate
     text = summary.diverged_summary(firsts, 4, hint, devices={2: "cpu"})
-    assert "the other 3 ranks received it through the parameter all-gather of the next step" in text
+    assert "the other 3 ranks received it through FSDP's parameter all-gather" in text
     assert "learning rate" not in text and "GPU" not in text
     assert "Only rank 2 (host n2) produced it: suspect code that writes its weights." in text
     assert "no update made +inf there" in text
+
+
+def test_a_received_forward_without_a_named_collective_names_none_it_cannot_know() -> None:
+    # An older agent, or one that could not tell: the verdict must not invent
+    # "FSDP's all-gather" (a tensor-parallel job has none).
+    firsts = [ev(1, 30, "param", "fc1.weight", posinf=1)]
+    firsts += [ev(0, 31, "forward", "fc2", nan=4)]
+    text = summary.diverged_summary(firsts, 2, "")
+    assert "rank 0 received it through a collective of the next step's forward" in text
 
 
 def test_forward_in_the_same_step_on_another_rank_is_produced_there() -> None:

@@ -42,8 +42,6 @@ from nand.agent.detect.state import HookState
 
 log = logging.getLogger("nand")
 
-#: How a received value came, in the words of an event's ``via``.
-VIA = "the pipeline's send/recv from stage {}"
 #: The stage class's methods that run one micro-batch (``chunk``).
 CHUNK_METHODS = ("forward_one_chunk", "backward_one_chunk")
 #: A stage's first step runs its module on made-up tensors (uninitialised

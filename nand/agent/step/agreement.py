@@ -33,6 +33,7 @@ from nand.agent.detect.param_cache import ParamCache, usable
 from nand.agent.detect.probes import local
 from nand.agent.safety import PeerGone
 from nand.agent.step.analysis import Finding, ParamSource
+from nand.events import VIA_FSDP_ALL_GATHER
 
 #: A rank's own finding that FSDP's parameter all-gather carries to the others.
 SHARD_PHASES = ("param", "optimizer_state")
@@ -124,7 +125,7 @@ def as_received(finding: Finding) -> Finding:
     """``finding`` (this rank's forward, backward…) as a value received from
     another rank's parameter shard; bad input data stays data."""
     if finding.cause in ("produced", "propagated"):
-        finding.cause = "received"
+        finding.cause, finding.via = "received", VIA_FSDP_ALL_GATHER
         note = "another rank's parameter shard was non-finite; FSDP's all-gather brought it here"
         finding.note = f"{finding.note}; {note}" if finding.note else note
     return finding

@@ -4,8 +4,7 @@ Every optimizer step the boundary (``boundary.Boundary.check``) keeps the
 values read from the device in one go as a :class:`StepRow` and sums them to
 see whether anything is non-finite; :func:`near_limit` looks for overflow
 headroom, and :func:`telemetry` turns a row into per-module max|x| of
-activations and gradients and the gradient norm when someone asks. Plain
-Python over a short list of floats.
+activations and gradients and the gradient norm when someone asks.
 
 :func:`first_finding` runs only when something was non-finite. It replays the
 buffer in execution order, labels every entry with its micro-step, call index
@@ -140,7 +139,7 @@ class Finding:
     tensor: Tensor | None = None  # norm entries: the tensor to count on
     #: What was checked when it was less than usual (under torch.compile).
     note: str = ""
-    via: str = ""  # the collective a received value came through (``Event.via``)
+    via: str = ""  # a received value: the collective it came through (Event.via)
 
 
 class Probed(Protocol):

@@ -20,9 +20,9 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from nand.agent.detect.pipeline import VIA, Handoff
+from nand.agent.detect.pipeline import Handoff
 from nand.agent.detect.probes import Site
-from nand.events import Phase
+from nand.events import VIA_PIPELINE, Phase
 
 if TYPE_CHECKING:
     from nand.agent.step.analysis import Finding, Probed
@@ -65,7 +65,7 @@ def handed_over(finding: Finding, pipeline: Handoff | None) -> Finding:
         phase = "backward"
     else:
         return finding
-    via = VIA.format(sender)
+    via = VIA_PIPELINE.format(sender)
     note = f"{what} stage {sender} sent to this stage was non-finite: received through {via}"
     return dataclasses.replace(
         finding, phase=phase, module="", cause="received", via=via,

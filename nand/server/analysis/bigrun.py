@@ -133,18 +133,22 @@ def relation_of(head: EventRow) -> ColumnElement[str]:
     )
 
 
-def relations(session: Session, run_id: int, head: EventRow) -> list[tuple[int, Relation, str]]:
-    """(rank, relation, phase of its first event) of every diverged rank, by rank."""
+def relations(
+    session: Session, run_id: int, head: EventRow
+) -> list[tuple[int, Relation, str, str]]:
+    """(rank, relation, phase of its first event, the collective it named) of
+    every diverged rank, by rank."""
     statement = (
-        select(Rank.rank, relation_of(head), EventRow.phase)
+        select(Rank.rank, relation_of(head), EventRow.phase, EventRow.via)
         .join(EventRow, EventRow.id == Rank.first_event_id)
         .where(Rank.run_id == run_id)
         .order_by(Rank.rank)
     )
-    found = [(rank, cast(Relation, k), phase) for rank, k, phase in session.execute(statement)]
-    if sum(1 for _, r, _ in found if r in ("origin", "simultaneous")) > 1:
+    rows = session.execute(statement)
+    found = [(rank, cast(Relation, k), phase, via) for rank, k, phase, via in rows]
+    if sum(1 for _, r, _, _ in found if r in ("origin", "simultaneous")) > 1:
         # The origin's rank was only the lowest of those at the point (correlate.relations_to).
-        found = [(r, "simultaneous" if k == "origin" else k, p) for r, k, p in found]
+        found = [(r, "simultaneous" if k == "origin" else k, p, v) for r, k, p, v in found]
     return found
 
 
@@ -257,8 +261,8 @@ def _remember(key: tuple[Any, ...], spread: Spread) -> None:
 def _spread(session: Session, run_id: int, head_row: EventRow, key: tuple[Any, ...]) -> Spread:
     *_, world, hint, _, device = key
     rows = relations(session, run_id, head_row)
-    rel = {rank: relation for rank, relation, _ in rows}
-    phases = [(rank, phase) for rank, _, phase in rows]
+    rel = {rank: relation for rank, relation, _, _ in rows}
+    phases = [(rank, phase, via) for rank, _, phase, via in rows]
     head = to_event(head_row)
     evidence = views.origin_evidence(session, run_id, head)
     sentence = summary.diverged_sentence(head, rel, phases, world, hint, evidence, device)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from nand.events import Event, replay_words, value_kinds
+from nand.events import VIA_GRAD_ALL_REDUCE, Event, replay_words, value_kinds
 from nand.server.analysis.correlate import origin, relations
 from nand.server.analysis.evidence import FlightEvidence
 from nand.server.analysis.failures import Failure
@@ -100,11 +100,17 @@ def _lone_producer(head: Event, hint_name: str, device: str) -> str:
     return f"{who} produced it."
 
 
-def _channel(phase: str) -> str:
+def _channel(phase: str, via: str) -> str:
+    """The collective a rank received the value through: the one its agent
+    named, else the one its first event's phase implies (DDP's gradient
+    all-reduce for a gradient; for a later forward, a collective nand cannot
+    name: an FSDP agent names its all-gather)."""
+    if via:
+        return via
     if phase == "grad":
-        return "the gradient all-reduce"
+        return VIA_GRAD_ALL_REDUCE
     if phase == "forward":
-        return "the parameter all-gather of the next step"
+        return "a collective of the next step's forward"
     return "a collective"
 
 
@@ -120,7 +126,7 @@ def diverged_summary(
     if head is None:
         return ""
     rel = relations(firsts)
-    phases = [(e.rank, e.phase) for e in firsts]
+    phases = [(e.rank, e.phase, e.via) for e in firsts]
     device = (devices or {}).get(head.rank, "")
     return diverged_sentence(head, rel, phases, world_size, hint_name, evidence, device)
 
@@ -128,15 +134,16 @@ def diverged_summary(
 def diverged_sentence(
     head: Event,
     rel: Mapping[int, str],
-    phases: Sequence[tuple[int, str]],
+    phases: Sequence[tuple[int, str, str]],
     world_size: int,
     hint_name: str,
     evidence: FlightEvidence | None = None,
     device: str = "",
 ) -> str:
     """:func:`diverged_summary` from the origin, every diverged rank's relation to
-    it and the phase of its first event (``phases``: (rank, phase), in the order
-    to name them), as a big run's verdict has them without loading the events."""
+    it, the phase of its first event and the collective it named (``phases``:
+    (rank, phase, via), in the order to name them), as a big run's verdict has
+    them without loading the events."""
     together = [r for r, k in rel.items() if k in ("origin", "simultaneous")]
     world = max(world_size, len(rel))
     parts = [_opening(head, together, world)]
@@ -168,18 +175,18 @@ def _opening(head: Event, together: list[int], world: int) -> str:
 
 
 def _followers(
-    phases: Sequence[tuple[int, str]], rel: Mapping[int, str], world: int, n_together: int
+    phases: Sequence[tuple[int, str, str]], rel: Mapping[int, str], world: int, n_together: int
 ) -> list[str]:
     by_channel: dict[str, list[int]] = {}
-    for rank, phase in phases:
+    for rank, phase, via in phases:
         if rel[rank] == "received":
-            by_channel.setdefault(_channel(phase), []).append(rank)
+            by_channel.setdefault(_channel(phase, via), []).append(rank)
     parts = []
     for channel, ranks in by_channel.items():
         others = world - n_together
         who = f"the other {others} ranks" if len(ranks) == others and others > 1 else _ranks(ranks)
         parts.append(f"{who} received it through {channel}")
-    later = [rank for rank, _ in phases if rel[rank] == "produced"]
+    later = [rank for rank, _, _ in phases if rel[rank] == "produced"]
     if later:
         parts.append(f"{_ranks(later)} went non-finite later on their own")
     return parts

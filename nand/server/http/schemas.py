@@ -37,6 +37,9 @@ class EventOut(BaseModel):
     module_type: str
     order: int
     cause: Cause
+    #: For a received value, the collective it came through ("the gradient
+    #: all-reduce", ...; ``nand.events.Event.via``); "" when not known.
+    via: str = ""
     call: int = 0
     nan: int | None = None
     posinf: int | None = None
