@@ -102,6 +102,7 @@ class Run:
     fault: str  # "none" | "overflow" (row 3) | "backward" (row 4)
     nand: bool = True
     policy: str = "warn"
+    traced: bool = False  # split by torch's tracer (``pipeline()``), not by hand
 
 
 def batches(fault: str) -> list[tuple[Tensor, Tensor]]:
@@ -198,13 +199,28 @@ def _finite(value: Any) -> bool:
 
 
 def run_once(rank: int, run: Run, endpoint: str, run_id: str) -> dict[str, Any]:
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        SplitPoint,
+        pipeline,
+    )
 
     torch.manual_seed(0)
-    part = stage_of(Net(unsafe=run.fault == "backward"), rank)
+    model = Net(unsafe=run.fault == "backward")
+    if run.traced:  # (a GraphModule per stage, the user's qualified names kept)
+        split = {"layers.2": SplitPoint.BEGINNING}
+        pipe = pipeline(model, mb_args=(torch.zeros(BATCH // N_MICRO, 8),), split_spec=split)
+        part = pipe.get_stage_module(rank)
+    else:
+        part = stage_of(model, rank)
     opt = torch.optim.SGD(part.parameters(), lr=0.05)
     truth = GroundTruth(part) if not run.nand else None
-    stage = PipelineStage(part, rank, 2, torch.device("cpu"))
+    if run.traced:
+        stage = pipe.build_stage(rank, torch.device("cpu"))
+    else:
+        stage = PipelineStage(part, rank, 2, torch.device("cpu"))
     if truth is not None:
         truth.follow(stage)
     kind = ScheduleGPipe if run.schedule == "gpipe" else Schedule1F1B

@@ -30,6 +30,8 @@ RUNS = [
         for schedule in ("gpipe", "1f1b")
         for suffix in ("-truth", "")
     ),
+    Run("overflow-traced-truth", "gpipe", "overflow", nand=False, traced=True),
+    Run("overflow-traced", "gpipe", "overflow", traced=True),
     Run("skip", "gpipe", "overflow", policy="skip"),
     Run("stop", "1f1b", "backward", policy="stop"),
 ]
@@ -61,7 +63,7 @@ def test_the_healthy_pipeline_is_silent_and_its_losses_are_bit_identical(job):
         assert verdicts[name]["state"] != "diverged", verdicts[name]
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "traced"])
 def test_an_overflow_in_stage_1_is_its_own_and_stage_0_received_the_gradient(job, schedule):
     results, verdicts = job
     truth = {rank: results[(f"overflow-{schedule}-truth", rank)]["truth"] for rank in (0, 1)}

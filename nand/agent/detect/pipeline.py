@@ -74,8 +74,8 @@ class Handoff:
 class StageListener:
     """One watch's ear on the stage that runs its root (see the module)."""
 
-    def __init__(self, root: nn.Module, state: HookState) -> None:
-        self.root_id = id(root)
+    def __init__(self, modules: tuple[nn.Module, ...], state: HookState) -> None:
+        self.keys = {id(module) for module in modules}
         self.state = state
 
     def chunk(self, stage: Any, index: int) -> None:
@@ -92,7 +92,8 @@ class StageListener:
 
     def remove(self) -> None:
         """Stop listening (the handle a watch's hooks keep)."""
-        _listeners.pop(self.root_id, None)
+        for key in self.keys:
+            _listeners.pop(key, None)
         if not _listeners:
             _restore()
 
@@ -103,16 +104,18 @@ _listeners: dict[int, weakref.ref[StageListener]] = {}
 _originals: dict[tuple[Any, str], Callable[..., Any]] = {}
 
 
-def listen(root: nn.Module, state: HookState) -> StageListener | None:
-    """Learn the micro-batches of the stage that runs ``root``, if the job can
+def listen(root: nn.Module, model: nn.Module, state: HookState) -> StageListener | None:
+    """Learn the micro-batches of the stage that runs ``root`` (or ``model``,
+    the wrapper the user watched, e.g. DDP's around it), if the job can
     be a pipeline one (``torch.distributed.pipelining`` imported: a script
     that builds a stage imports it before ``nand.watch``, as a rule); returns
     the handle, or None."""
     targets = _targets()
     if not targets:
         return None
-    listener = StageListener(root, state)
-    _listeners[listener.root_id] = weakref.ref(listener)
+    listener = StageListener((root, model), state)
+    for key in listener.keys:
+        _listeners[key] = weakref.ref(listener)
     if not _originals:
         for cls, name, wrap in targets:
             _originals[cls, name] = original = vars(cls)[name]

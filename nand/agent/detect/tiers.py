@@ -89,7 +89,7 @@ class Tiers:
             log.warning("nand: mode='light' on a compiled model: every module probed instead")
         self.light = mode == "light" and not compiled
         self.hooks.install(self.root, self.infos, proxies=proxies, modules=not self.light)
-        listener = pipeline.listen(self.root, self.hooks.state)  # (a pipeline stage's chunks)
+        listener = pipeline.listen(self.root, model, self.hooks.state)  # (a stage's chunks)
         if listener is not None:
             self.hooks.handles.append(cast(RemovableHandle, listener))
         if self.light:  # compiled later: full from the first compiled call (compile_switch.py)
