@@ -198,70 +198,88 @@ def _finite(value: Any) -> bool:
     return True
 
 
-def run_once(rank: int, run: Run, endpoint: str, run_id: str) -> dict[str, Any]:
-    from torch.distributed.pipelining import (
-        PipelineStage,
-        Schedule1F1B,
-        ScheduleGPipe,
-        SplitPoint,
-        pipeline,
-    )
+def build(rank: int, run: Run) -> tuple[list[nn.Module], list[Any], Any]:
+    """The stage modules this rank runs, their stages and the schedule:
+    one stage per rank, or two (stages ``rank`` and ``rank + 2`` of four, one
+    layer each) under the interleaved schedule."""
+    from torch.distributed import pipelining as pp
 
     torch.manual_seed(0)
     model = Net(unsafe=run.fault == "backward")
+    cpu = torch.device("cpu")
+    if run.schedule == "interleaved":
+        mine = (rank, rank + 2)
+        parts = [_one_layer(model, i) for i in mine]
+        stages = [pp.PipelineStage(part, i, 4, cpu) for part, i in zip(parts, mine, strict=True)]
+        return parts, stages, pp.ScheduleInterleaved1F1B(stages, N_MICRO, nn.functional.mse_loss)
     if run.traced:  # (a GraphModule per stage, the user's qualified names kept)
-        split = {"layers.2": SplitPoint.BEGINNING}
-        pipe = pipeline(model, mb_args=(torch.zeros(BATCH // N_MICRO, 8),), split_spec=split)
-        part = pipe.get_stage_module(rank)
+        split = {"layers.2": pp.SplitPoint.BEGINNING}
+        pipe = pp.pipeline(model, mb_args=(torch.zeros(BATCH // N_MICRO, 8),), split_spec=split)
+        part, stage = pipe.get_stage_module(rank), pipe.build_stage(rank, cpu)
     else:
         part = stage_of(model, rank)
-    opt = torch.optim.SGD(part.parameters(), lr=0.05)
-    truth = GroundTruth(part) if not run.nand else None
-    if run.traced:
-        stage = pipe.build_stage(rank, torch.device("cpu"))
-    else:
-        stage = PipelineStage(part, rank, 2, torch.device("cpu"))
-    if truth is not None:
+        stage = pp.PipelineStage(part, rank, 2, cpu)
+    kind = pp.ScheduleGPipe if run.schedule == "gpipe" else pp.Schedule1F1B
+    return [part], [stage], kind(stage, n_microbatches=N_MICRO, loss_fn=nn.functional.mse_loss)
+
+
+def _one_layer(model: Net, stage: int) -> Net:
+    """Stage ``stage`` of four: ``layers.<stage>`` (the first with ``embed``,
+    the last with ``head``)."""
+    part = copy.deepcopy(model)
+    for key in [k for k in part.layers if int(k) != stage]:
+        del part.layers[key]
+    part.embed = part.embed if stage == 0 else None
+    part.head = part.head if stage == 3 else None
+    return part
+
+
+def run_once(rank: int, run: Run, endpoint: str, run_id: str) -> dict[str, Any]:
+    parts, stages, schedule = build(rank, run)
+    opts = [torch.optim.SGD(part.parameters(), lr=0.05) for part in parts]
+    truths = [GroundTruth(part) for part in parts] if not run.nand else []
+    for truth, stage in zip(truths, stages, strict=False):
         truth.follow(stage)
-    kind = ScheduleGPipe if run.schedule == "gpipe" else Schedule1F1B
-    schedule = kind(stage, n_microbatches=N_MICRO, loss_fn=nn.functional.mse_loss)
     options = {"server": endpoint, "run": run_id, "on_nonfinite": run.policy}
-    watch = nand.watch(part, opt, log_events=False, **options) if run.nand else None
+    watched = zip(parts, opts, strict=True) if run.nand else ()
+    watches = [nand.watch(part, opt, log_events=False, **options) for part, opt in watched]
+    params = [p for part in parts for p in part.parameters()]
     losses: list[list[float]] = []
-    updated: list[bool] = []  # per step: did the optimizer change this stage's weights
+    updated: list[bool] = []  # per step: did the optimizer change this rank's weights
     outcome = "finished"
     try:
         for step, (x, y) in enumerate(batches(run.fault)):
-            if truth is not None:
+            for truth in truths:
                 truth.new_step(step)
-            opt.zero_grad()
+            for opt in opts:
+                opt.zero_grad()
             if rank == 0:
                 schedule.step(x)
             else:
                 mb_losses: list[Tensor] = []
                 schedule.step(target=y, losses=mb_losses)
                 losses.append([loss.detach().item() for loss in mb_losses])
-            before = [p.detach().clone() for p in part.parameters()]
+            before = [p.detach().clone() for p in params]
             try:
-                opt.step()
+                for opt in opts:
+                    opt.step()
             finally:
-                pairs = zip(before, part.parameters(), strict=True)
+                pairs = zip(before, params, strict=True)
                 updated.append(any(not torch.equal(b, a) for b, a in pairs))
     except nand.NonFiniteError as exc:
         outcome = f"NonFiniteError@{exc.event.step}"
     except nand.StopRequested as exc:
         outcome = f"StopRequested@{exc.step}"
     finally:
-        if watch is not None:
+        for watch in watches:
             watch.close()
-    first = watch.first if watch is not None else None
     return {
-        "truth": truth.first if truth is not None else None,
-        "first": _event(first),
+        "truth": [truth.first for truth in truths],  # (per stage this rank runs)
+        "first": [_event(watch.first) for watch in watches],
         "losses": losses,
         "updated": updated,
         "outcome": outcome,
-        "finite_weights": all(bool(torch.isfinite(p).all()) for p in part.parameters()),
+        "finite_weights": all(bool(torch.isfinite(p).all()) for p in params),
     }
 
 

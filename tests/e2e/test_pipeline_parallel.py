@@ -32,6 +32,8 @@ RUNS = [
     ),
     Run("overflow-traced-truth", "gpipe", "overflow", nand=False, traced=True),
     Run("overflow-traced", "gpipe", "overflow", traced=True),
+    Run("overflow-interleaved-truth", "interleaved", "overflow", nand=False),
+    Run("overflow-interleaved", "interleaved", "overflow"),
     Run("skip", "gpipe", "overflow", policy="skip"),
     Run("stop", "1f1b", "backward", policy="stop"),
 ]
@@ -58,7 +60,7 @@ def test_the_healthy_pipeline_is_silent_and_its_losses_are_bit_identical(job):
     results, verdicts = job
     for name, bare in (("healthy", "bare"), ("healthy-1f1b", "bare-1f1b")):
         for rank in (0, 1):
-            assert results[(name, rank)]["first"] is None
+            assert results[(name, rank)]["first"][0] is None
         assert results[(name, 1)]["losses"] == results[(bare, 1)]["losses"]
         assert verdicts[name]["state"] != "diverged", verdicts[name]
 
@@ -66,12 +68,12 @@ def test_the_healthy_pipeline_is_silent_and_its_losses_are_bit_identical(job):
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "traced"])
 def test_an_overflow_in_stage_1_is_its_own_and_stage_0_received_the_gradient(job, schedule):
     results, verdicts = job
-    truth = {rank: results[(f"overflow-{schedule}-truth", rank)]["truth"] for rank in (0, 1)}
+    truth = {rank: results[(f"overflow-{schedule}-truth", rank)]["truth"][0] for rank in (0, 1)}
     # The ground truth: stage 1 made it in the forward of micro-batch 2;
     # stage 0 first saw it in that micro-batch's gradient, sent back.
     assert truth[1][:3] == (FAULT_STEP, 2, "forward") and truth[1][4]
     assert truth[0] == (FAULT_STEP, 2, "backward", "", False)
-    first = {rank: results[(f"overflow-{schedule}", rank)]["first"] for rank in (0, 1)}
+    first = {rank: results[(f"overflow-{schedule}", rank)]["first"][0] for rank in (0, 1)}
     assert _where(first[1]) == (*truth[1][:4], "produced")
     assert _where(first[0]) == (FAULT_STEP, 2, "backward", "", "received")
     assert first[0]["via"] == "the pipeline's send/recv from stage 1"
@@ -84,10 +86,10 @@ def test_an_overflow_in_stage_1_is_its_own_and_stage_0_received_the_gradient(job
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_a_nan_made_in_stage_0s_backward_reaches_stage_1_only_in_the_next_forward(job, schedule):
     results, verdicts = job
-    truth = {rank: results[(f"backward-{schedule}-truth", rank)]["truth"] for rank in (0, 1)}
+    truth = {rank: results[(f"backward-{schedule}-truth", rank)]["truth"][0] for rank in (0, 1)}
     assert truth[0] == (FAULT_STEP, 1, "backward", "layers.1.act", True)
     assert truth[1] == (FAULT_STEP + 1, 0, "forward", "", False)
-    first = {rank: results[(f"backward-{schedule}", rank)]["first"] for rank in (0, 1)}
+    first = {rank: results[(f"backward-{schedule}", rank)]["first"][0] for rank in (0, 1)}
     assert _where(first[0]) == (*truth[0][:4], "produced")
     assert _where(first[1]) == (FAULT_STEP + 1, 0, "forward", "", "received")
     assert first[1]["via"] == "the pipeline's send/recv from stage 0"
@@ -95,6 +97,24 @@ def test_a_nan_made_in_stage_0s_backward_reaches_stage_1_only_in_the_next_forwar
     _assert_origin(verdict, rank=0, where=truth[0][:4])
     assert verdict["ranks_received"] == [1], verdict["summary"]
     assert "rank 1 received it through the pipeline's send/recv from stage 0" in verdict["summary"]
+
+
+def test_interleaved_stages_two_per_rank_name_the_stage_that_made_it_and_the_receivers(job):
+    """Interleaved 1F1B, stages 0 and 2 on rank 0, 1 and 3 on rank 1 (one layer
+    each, a watch per stage module): stage 2 overflows in micro-batch 2."""
+    results, verdicts = job
+    truths = {rank: results[("overflow-interleaved-truth", rank)]["truth"] for rank in (0, 1)}
+    assert truths[0][1] == (FAULT_STEP, 2, "forward", "layers.2", True)  # stage 2
+    senders = {(0, 0): 1, (1, 0): 2, (1, 1): 2}  # (rank, its stage) -> the stage it came from
+    for rank in (0, 1):
+        firsts = results[("overflow-interleaved", rank)]["first"]
+        for i, (truth, first) in enumerate(zip(truths[rank], firsts, strict=True)):
+            assert _where(first) == (*truth[:4], "produced" if truth[4] else "received")
+            if (rank, i) in senders:
+                assert first["via"] == f"the pipeline's send/recv from stage {senders[rank, i]}"
+    verdict = verdicts["overflow-interleaved"]
+    _assert_origin(verdict, rank=0, where=(FAULT_STEP, 2, "forward", "layers.2"))
+    assert verdict["ranks_received"] == [1], verdict["summary"]
 
 
 def test_skip_drops_the_same_step_on_every_stage_and_training_goes_on(job):

@@ -28,6 +28,8 @@ if TYPE_CHECKING:
     from nand.agent.step.analysis import Finding, Probed
 
 Entry = tuple[int, Site, float, float, int]
+#: A stage's orders within a phase, at most (see :func:`across_stages`).
+STAGE_SPAN = 1_000_000
 
 
 def entries(buf: Probed, values: list[float], micro_base: int) -> list[Entry]:
@@ -53,7 +55,8 @@ def entries(buf: Probed, values: list[float], micro_base: int) -> list[Entry]:
 
 
 def handed_over(finding: Finding, pipeline: Handoff | None) -> Finding:
-    """``finding``, as received from a neighbouring stage where it was (see the module)."""
+    """``finding``, as received from a neighbouring stage where it was (see
+    the module), its ``order`` counted across the stages (:func:`across_stages`)."""
     if pipeline is None:
         return finding
     phase: Phase
@@ -64,10 +67,25 @@ def handed_over(finding: Finding, pipeline: Handoff | None) -> Finding:
         sender, what = pipeline.stage + 1, "the output gradient"
         phase = "backward"
     else:
+        finding.order = across_stages(finding.phase, finding.order, pipeline)
         return finding
     via = VIA_PIPELINE.format(sender)
     note = f"{what} stage {sender} sent to this stage was non-finite: received through {via}"
+    order = across_stages(phase, finding.order, pipeline)
     return dataclasses.replace(
-        finding, phase=phase, module="", cause="received", via=via,
+        finding, phase=phase, module="", cause="received", via=via, order=order,
         note=f"{finding.note}; {note}" if finding.note else note,
     )  # fmt: skip
+
+
+def across_stages(phase: Phase, order: int, pipeline: Handoff) -> int:
+    """A micro-batch passes the stages in turn, forward from the first to the
+    last and backward the other way: ``order`` (the execution index within
+    the phase) counted across them, so that the ranks' logical order (the
+    server's) puts a stage's own finding before what the next stage got from
+    it in the same phase (several stages per rank, interleaved)."""
+    if phase in ("input", "forward"):
+        return pipeline.stage * STAGE_SPAN + order
+    if phase in ("loss", "backward"):
+        return (pipeline.stages - 1 - pipeline.stage) * STAGE_SPAN + order
+    return order  # (a stage's own parameters: nothing passes between stages)
