@@ -10,7 +10,7 @@ Per module call:
 - a Linear, convolution or norm with a trained bias of its own takes no
   tensor hook: its output gradient is read from ``bias.grad`` by a hook
   registered once on the bias (``grads.BiasProxy``), except for a second call
-  in a micro-step, under ``torch.compile``, and under DDP/FSDP (there the
+  in a micro-step, under ``torch.compile``, a pipeline and DDP/FSDP (there the
   bias gradient is all-reduced: a real probe keeps this rank's own value).
 - inputs that are not the output recorded last were made by inline code in
   the parent's ``forward`` (``inline.InlineCheck``); containers check them in

@@ -5,8 +5,9 @@ and once in backward, in the order its schedule says: GPipe runs every
 forward and then every backward, 1F1B interleaves them. Counting root calls
 would label every backward with the last forward's micro-step, so nand
 learns the micro-batch index from the stage itself: while a watch of a
-stage's module is open, ``forward_one_chunk`` and ``backward_one_chunk`` of
-torch's stage class are wrapped (once per process, restored when the last
+stage's module is open, ``forward_one_chunk`` and ``backward_one_chunk``
+(and the weight pass of split-backward schedules) of torch's stage class
+are wrapped (once per process, restored when the last
 such watch closes) to mark, in the probe buffer, where each chunk's entries
 begin and which micro-batch they are (:class:`Handoff`). The micro-step of
 an event is then that index, the same on every stage.
@@ -43,7 +44,7 @@ from nand.agent.detect.state import HookState
 log = logging.getLogger("nand")
 
 #: The stage class's methods that run one micro-batch (``chunk``).
-CHUNK_METHODS = ("forward_one_chunk", "backward_one_chunk")
+CHUNK_METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 #: A stage's first step runs its module on made-up tensors (uninitialised
 #: memory, NaN as likely as not) to learn the shapes it sends and receives:
 #: not the user's step, unseen by nand (torch >= 2.10; older ones: ``_shape_inference``).
