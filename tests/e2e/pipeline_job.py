@@ -95,10 +95,18 @@ def stage_of(model: Net, stage: int) -> Net:
     return part
 
 
+#: Schedules that run stages ``rank`` and ``rank + 2`` of four on each rank
+#: (the zero-bubble one splits each backward into an input and a weight pass).
+TWO_STAGES_PER_RANK = {
+    "interleaved": "ScheduleInterleaved1F1B",
+    "zero-bubble": "ScheduleInterleavedZeroBubble",
+}
+
+
 @dataclass(frozen=True)
 class Run:
     name: str
-    schedule: str  # "gpipe" | "1f1b"
+    schedule: str  # "gpipe" | "1f1b" | one of TWO_STAGES_PER_RANK
     fault: str  # "none" | "overflow" (row 3) | "backward" (row 4)
     nand: bool = True
     policy: str = "warn"
@@ -122,24 +130,28 @@ def batches(fault: str) -> list[tuple[Tensor, Tensor]]:
 
 class GroundTruth:
     """Where this rank first saw a non-finite value, from plain hooks (no nand):
-    (step, micro-batch, phase, module, made here). Forward and backward both
-    run the micro-batches of a stage in order, so each module's call count in
-    the step is the micro-batch index. Only the stage's chunks count: its
-    first step also runs the module on made-up tensors to learn shapes."""
+    (step, micro-batch, phase, module, made here). A stage runs its forwards
+    in micro-batch order, so the count of a module's calls in the step is the
+    micro-batch; a backward is known by the call whose output it flows into
+    (tensor hooks: a full backward hook makes views the zero-bubble schedule
+    cannot detach). A module made a gradient non-finite when the gradient at
+    its output was finite and the one at its input is not. Only the stage's
+    chunks count: its first step also runs the module on made-up tensors."""
 
     def __init__(self, root: nn.Module) -> None:
         self.step = 0
         self.active = False
         self.first: tuple[int, int, str, str, bool] | None = None
         self._calls: dict[str, int] = {}
+        self._out_finite: dict[tuple[int, str], bool] = {}  # (micro-batch, module)
         root.register_forward_pre_hook(self._inputs)
         for name, module in root.named_modules():
             module.register_forward_hook(self._forward(name))
-            module.register_full_backward_hook(self._backward(name))
 
     def follow(self, stage: Any) -> None:
-        """Look only while ``stage`` runs a micro-batch (forward or backward)."""
-        for name in ("forward_one_chunk", "backward_one_chunk"):
+        """Look only while ``stage`` runs a micro-batch (forward, backward,
+        the weight pass of a split backward)."""
+        for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
             setattr(stage, name, self._looking(getattr(stage, name)))
 
     def _looking(self, method: Any) -> Any:
@@ -153,38 +165,43 @@ class GroundTruth:
         return run
 
     def new_step(self, step: int) -> None:
-        self.step, self._calls = step, {}
-
-    def _count(self, key: str) -> int:
-        if not self.active:
-            return -1
-        n = self._calls.get(key, 0)
-        self._calls[key] = n + 1
-        return n
+        self.step, self._calls, self._out_finite = step, {}, {}
 
     def _see(self, mb: int, phase: str, module: str, made_here: bool) -> None:
         if self.first is None and self.active:
             self.first = (self.step, mb, phase, module, made_here)
 
     def _inputs(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        mb = self._calls.get("fwd:", 0)  # (the root's forward hook counts it)
-        if not _finite(args):
-            self._see(mb, "forward", "", False)  # (the stage's input: not made here)
+        if self.active and not _finite(args):
+            self._see(self._calls.get("", 0), "forward", "", False)  # (sent to this stage)
 
     def _forward(self, name: str) -> Any:
         def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-            mb = self._count("fwd:" + name)
+            if not self.active:
+                return
+            mb = self._calls.get(name, 0)
+            self._calls[name] = mb + 1
             if not _finite(output):
                 self._see(mb, "forward", name, _finite(args))
+            if isinstance(output, Tensor) and output.requires_grad:
+                output.register_hook(self._output_grad(mb, name))
+            for arg in args:
+                if isinstance(arg, Tensor) and arg.requires_grad:
+                    arg.register_hook(self._input_grad(mb, name))
 
         return hook
 
-    def _backward(self, name: str) -> Any:
-        def hook(module: nn.Module, grad_in: Any, grad_out: Any) -> None:
-            mb = self._count("bwd:" + name)
-            if name == "" and not _finite(grad_out):
-                self._see(mb, "backward", "", False)  # arrived at the stage's output
-            elif _finite(grad_out) and not _finite(grad_in):
+    def _output_grad(self, mb: int, name: str) -> Any:
+        def hook(grad: Tensor) -> None:
+            self._out_finite[mb, name] = _finite(grad)
+            if name == "" and not _finite(grad):
+                self._see(mb, "backward", "", False)  # sent back to this stage
+
+        return hook
+
+    def _input_grad(self, mb: int, name: str) -> Any:
+        def hook(grad: Tensor) -> None:
+            if self._out_finite.get((mb, name), False) and not _finite(grad):
                 self._see(mb, "backward", name, True)
 
         return hook
@@ -201,17 +218,18 @@ def _finite(value: Any) -> bool:
 def build(rank: int, run: Run) -> tuple[list[nn.Module], list[Any], Any]:
     """The stage modules this rank runs, their stages and the schedule:
     one stage per rank, or two (stages ``rank`` and ``rank + 2`` of four, one
-    layer each) under the interleaved schedule."""
+    layer each) under the interleaved schedules."""
     from torch.distributed import pipelining as pp
 
     torch.manual_seed(0)
     model = Net(unsafe=run.fault == "backward")
     cpu = torch.device("cpu")
-    if run.schedule == "interleaved":
+    if run.schedule in TWO_STAGES_PER_RANK:
         mine = (rank, rank + 2)
         parts = [_one_layer(model, i) for i in mine]
         stages = [pp.PipelineStage(part, i, 4, cpu) for part, i in zip(parts, mine, strict=True)]
-        return parts, stages, pp.ScheduleInterleaved1F1B(stages, N_MICRO, nn.functional.mse_loss)
+        kind = getattr(pp, TWO_STAGES_PER_RANK[run.schedule])
+        return parts, stages, kind(stages, N_MICRO, nn.functional.mse_loss)
     if run.traced:  # (a GraphModule per stage, the user's qualified names kept)
         split = {"layers.2": pp.SplitPoint.BEGINNING}
         pipe = pp.pipeline(model, mb_args=(torch.zeros(BATCH // N_MICRO, 8),), split_spec=split)

@@ -34,6 +34,8 @@ RUNS = [
     Run("overflow-traced", "gpipe", "overflow", traced=True),
     Run("overflow-interleaved-truth", "interleaved", "overflow", nand=False),
     Run("overflow-interleaved", "interleaved", "overflow"),
+    Run("backward-zero-bubble-truth", "zero-bubble", "backward", nand=False),
+    Run("backward-zero-bubble", "zero-bubble", "backward"),
     Run("skip", "gpipe", "overflow", policy="skip"),
     Run("stop", "1f1b", "backward", policy="stop"),
 ]
@@ -99,22 +101,31 @@ def test_a_nan_made_in_stage_0s_backward_reaches_stage_1_only_in_the_next_forwar
     assert "rank 1 received it through the pipeline's send/recv from stage 0" in verdict["summary"]
 
 
-def test_interleaved_stages_two_per_rank_name_the_stage_that_made_it_and_the_receivers(job):
-    """Interleaved 1F1B, stages 0 and 2 on rank 0, 1 and 3 on rank 1 (one layer
-    each, a watch per stage module): stage 2 overflows in micro-batch 2."""
+@pytest.mark.parametrize("case", ["overflow-interleaved", "backward-zero-bubble"])
+def test_two_stages_per_rank_name_the_stage_that_made_it_and_the_receivers(job, case):
+    """Interleaved 1F1B and zero-bubble: stages 0 and 2 on rank 0, 1 and 3 on
+    rank 1 (one layer each, a watch per stage module). Stage 2 overflows in
+    micro-batch 2's forward; or stage 1's backward makes a NaN in micro-batch 1,
+    which the other stages get through the pipeline (stage 0 in that backward,
+    stages 2 and 3 in the next forward)."""
     results, verdicts = job
-    truths = {rank: results[("overflow-interleaved-truth", rank)]["truth"] for rank in (0, 1)}
-    assert truths[0][1] == (FAULT_STEP, 2, "forward", "layers.2", True)  # stage 2
-    senders = {(0, 0): 1, (1, 0): 2, (1, 1): 2}  # (rank, its stage) -> the stage it came from
+    truths = {rank: results[(f"{case}-truth", rank)]["truth"] for rank in (0, 1)}
+    expected = {
+        "overflow-interleaved": (0, 1, (FAULT_STEP, 2, "forward", "layers.2", True)),
+        "backward-zero-bubble": (1, 0, (FAULT_STEP, 1, "backward", "layers.1.act", True)),
+    }
+    origin_rank, stage_there, origin_truth = expected[case]
+    assert truths[origin_rank][stage_there] == origin_truth  # the ground truth
     for rank in (0, 1):
-        firsts = results[("overflow-interleaved", rank)]["first"]
+        firsts = results[(case, rank)]["first"]
         for i, (truth, first) in enumerate(zip(truths[rank], firsts, strict=True)):
             assert _where(first) == (*truth[:4], "produced" if truth[4] else "received")
-            if (rank, i) in senders:
-                assert first["via"] == f"the pipeline's send/recv from stage {senders[rank, i]}"
-    verdict = verdicts["overflow-interleaved"]
-    _assert_origin(verdict, rank=0, where=(FAULT_STEP, 2, "forward", "layers.2"))
-    assert verdict["ranks_received"] == [1], verdict["summary"]
+            sender = 2 * i + rank + (-1 if first["phase"] == "forward" else 1)
+            if not truth[4]:
+                assert first["via"] == f"the pipeline's send/recv from stage {sender}"
+    verdict = verdicts[case]
+    _assert_origin(verdict, rank=origin_rank, where=origin_truth[:4])
+    assert verdict["ranks_received"] == [1 - origin_rank], verdict["summary"]
 
 
 def test_skip_drops_the_same_step_on_every_stage_and_training_goes_on(job):
