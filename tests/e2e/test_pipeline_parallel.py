@@ -45,17 +45,23 @@ RUNS = [
 def job(tmp_path_factory):
     """Every run of :data:`RUNS` on 2 ranks, reported to one real server."""
     with embedded_test_server(tmp_path_factory.mktemp("pp-server")) as server:
-        os.environ["NAND_TOKEN"] = TOKEN  # (read by the spawned ranks)
         prefix = f"pp-{os.getpid()}"
-        results = mp.Manager().dict()
+        manager = mp.Manager()
+        results = manager.dict()
         args = (free_port(), server.zmq_endpoint, prefix, RUNS, results)
-        mp.spawn(rank_main, args=args, nprocs=2, join=True)
+        os.environ["NAND_TOKEN"] = TOKEN  # (read by the spawned ranks)
+        try:
+            mp.spawn(rank_main, args=args, nprocs=2, join=True)
+            results = dict(results)
+        finally:
+            del os.environ["NAND_TOKEN"]
+            manager.shutdown()
         verdicts = {
             run.name: settled_verdict(server.http_url, f"{prefix}-{run.name}", 2)
             for run in RUNS
             if run.nand
         }
-        yield dict(results), verdicts
+        yield results, verdicts
 
 
 def test_the_healthy_pipeline_is_silent_and_its_losses_are_bit_identical(job):
