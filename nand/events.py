@@ -75,6 +75,8 @@ VIA_FSDP_ALL_GATHER = "FSDP's parameter all-gather"
 VIA_ZERO_BROADCAST = "ZeRO's parameter broadcast"  # (ZeroRedundancyOptimizer's, after step)
 VIA_TP_ALL_REDUCE = "the tensor-parallel all-reduce"  # (a row-parallel layer's output)
 VIA_TP_GRAD_ALL_REDUCE = "the tensor-parallel all-reduce of the input gradient"
+#: A pipeline stage's neighbour sent it (an activation forward, a gradient back).
+VIA_PIPELINE = "the pipeline's send/recv from stage {}"  # (.format(the sending stage))
 
 #: Why an agent dropped messages before the server had them (its transport
 #: counts them and sends the cumulative counts in every heartbeat as ``dropped``):

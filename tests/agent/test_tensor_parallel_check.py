@@ -12,7 +12,7 @@ import torch
 
 from nand.agent.detect.probes import Site
 from nand.agent.detect.tensor_parallel import Partial, received_through_tp
-from nand.agent.step.analysis import Finding
+from nand.agent.step.finding import Finding
 from nand.events import VIA_TP_ALL_REDUCE, VIA_TP_GRAD_ALL_REDUCE
 
 

@@ -37,11 +37,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
+from nand.agent.detect import pipeline
 from nand.agent.detect.compile_switch import CompileSwitch
 from nand.agent.detect.compiled import CompiledSlots
 from nand.agent.detect.hooks import Hooks
@@ -93,6 +95,9 @@ class Tiers:
             log.warning("nand: mode='light' under tensor parallelism: every module probed instead")
         self.light = mode == "light" and not compiled and self.tp is None
         self.hooks.install(self.root, self.infos, proxies=proxies, modules=not self.light)
+        listener = pipeline.listen(self.root, model, self.hooks.state)  # (a stage's chunks)
+        if listener is not None:
+            self.hooks.handles.append(cast(RemovableHandle, listener))
         if self.light:  # compiled later: full from the first compiled call (compile_switch.py)
             self._switch = CompileSwitch(self.root, self._compiled_now)
             self.hooks.handles.append(self._switch.handle)

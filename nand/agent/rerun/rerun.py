@@ -56,8 +56,8 @@ from nand.agent.rerun.light import make_exact, needs_probes, probed_finding
 from nand.agent.rerun.opwatch import OpRecord
 from nand.agent.rerun.run import Replayed, replay
 from nand.agent.safety import Guard
-from nand.agent.step.analysis import Finding
 from nand.agent.step.boundary import Boundary
+from nand.agent.step.finding import Finding
 from nand.events import Event, replay_words
 
 log = logging.getLogger("nand")

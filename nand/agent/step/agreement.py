@@ -33,7 +33,8 @@ from nand.agent.detect.param_cache import ParamCache, usable
 from nand.agent.detect.probes import local
 from nand.agent.detect.zero import settle_zero
 from nand.agent.safety import PeerGone
-from nand.agent.step.analysis import Finding, ParamSource
+from nand.agent.step.analysis import ParamSource
+from nand.agent.step.finding import Finding
 from nand.events import VIA_FSDP_ALL_GATHER
 
 #: A rank's own finding that FSDP's parameter all-gather carries to the others.

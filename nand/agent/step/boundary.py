@@ -33,7 +33,6 @@ from nand.agent.identity import Identity
 from nand.agent.step.agreement import settle, settle_shards, with_agreed_flag
 from nand.agent.step.analysis import (
     COMPILED_NOTE,
-    Finding,
     ParamSource,
     StepRow,
     first_finding,
@@ -42,6 +41,7 @@ from nand.agent.step.analysis import (
 )
 from nand.agent.step.blowup import BlowUpWatch, global_norm
 from nand.agent.step.deferred import DeferredRead
+from nand.agent.step.finding import Finding
 from nand.agent.step.fingerprint import Fingerprints
 from nand.agent.step.recorder import FlightRecorder
 from nand.agent.step.report import build_event
@@ -201,7 +201,7 @@ class Boundary:
         return Window(
             step=step, prev_step=prev_step, prev_micro=prev_micro, skipped=skipped, record=record,
             micro_base=micro_base, sites=buf.sites[:], norm_sites=buf.norm_sites[:],
-            n_pairs=n_pairs, n_norms=len(buf.norms), spans=spans,
+            n_pairs=n_pairs, n_norms=len(buf.norms), spans=spans, pipeline=buf.pipeline,
             compiled=buf.slotted is not None, grads_scaled=scaled, lagged=self.deferred is not None,
             partials=self.tp.take(self.micro_steps, micro_base) if self.tp is not None else [],
         )  # fmt: skip

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from nand.agent.identity import Identity
-from nand.agent.step.analysis import Finding
+from nand.agent.step.finding import Finding
 from nand.events import VIA_GRAD_ALL_REDUCE, Event
 
 
