@@ -218,7 +218,7 @@ class Event:
             "data": "arrived in the input data",
             "produced": "was produced here from finite inputs",
             "propagated": "came from a non-finite input",
-            "received": "was received through a collective",
+            "received": f"was received through {self.via or 'a collective'}",
         }.get(self.cause, self.cause)
         step = f"step {self.step}" + (f".{self.micro_step}" if self.micro_step else "")
         shape = shape or "x".join(str(d) for d in self.shape) or "scalar"

@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from nand.events import Event, value_kinds
+from nand.events import VIA_TP_ALL_REDUCE, Event, value_kinds
 
 
 @pytest.mark.parametrize(
@@ -29,6 +29,13 @@ def test_describe_names_rank_values_phase_module_step_and_cause():
         "rank 3: +inf in forward of fc2 (Linear) at step 47.1 [16x32 float16]; "
         "it was produced here from finite inputs"
     )
+
+
+def test_a_received_event_says_which_collective_brought_it_in_its_log_line():
+    event = Event(rank=0, step=3, phase="forward", module="mlp.fc2", cause="received", nan=2)
+    assert event.describe().endswith("it was received through a collective")  # (not known)
+    event.via = VIA_TP_ALL_REDUCE
+    assert event.describe().endswith(f"it was received through {VIA_TP_ALL_REDUCE}")
 
 
 def test_first_is_logical_not_wall_clock():
