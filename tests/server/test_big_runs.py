@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 
 from nand import wire
 from nand.server.agents.writer import write_batch
-from nand.server.analysis import bigrun, correlate, rankpage, series, views
+from nand.server.analysis import bigrun, correlate, rankpage, series, spread, views
 from nand.server.settings import Settings
 from nand.server.storage import migrate, store
 from nand.server.storage.models import Run, RunTally
@@ -194,6 +194,7 @@ def _statements(engine: Engine, call: Callable[[Session], object]) -> int:
         count[0] += 1
 
     bigrun.SPREAD.clear()  # (the uncached path: each run's first verdict)
+    spread.KNOWN.clear()
     event.listen(engine, "before_cursor_execute", counted)
     try:
         with Session(engine) as session:
