@@ -320,3 +320,36 @@ def test_a_big_runs_ranks_page_verdict_and_summary_read_as_much_at_3000_ranks_as
         # Counting the ranks by state read every rank row (5 times more here); the
         # slack: a few index levels more, and the counter's granularity.
         assert wide < 1.5 * narrow + 10, (narrow, wide)
+
+
+def test_the_first_verdict_after_a_new_received_event_reads_as_much_at_3000_ranks_as_at_600(
+    tmp_path,
+) -> None:
+    """During an incident every rank's received event comes in while the verdict
+    is polled: each verdict after one must read the new ranks, not every diverged
+    rank again (400 here against 2,000)."""
+    engine = create_engine(f"sqlite:///{tmp_path / 'n.db'}")
+    steps = VmSteps(engine, per=100)
+    migrate.upgrade(engine)
+    now = time.time()
+    _calm_run(engine, "narrow", 600, now)
+    _calm_run(engine, "wide", 3000, now)
+
+    def cost(name: str, rank: int) -> int:
+        with Session(engine) as session:
+            bigrun.verdict(session, _run(session, name), SETTINGS, now)
+        event = _nan(rank, 2, "grad", "received", 3000)
+        write_batch(engine, [_message(name, rank, 4, "event", event)], now)
+        with Session(engine) as session:
+            run = _run(session, name)
+            before = steps.count
+            found = bigrun.verdict(session, run, SETTINGS, now)
+            spent = steps.count - before
+        assert rank in found.ranks_received
+        return spent
+
+    # (ranks 3, 6, ... had no event yet: see _calm_run)
+    narrow, wide = cost("narrow", 3), cost("wide", 3)
+    assert wide < 1.5 * narrow + 10, (narrow, wide)
+    narrow, wide = cost("narrow", 6), cost("wide", 6)
+    assert wide < 1.5 * narrow + 10, (narrow, wide)
