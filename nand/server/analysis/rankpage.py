@@ -36,7 +36,8 @@ def rank_page(
     rows = rows[:limit]
     counted = counts.state_counts(session, run, settings, now)
     relations = _relations(session, run.id, [e for _, e in rows if e is not None])
-    flights = store.ranks_with_flight(session, run.id)
+    page = (rows[0][0].rank, rows[-1][0].rank) if rows else (0, -1)
+    flights = store.ranks_with_flight(session, run.id, page)
     items = views.rank_statuses(run, rows, settings, now, flights, relations)
     return RankPage(
         items=items,

