@@ -187,7 +187,7 @@ def _diverged(
     hint = correlate.hint(head, evidence)
     world = max(run.world_size, ranks_seen)
     device = session.scalar(select(Rank.device).where(Rank.id == _rank_id(run.id, head.rank)))
-    known = spread.known(session, run.id, head_row)
+    known = spread.known(session, run, head_row)
     key = (known.version, world, hint, repr(evidence), device or "")
     if key not in SPREAD:
         _remember(key, _spread(known, head, world, hint, evidence, device or ""))

@@ -36,7 +36,7 @@ from sqlalchemy import ColumnElement, Select, and_, case, func, or_, select, tru
 from sqlalchemy.orm import Session
 
 from nand.events import Relation
-from nand.server.storage.models import EventRow, Rank, RunTally
+from nand.server.storage.models import EventRow, Rank, Run, RunTally
 
 #: (relation, phase of the first event) of one rank; the few distinct ones are
 #: shared (a 100,000-rank run keeps one small tuple object, not 100,000).
@@ -59,8 +59,8 @@ class Known:
     version: int
 
 
-#: Each run's :class:`Known`, by database and run id; a few runs at most.
-KNOWN: dict[tuple[str, int], Known] = {}
+#: Each run's :class:`Known`, by database, run id and start; a few runs at most.
+KNOWN: dict[tuple[str, int, float], Known] = {}
 KNOWN_KEPT = 4
 _versions = itertools.count(1)
 _shared: dict[Kind, Kind] = {}
@@ -88,9 +88,11 @@ def relation_of(head: EventRow) -> ColumnElement[str]:
     )
 
 
-def known(session: Session, run_id: int, head: EventRow) -> Known:
+def known(session: Session, run: Run, head: EventRow) -> Known:
     """The run's diverged ranks and their relations to ``head`` (its origin), now."""
-    where = (str(session.get_bind().engine.url), run_id)
+    run_id = run.id
+    # (started_at too: SQLite may give a pruned run's id to a new one)
+    where = (str(session.get_bind().engine.url), run_id, run.started_at)
     last = KNOWN.get(where)
     found = None
     if last is not None and last.head_id == head.id:
