@@ -58,6 +58,13 @@ BATCHES: list[list[tuple[int, dict[str, Any]]]] = [
     [(r, _nan(4, "grad", "received")) for r in range(21, 31)],
     # a batch with no new first event (a rank's second event)
     [(21, _nan(6, "grad", "received"))],
+    # a step earlier again: rank 37 in "head"; rank 38 (said received) after it in blocks.1.fc
+    [
+        (37, _nan(3, "forward", "produced", "head", order=2)),
+        (38, _nan(3, "forward", "received", order=5)),
+    ],
+    # rank 39 before both in blocks.1.fc: rank 38, received so far, is at the new origin's point
+    [(39, _nan(3, "forward", "produced", order=1))],
 ]
 
 
@@ -104,4 +111,5 @@ def test_a_big_runs_verdict_kept_from_batch_to_batch_is_the_one_computed_from_sc
         for agent in agents:
             agent.close()
     # (what the batches were for: the origin moved once, simultaneous came and went)
-    assert seen[1] == (5, False) and seen[2] == (5, True) and seen[-1] == (4, False), seen
+    assert seen[1] == (5, False) and seen[2] == (5, True) and seen[7] == (4, False), seen
+    assert seen[8] == (3, False) and seen[9] == (3, True), seen

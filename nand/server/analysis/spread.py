@@ -9,10 +9,14 @@ poll of the incident slow. So each run's relations are kept in memory
 (:data:`KNOWN`) with the highest event id there was when they were read (the
 *mark*), and a verdict classifies only the ranks whose first event is newer
 than the mark, in one statement that also reads the run's diverged tally and
-the new mark (one snapshot). All of them are read again when:
+the new mark (one snapshot). When the origin moved (a new, logically earlier
+event), a rank whose agent said ``cause="received"`` stays ``received`` unless
+it is at the new origin's point (or was the origin or at its point), so only
+those and the ranks whose agent said otherwise are classified again. All of
+them are read again when:
 
-- the origin moved (a new, logically earlier event: every relation may change),
-  or the server has none for the run yet;
+- the server has none for the run yet, or more than :data:`AGAIN_MAX` ranks
+  would be classified again after a move of the origin;
 - the ranks known differ in number from the run's tally of diverged ranks: a
   rank's first event committed after a newer one had been read (two servers on
   one PostgreSQL commit in either order), or rows were deleted.
@@ -20,7 +24,7 @@ the new mark (one snapshot). All of them are read again when:
 What the count cannot see: a rank that had already diverged, whose first event
 was replaced by an earlier one of its own committed after a newer event had
 been read (the same rank's batches through two servers at once, a failover):
-its relation stays the older one's until the origin next moves. Everything
+its relation stays the older one's until the server reads them all again. Everything
 here is derived from the database, so any server computes the same.
 ``tests/server/test_spread.py`` holds the kept relations equal to a full
 computation, batch after batch, on SQLite and PostgreSQL.
@@ -49,13 +53,16 @@ class Known:
     origin ``head_id``, its own rank ``origin``; phase of the first event), and the
     same as ``groups``, kind -> ranks in order (what the verdict's lists and
     sentence are made of, so a few new ranks are merged in, not all sorted again);
-    ``mark``: the highest event id when read; ``version``: new for new contents.
-    Never changed once made (verdicts of several requests share it)."""
+    ``mark``: the highest event id when read; ``others``: the ranks whose agent did
+    not say ``cause="received"`` (only theirs can change when the origin moves, see
+    :func:`_again`); ``version``: new for new contents. Never changed once made
+    (verdicts of several requests share it)."""
 
     head_id: int
     mark: int
     kinds: dict[int, Kind]
     groups: dict[Kind, list[int]]
+    others: frozenset[int]
     version: int
 
 
@@ -94,9 +101,7 @@ def known(session: Session, run: Run, head: EventRow) -> Known:
     # (started_at too: SQLite may give a pruned run's id to a new one)
     where = (str(session.get_bind().engine.url), run_id, run.started_at)
     last = KNOWN.get(where)
-    found = None
-    if last is not None and last.head_id == head.id:
-        found = _catch_up(session, run_id, head, last)
+    found = _catch_up(session, run_id, head, last) if last is not None else None
     if found is None:
         found = _read_all(session, run_id, head)
     while len(KNOWN) >= KNOWN_KEPT and where not in KNOWN:
@@ -142,14 +147,15 @@ def _read_all(session: Session, run_id: int, head: EventRow) -> Known:
     # The mark first: what the rows below read includes every event up to it.
     mark = session.scalar(select(_top())) or 0
     statement = (
-        select(Rank.rank, relation_of(head), EventRow.phase)
+        select(Rank.rank, relation_of(head), EventRow.phase, EventRow.cause)
         .join(EventRow, EventRow.id == Rank.first_event_id)
         .where(Rank.run_id == run_id)
     )
     # (Core rows, not the ORM's: a third of the time at 66,665 rows)
-    rows = session.connection().execute(statement)
-    kinds = {rank: _kind(k, phase) for rank, k, phase in rows}
-    return Known(head.id, mark, kinds, _grouped(kinds), next(_versions))
+    rows = session.connection().execute(statement).all()
+    kinds = {rank: _kind(k, phase) for rank, k, phase, _ in rows}
+    others = frozenset(rank for rank, _, _, cause in rows if cause != "received")
+    return Known(head.id, mark, kinds, _grouped(kinds), others, next(_versions))
 
 
 def _grouped(kinds: dict[int, Kind]) -> dict[Kind, list[int]]:
@@ -161,21 +167,63 @@ def _grouped(kinds: dict[int, Kind]) -> dict[Kind, list[int]]:
     return out
 
 
+#: Most ranks classified again when the origin moves (else all are read again).
+AGAIN_MAX = 5_000
+
+
 def _catch_up(session: Session, run_id: int, head: EventRow, last: Known) -> Known | None:
-    """``last`` with the ranks whose first event is newer than its mark; None when
+    """``last`` with the ranks whose first event is newer than its mark (and, if the
+    origin moved, those whose relation may have changed: :func:`_again`); None when
     the ranks then known are not the run's diverged ranks (read them all)."""
     rows = session.connection().execute(_newer(run_id, head, last.mark)).all()
     if not rows:
         return None  # (no tally row)
     diverged, mark = rows[0][0], rows[0][1] or 0
-    new = {rank: _kind(k, phase) for _, _, rank, k, phase in rows if rank is not None}
+    found = [tuple(row[2:]) for row in rows if row[2] is not None]
+    if head.id != last.head_id:
+        again = _again(session, run_id, head, last) - {row[0] for row in found}
+        if len(again) > AGAIN_MAX:
+            return None
+        found += _reread(session, run_id, head, again)
+    new = {rank: _kind(k, phase) for rank, k, phase, _ in found}
+    said = {rank for rank, _, _, cause in found if cause != "received"}
+    others = frozenset((last.others - new.keys()) | said)
     changed = {rank: kind for rank, kind in new.items() if last.kinds.get(rank) is not kind}
     if len(last.kinds) + sum(1 for rank in changed if rank not in last.kinds) != diverged:
         return None
-    if not changed:
-        return last if mark == last.mark else replace(last, mark=mark)
+    if not changed and head.id == last.head_id:
+        return replace(last, mark=mark, others=others)
     kinds = {**last.kinds, **changed}
-    return Known(last.head_id, mark, kinds, _merged(last, changed), next(_versions))
+    return Known(head.id, mark, kinds, _merged(last, changed), others, next(_versions))
+
+
+def _again(session: Session, run_id: int, head: EventRow, last: Known) -> set[int]:
+    """The ranks whose relation may differ under a new origin ``head``: a rank whose
+    agent said ``received`` is ``received`` under any origin (``correlate.relation``)
+    unless it is the origin's rank or at its point (or was, under the last one)."""
+    at_point = select(Rank.rank).where(
+        Rank.run_id == run_id,
+        Rank.first_event_id.is_not(None),
+        Rank.first_step == head.step,
+        Rank.first_micro_step == head.micro_step,
+        Rank.first_phase_rank == head.phase_rank,
+    )  # (ix_ranks_first_key; the module is compared by the CASE)
+    first = {r for (k, _), ranks in last.groups.items() if k in _FIRST for r in ranks}
+    return set(last.others) | first | set(session.scalars(at_point)) | {head.rank}
+
+
+def _reread(
+    session: Session, run_id: int, head: EventRow, ranks: set[int]
+) -> list[tuple[Any, ...]]:
+    """(rank, relation to ``head``, phase, cause) of those of ``ranks`` that diverged."""
+    if not ranks:
+        return []
+    statement = (
+        select(Rank.rank, relation_of(head), EventRow.phase, EventRow.cause)
+        .join(EventRow, EventRow.id == Rank.first_event_id)
+        .where(Rank.run_id == run_id, Rank.rank.in_(sorted(ranks)))
+    )
+    return [tuple(row) for row in session.connection().execute(statement)]
 
 
 def _merged(last: Known, changed: dict[int, Kind]) -> dict[Kind, list[int]]:
@@ -199,7 +247,9 @@ def _newer(run_id: int, head: EventRow, mark: int) -> Select[Any]:
     event is newer than ``mark`` with their relation and phase: one statement, one
     snapshot (the tally and the mark agree with the rows; one row of nulls if none)."""
     newer = (
-        select(Rank.rank.label("rank"), relation_of(head).label("k"), EventRow.phase)
+        select(
+            Rank.rank.label("rank"), relation_of(head).label("k"), EventRow.phase, EventRow.cause
+        )
         .join(
             Rank,
             and_(
@@ -213,7 +263,7 @@ def _newer(run_id: int, head: EventRow, mark: int) -> Select[Any]:
         .subquery()
     )
     return (
-        select(RunTally.diverged, _top(), newer.c.rank, newer.c.k, newer.c.phase)
+        select(RunTally.diverged, _top(), newer.c.rank, newer.c.k, newer.c.phase, newer.c.cause)
         .select_from(RunTally)
         .outerjoin(newer, true())
         .where(RunTally.run_id == run_id)
