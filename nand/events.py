@@ -65,6 +65,19 @@ RANK_STATES: tuple[RankState, ...] = get_args(RankState)
 Relation = Literal["origin", "simultaneous", "received", "produced"]
 RELATIONS: tuple[Relation, ...] = get_args(Relation)
 
+#: The collectives a ``received`` value can come through (``Event.via``), in
+#: the words the verdict says them: "rank 0 received it through <via>".
+#: Defined once here for the agent (which sets them) and the server (whose
+#: fallback for an event without one names the collective its phase implies).
+#: A newer agent may send words not listed; they are shown as sent.
+VIA_GRAD_ALL_REDUCE = "the gradient all-reduce"  # (DDP's; FSDP's reduce-scatter too)
+VIA_FSDP_ALL_GATHER = "FSDP's parameter all-gather"
+VIA_ZERO_BROADCAST = "ZeRO's parameter broadcast"  # (ZeroRedundancyOptimizer's, after step)
+VIA_TP_ALL_REDUCE = "the tensor-parallel all-reduce"  # (a row-parallel layer's output)
+VIA_TP_GRAD_ALL_REDUCE = "the tensor-parallel all-reduce of the input gradient"
+#: A pipeline stage's neighbour sent it (an activation forward, a gradient back).
+VIA_PIPELINE = "the pipeline's send/recv from stage {}"  # (.format(the sending stage))
+
 #: Why an agent dropped messages before the server had them (its transport
 #: counts them and sends the cumulative counts in every heartbeat as ``dropped``):
 #:
@@ -147,6 +160,9 @@ class Event:
     module_type: str = ""
     order: int = 0
     cause: Cause = "produced"
+    #: For a ``received`` value: the collective it came through (``VIA_*``
+    #: above; "" when the agent could not tell, or for a value made here).
+    via: str = ""
     nan: int | None = None
     posinf: int | None = None
     neginf: int | None = None

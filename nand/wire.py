@@ -154,7 +154,8 @@ _INT = (int,)
 _NUM = (int, float)
 _STR = (str,)
 _OPTIONAL_EVENT_FIELDS = {"nan": _INT, "posinf": _INT, "neginf": _INT, "min": _NUM, "max": _NUM,
-    "max_abs": _NUM, "reproduced": (bool,), "op": _STR, "source": _STR, "replay": _STR}  # fmt: skip
+    "max_abs": _NUM, "reproduced": (bool,), "op": _STR, "source": _STR, "replay": _STR,
+    "via": _STR}  # fmt: skip
 
 
 def _require(

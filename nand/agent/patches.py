@@ -10,6 +10,10 @@ place, and each is undone by its own rule:
   their own scaler, so this is how nand learns of it. The class is restored
   when the last listening watch is closed or, never closed, garbage
   collected (its model and optimizer gone).
+- The pipeline stage's ``forward_one_chunk``/``backward_one_chunk`` and its
+  shape inference are wrapped on torch's classes while a watch of a stage's
+  module is open (``detect/pipeline.py``): the micro-batch each chunk is.
+  Restored when the last such watch is closed.
 - At interpreter exit (:func:`at_exit`): the reads of deferred watches never
   closed (``step/deferred.py``), then the transport's goodbye and close
   (``transport/server_sink.py``). ``atexit`` runs the handler registered last
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -42,6 +47,9 @@ def installed() -> list[str]:
     """What nand has changed in this process now, e.g. ``["GradScaler.step",
     "at exit: transport"]``."""
     found = ["GradScaler.step"] if _original_step is not None else []
+    pipeline = sys.modules.get("nand.agent.detect.pipeline")  # (imported with the agent)
+    if pipeline is not None and pipeline.installed():
+        found.append("pipeline stage chunks")
     found += [f"at exit: {name}" for name in _at_exit]
     return found + [f"after fork: {name}" for name in _after_fork]
 

@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
 import nand
+from nand.events import VIA_GRAD_ALL_REDUCE
 from tests.agent.models import mlp
 
 pytestmark = pytest.mark.slow
@@ -51,7 +52,8 @@ def _rank_main(
             opt.step()
             opt.zero_grad()
     first = watch.first
-    results[rank] = (first.step, first.phase, first.module, first.cause) if first else None
+    found = (first.step, first.phase, first.module, first.cause, first.via) if first else None
+    results[rank] = found
     dist.destroy_process_group()
 
 
@@ -64,19 +66,19 @@ def _run(local_check: bool, watch_inner: bool = False) -> dict:
 
 def test_the_rank_whose_own_gradient_went_nan_produced_it_and_the_other_received_it():
     results = _run(local_check=True)
-    assert results[1] == (3, "grad", "0.weight", "produced")  # no "module." prefix
-    assert results[0] == (3, "grad", "0.weight", "received")
+    assert results[1] == (3, "grad", "0.weight", "produced", "")  # no "module." prefix
+    assert results[0] == (3, "grad", "0.weight", "received", VIA_GRAD_ALL_REDUCE)
 
 
 def test_without_the_local_check_every_rank_can_only_say_received():
     results = _run(local_check=False)
-    assert results[0] == results[1] == (3, "grad", "0.weight", "received")
+    assert results[0] == results[1] == (3, "grad", "0.weight", "received", VIA_GRAD_ALL_REDUCE)
 
 
 def test_a_model_watched_inside_a_ddp_wrapper_it_was_not_given_is_found_at_its_first_call():
     results = _run(local_check=True, watch_inner=True)
-    assert results[1] == (3, "grad", "0.weight", "produced")
-    assert results[0] == (3, "grad", "0.weight", "received")
+    assert results[1] == (3, "grad", "0.weight", "produced", "")
+    assert results[0] == (3, "grad", "0.weight", "received", VIA_GRAD_ALL_REDUCE)
 
 
 def _disabled_rank_main(rank: int, port: int, results: dict) -> None:

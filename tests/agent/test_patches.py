@@ -30,3 +30,14 @@ def test_watches_read_one_step_late_register_their_exit_flush_once_per_process()
             assert w.deferred
     assert atexit._ncallbacks() == registered
     assert "at exit: deferred reads" in patches.installed()
+
+
+def test_the_pipeline_stage_is_wrapped_while_a_watch_is_open_and_restored_after():
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    original = _PipelineStageBase.forward_one_chunk
+    with nand.watch(mlp(), None, log_events=False), nand.watch(mlp(), None, log_events=False):
+        assert "pipeline stage chunks" in patches.installed()
+        assert _PipelineStageBase.forward_one_chunk is not original
+    assert "pipeline stage chunks" not in patches.installed()
+    assert _PipelineStageBase.forward_one_chunk is original

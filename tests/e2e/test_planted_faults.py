@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from nand.events import VIA_FSDP_ALL_GATHER
 from tests.e2e.conftest import TOKEN
 from tests.e2e.jobs import TRAINER, agent_env, api, launch, settled_verdict, torchrun
 
@@ -81,6 +82,8 @@ def test_fsdp_shard_made_non_finite_by_one_rank_names_its_owner(nand_server, tmp
     # Rank 0's own event agrees (its log line, read without a server, too).
     received = api(nand_server.http_url, "fsdp-shard", "/events?rank=0")["items"][0]
     assert (received["phase"], received["cause"]) == ("forward", "received")
+    assert received["via"] == VIA_FSDP_ALL_GATHER
+    assert f"rank 0 received it through {VIA_FSDP_ALL_GATHER}" in verdict["summary"]
 
 
 def test_nand_wait_exits_with_the_diverged_code(nand_server, tmp_path):

@@ -367,3 +367,38 @@ def test_the_first_verdict_after_a_new_event_reads_as_much_at_3000_ranks_as_at_6
         narrow = cost("narrow", rank, step, phase, cause)
         wide = cost("wide", rank, step, phase, cause)
         assert wide < 1.5 * narrow + 10, (rank, narrow, wide)
+
+
+def _zero_events(received: bool) -> list[dict[str, Any]]:
+    """Two ranks' first events at one update of a ZeRO optimizer: rank 1 made
+    fc.weight non-finite, and rank 0 received it (``received``) or made its
+    own shard's fc2.weight non-finite (order 4)."""
+    messages = [_hello("zero", r, 2) for r in range(2)]
+    made = _nan(1, 2, "param", "produced", 2)
+    mine = _nan(0, 2, "param", "received" if received else "produced", 2)
+    if not received:
+        mine["event"].update(module="blocks.1.fc2.weight", order=4)
+    messages += [_message("zero", r, 2, "event", e) for r, e in ((0, mine), (1, made))]
+    return messages
+
+
+@pytest.mark.parametrize("received", [True, False], ids=["received", "each-made-its-own"])
+def test_a_big_runs_verdict_tells_a_zero_receiver_from_a_rank_that_made_its_own_shard(
+    tmp_path, received: bool
+) -> None:
+    engine = create_engine(f"sqlite:///{tmp_path / 'n.db'}")
+    migrate.upgrade(engine)
+    now = time.time()
+    write_batch(engine, _zero_events(received), now)
+    with Session(engine) as session:
+        run = _run(session, "zero")
+        rows = store.ranks_of(session, [run.id])[run.id]
+        recounted = views.verdict(session, run, rows, SETTINGS, now)
+        counted = bigrun.verdict(session, run, SETTINGS, now)
+    assert recounted.origin is not None
+    if received:  # (rank 0 is the lower rank: first in a plain tie)
+        assert recounted.origin.rank == 1 and recounted.ranks_received == [0]
+        assert not recounted.simultaneous
+    else:
+        assert recounted.simultaneous and recounted.ranks_received == []
+    assert counted.model_dump() == recounted.model_dump()

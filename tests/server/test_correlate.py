@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from nand.events import Event, FlightWindow
+from nand.events import VIA_FSDP_ALL_GATHER, Event, FlightWindow
 from nand.server.analysis import correlate, summary
 from nand.server.analysis.evidence import FlightEvidence, flight_evidence
 
@@ -81,16 +81,28 @@ def test_bad_data_on_one_rank_points_at_its_input() -> None:
 def test_fsdp_bad_shard_arrives_in_next_step_forward_on_every_rank() -> None:
     shard = {"posinf": 1, "shape": [64, 32], "max_abs": 0.2, "dtype": "float32", "host": "n2"}
     firsts = [ev(2, 30, "param", "layers.1.weight", module_type="Linear", **shard)]
-    firsts += [ev(r, 31, "forward", "layers.1", module_type="Linear", nan=4) for r in (0, 1, 3)]
+    received = {"cause": "received", "via": VIA_FSDP_ALL_GATHER}  # (what an FSDP agent says)
+    firsts += [
+        ev(r, 31, "forward", "layers.1", module_type="Linear", nan=4, **received) for r in (0, 1, 3)
+    ]
     rel = correlate.relations(firsts)
     assert rel == {2: "origin", 0: "received", 1: "received", 3: "received"}
     hint = correlate.hint(correlate.origin(firsts))
     assert hint == "param_written"  # one element, the rest small: not the learning rate
     text = summary.diverged_summary(firsts, 4, hint, devices={2: "cpu"})
-    assert "the other 3 ranks received it through the parameter all-gather of the next step" in text
+    assert "the other 3 ranks received it through FSDP's parameter all-gather" in text
     assert "learning rate" not in text and "GPU" not in text
     assert "Only rank 2 (host n2) produced it: suspect code that writes its weights." in text
     assert "no update made +inf there" in text
+
+
+def test_a_received_forward_without_a_named_collective_names_none_it_cannot_know() -> None:
+    # An older agent, or one that could not tell: the verdict must not invent
+    # "FSDP's all-gather" (a tensor-parallel job has none).
+    firsts = [ev(1, 30, "param", "fc1.weight", posinf=1)]
+    firsts += [ev(0, 31, "forward", "fc2", nan=4)]
+    text = summary.diverged_summary(firsts, 2, "")
+    assert "rank 0 received it through a collective of the next step's forward" in text
 
 
 def test_forward_in_the_same_step_on_another_rank_is_produced_there() -> None:
@@ -101,6 +113,23 @@ def test_forward_in_the_same_step_on_another_rank_is_produced_there() -> None:
 def test_agent_cause_received_is_trusted() -> None:
     firsts = [ev(0, 5, "forward", "fc1"), ev(1, 6, "backward", "fc1", cause="received")]
     assert correlate.relations(firsts)[1] == "received"
+
+
+def test_a_parameter_received_at_the_update_that_made_it_elsewhere_is_not_simultaneous() -> None:
+    # ZeRO: rank 1's shard update made fc.weight inf; its broadcast landed it in
+    # rank 0's copy at the same update (same step, phase and parameter).
+    firsts = [ev(0, 2, "param", "fc.weight", cause="received"), ev(1, 2, "param", "fc.weight")]
+    assert correlate.origin(firsts).rank == 1  # type: ignore[union-attr]
+    assert correlate.relations(firsts) == {0: "received", 1: "origin"}
+    assert correlate.first_ranks(firsts) == [1]
+    text = summary.diverged_summary(firsts, 2, "optimizer_update")
+    assert text.startswith("rank 1 produced") and "rank 0 received it" in text
+
+
+def test_every_zero_rank_making_its_own_shard_non_finite_at_one_update_is_simultaneous() -> None:
+    firsts = [ev(0, 2, "param", "fc2.weight", order=2), ev(1, 2, "param", "fc1.weight")]
+    assert correlate.relations(firsts) == {0: "simultaneous", 1: "simultaneous"}
+    assert correlate.first_ranks(firsts) == [0, 1]
 
 
 def test_loss_went_non_finite() -> None:

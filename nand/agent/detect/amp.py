@@ -107,3 +107,19 @@ class AmpWatch:
         if not self.stepped():
             self.skipped_step()
         self._update(new_scale)
+
+
+def amp_figures(
+    watch: AmpWatch | None, values: list[float], extras: list[str], skipped: bool, scaled: bool
+) -> tuple[float, float, bool]:
+    """(loss scale, the scale the gradient norms carry, overflow) of a window
+    read (``skipped``: the scaler skipped its step; ``scaled``: its gradient
+    norms still carry the scale), recorded on ``watch``; 1.0s without a scaler."""
+    if watch is None or "scale" not in extras:  # a scaler that is disabled
+        return 1.0, 1.0, False
+    at = len(values) - len(extras)
+    scale, found_inf = values[at], values[at + 1]
+    overflow = skipped or found_inf > 0
+    watch.record(scale, overflow)
+    norm_scale = scale if scaled else 1.0
+    return (scale if scale > 0 else 1.0), (norm_scale if norm_scale > 0 else 1.0), overflow

@@ -10,7 +10,7 @@ Per module call:
 - a Linear, convolution or norm with a trained bias of its own takes no
   tensor hook: its output gradient is read from ``bias.grad`` by a hook
   registered once on the bias (``grads.BiasProxy``), except for a second call
-  in a micro-step, under ``torch.compile``, and under DDP/FSDP (there the
+  in a micro-step, under ``torch.compile``, a pipeline and DDP/FSDP (there the
   bias gradient is all-reduced: a real probe keeps this rank's own value).
 - inputs that are not the output recorded last were made by inline code in
   the parent's ``forward`` (``inline.InlineCheck``); containers check them in
@@ -173,7 +173,7 @@ class Hooks:
     def _watch_gradient(self, output: Tensor, hooks: GradHooks, proxy: BiasProxy | None) -> None:
         """Probe ``output``'s gradient in backward: through the bias proxy for
         the module's first call in a micro-step, else with a hook of its own."""
-        if proxy is None or proxy.armed == self.state.micro:
+        if proxy is None or proxy.armed == self.state.micro or self.state.pipelined:
             hooks.attach(output)
         else:
             proxy.armed = self.state.micro  # the bias gradient stands for this one

@@ -88,6 +88,11 @@ class InlineCheck:
         have had its inputs changed by them: those belong to the module's
         call, so the value is the module's, not its parent's.
 
+        A DTensor is passed over: a tensor-parallel layer's input hook made it
+        from the value it was given (an all-gather may have brought other
+        ranks' parts into it), and probing it would reduce across the ranks;
+        the layer's output is checked (``tensor_parallel.py``).
+
         A value that is one relu/gelu/silu/tanh/sigmoid of the last recorded
         output cannot be non-finite unless that output was: no forward probe
         (relu keeps its gradient probe unless its consumer's backward is
@@ -103,6 +108,7 @@ class InlineCheck:
                 and x.requires_grad
                 and x.is_floating_point()
                 and x.numel()
+                and getattr(x, "_local_tensor", None) is None  # (not a DTensor: see above)
             ):
                 if owner is None:
                     nands = 0 if info.leaf else 1  # containers carry nand's pre-hook

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from nand.agent.detect.probes import Site, local
+from nand.agent.detect.zero import ZeroShard, is_zero, state_keeper
 from nand.events import Phase
 
 #: Parameters and state smaller than this (bytes) are checked in the next
@@ -52,6 +53,9 @@ class ParamCache:
         self.rounding = 1.0  # 1 + 4 eps of the coarsest parameter dtype
         self._by_module: dict[str, list[Tensor]] | None = None
         self._sites: dict[tuple[int, str, str], Site] = {}
+        #: ZeRO: this rank updates its own shard only, and keeps only its state.
+        self.zero = ZeroShard(optimizer) if is_zero(optimizer) else None
+        self._keeper = state_keeper(optimizer)  # the optimizer whose .state holds it
 
     def params(self) -> list[Tensor]:
         """The optimizer's parameters (cached until the param groups change)."""
@@ -72,7 +76,7 @@ class ParamCache:
         """Rebuild the parameter and state lists if the parameters or the
         state's keys changed; whether they were rebuilt."""
         self.params()
-        key = (self._params_version, len(self.optimizer.state))
+        key = (self._params_version, len(self._keeper.state))
         if key == self._collected:
             return False
         self._collected = key
@@ -136,7 +140,7 @@ class ParamCache:
         tensors: list[Tensor] = []
         sites: list[Site] = []
         for p in self.params():
-            for name, value in self.optimizer.state.get(p, {}).items():
+            for name, value in self._keeper.state.get(p, {}).items():
                 if name != "step" and usable(value):
                     tensors.append(value)
                     site = self._site(p, "optimizer_state", str(name))

@@ -27,6 +27,26 @@ from torch.compiler import is_dynamo_compiling as is_compiling
 
 from nand.events import Phase
 
+
+@dataclasses.dataclass(slots=True)
+class Handoff:
+    """A stage's place in the pipeline and, for the window being filled,
+    ``marks``: (position in ``ProbeBuffer.sites``, micro-batch index) where
+    each chunk's entries begin."""
+
+    stage: int
+    stages: int
+    marks: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.stages - 1
+
+
 #: Marks the start of a micro-step (a root forward call) in ``ProbeBuffer.sites``.
 MICRO = None
 
@@ -171,8 +191,8 @@ class ProbeBuffer:
     """
 
     __slots__ = (
-        "device", "exact_norms", "extras", "norm_sites", "norms", "others", "pairs", "room",
-        "sites", "slab", "slots", "slotted", "spans", "spilled", "wide_norms",
+        "device", "exact_norms", "extras", "norm_sites", "norms", "others", "pairs", "pipeline",
+        "room", "sites", "slab", "slots", "slotted", "spans", "spilled", "wide_norms",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -195,6 +215,8 @@ class ProbeBuffer:
         #: float32/16 values fit, so a norm is non-finite exactly when its tensor
         #: is, and needs no check against a tensor that has moved on since.
         self.exact_norms = False
+        #: A pipeline stage's micro-batch marks (``pipeline.Handoff``), or None.
+        self.pipeline: Handoff | None = None
 
     def probe(self, t: Tensor, site: Site) -> None:
         """Launch one aminmax of ``t`` (float, non-empty) for ``site``. No sync.
@@ -249,6 +271,8 @@ class ProbeBuffer:
         self.slotted = None
         self.others.clear()
         self.wide_norms = False
+        if self.pipeline is not None:
+            self.pipeline.marks = []
 
     def _refit(self) -> None:
         """After a window that spilled: a slab where and as large as it needed."""

@@ -45,7 +45,7 @@ class HookState:
 
     __slots__ = (
         "before_root", "buf", "depth", "external_batches", "guard", "held", "last", "micro",
-        "pending", "slots", "window_full",
+        "pending", "pipelined", "slots", "window_full",
     )  # fmt: skip
 
     def __init__(
@@ -76,3 +76,5 @@ class HookState:
         self.external_batches = False
         #: What the root's hooks hold for a replay (``rerun.held.Held``), if anything.
         self.held: Holder | None = None
+        #: The root runs as a pipeline stage (``pipeline.py``): no bias proxies.
+        self.pipelined = False

@@ -37,17 +37,20 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
+from nand.agent.detect import pipeline
 from nand.agent.detect.compile_switch import CompileSwitch
 from nand.agent.detect.compiled import CompiledSlots
 from nand.agent.detect.hooks import Hooks
 from nand.agent.detect.modules import ModuleInfo
 from nand.agent.detect.probes import ProbeBuffer
 from nand.agent.detect.state import HookState
+from nand.agent.detect.tensor_parallel import TensorParallelCheck
 from nand.agent.safety import Guard
 
 log = logging.getLogger("nand")
@@ -78,6 +81,8 @@ class Tiers:
         self.light = False
         self._proxies = True
         self._switch: CompileSwitch | None = None
+        #: This rank's parts of tensor-parallel reductions (None: no such layer).
+        self.tp: TensorParallelCheck | None = None
 
     def install(self, mode: str, model: nn.Module, proxies: bool) -> None:
         """Hook the root (light) or every module (full); see the module."""
@@ -85,8 +90,14 @@ class Tiers:
         compiled = type(model).__name__ == "OptimizedModule"
         if mode == "light" and compiled:
             log.warning("nand: mode='light' on a compiled model: every module probed instead")
-        self.light = mode == "light" and not compiled
+        self.tp = TensorParallelCheck.install(self.infos, self.hooks)
+        if mode == "light" and self.tp is not None:  # (a replay would need the other ranks)
+            log.warning("nand: mode='light' under tensor parallelism: every module probed instead")
+        self.light = mode == "light" and not compiled and self.tp is None
         self.hooks.install(self.root, self.infos, proxies=proxies, modules=not self.light)
+        listener = pipeline.listen(self.root, model, self.hooks.state)  # (a stage's chunks)
+        if listener is not None:
+            self.hooks.handles.append(cast(RemovableHandle, listener))
         if self.light:  # compiled later: full from the first compiled call (compile_switch.py)
             self._switch = CompileSwitch(self.root, self._compiled_now)
             self.hooks.handles.append(self._switch.handle)

@@ -19,8 +19,9 @@ non-finite value is the one named.
 from __future__ import annotations
 
 from nand.agent.detect.probes import ProbeBuffer
-from nand.agent.step.analysis import Finding, first_finding, param_behind
+from nand.agent.step.analysis import first_finding, param_behind
 from nand.agent.step.boundary import Boundary
+from nand.agent.step.finding import Finding
 from nand.agent.step.report import build_event
 from nand.events import Event
 

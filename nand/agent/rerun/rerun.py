@@ -56,8 +56,8 @@ from nand.agent.rerun.light import make_exact, needs_probes, probed_finding
 from nand.agent.rerun.opwatch import OpRecord
 from nand.agent.rerun.run import Replayed, replay
 from nand.agent.safety import Guard
-from nand.agent.step.analysis import Finding
 from nand.agent.step.boundary import Boundary
+from nand.agent.step.finding import Finding
 from nand.events import Event, replay_words
 
 log = logging.getLogger("nand")
@@ -154,11 +154,13 @@ class Rerun:
             return "not replayed: read one step late (read='deferred'), after the update"
         if self.boundary.params_gathered or any(map(params_are_gathered, self.root.modules())):
             return "not replayed: FSDP shards the parameters (a replay would need the other ranks)"
-        if self.state.external_batches and not self.held.steps:  # (held with a step only)
+        if self.boundary.tp is not None:
+            return "not replayed: tensor parallelism (a replay would need the other ranks)"
+        steps = self._steps()  # (the window replayed: under a late read, the one before)
+        if self.state.external_batches and not steps:  # (held with a step only)
             return "not replayed: micro-steps are marked by new_batch, not by calls of the model"
         if self.left <= 0:
             return "not replayed: this run's replays (NAND_REPLAYS) are spent"
-        steps = self._steps()
         if event.micro_step >= len(steps):
             return (
                 f"not replayed: the inputs of micro-step {event.micro_step} were not held "

@@ -31,8 +31,11 @@ from torch import Tensor
 
 from nand.agent.detect.param_cache import ParamCache, usable
 from nand.agent.detect.probes import local
+from nand.agent.detect.zero import settle_zero
 from nand.agent.safety import PeerGone
-from nand.agent.step.analysis import Finding, ParamSource
+from nand.agent.step.analysis import ParamSource
+from nand.agent.step.finding import Finding
+from nand.events import VIA_FSDP_ALL_GATHER
 
 #: A rank's own finding that FSDP's parameter all-gather carries to the others.
 SHARD_PHASES = ("param", "optimizer_state")
@@ -52,6 +55,21 @@ def with_agreed_flag(gathered: Tensor | None, n_extras: int, device: torch.devic
         flag = (~torch.isfinite(main)).any().float().reshape(1)
     _all_reduce_max(flag, "the agreed non-finite flag")
     return torch.cat([gathered, flag.to(gathered.device)])
+
+
+def settle(
+    finding: Finding | None,
+    source: ParamSource | None,
+    micro: int,
+    device: torch.device,
+    gathered: bool,
+) -> Finding | None:
+    """This rank's finding, settled against the sharded optimizer's partition
+    (ZeRO: no collective, see ``detect.zero``) and, where every rank must take
+    part (``gathered``: FSDP, something non-finite on some rank), the others'
+    parameter shards (:func:`settle_shards`)."""
+    finding = settle_zero(finding, source if isinstance(source, ParamCache) else None)
+    return settle_shards(finding, source, micro, device) if gathered else finding
 
 
 def settle_shards(
@@ -124,7 +142,7 @@ def as_received(finding: Finding) -> Finding:
     """``finding`` (this rank's forward, backward…) as a value received from
     another rank's parameter shard; bad input data stays data."""
     if finding.cause in ("produced", "propagated"):
-        finding.cause = "received"
+        finding.cause, finding.via = "received", VIA_FSDP_ALL_GATHER
         note = "another rank's parameter shard was non-finite; FSDP's all-gather brought it here"
         finding.note = f"{finding.note}; {note}" if finding.note else note
     return finding

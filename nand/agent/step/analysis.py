@@ -4,8 +4,7 @@ Every optimizer step the boundary (``boundary.Boundary.check``) keeps the
 values read from the device in one go as a :class:`StepRow` and sums them to
 see whether anything is non-finite; :func:`near_limit` looks for overflow
 headroom, and :func:`telemetry` turns a row into per-module max|x| of
-activations and gradients and the gradient norm when someone asks. Plain
-Python over a short list of floats.
+activations and gradients and the gradient norm when someone asks.
 
 :func:`first_finding` runs only when something was non-finite. It replays the
 buffer in execution order, labels every entry with its micro-step, call index
@@ -33,6 +32,8 @@ import torch
 from torch import Tensor
 
 from nand.agent.detect.probes import Site, local
+from nand.agent.step.finding import Finding, Probed
+from nand.agent.step.handoff import entries, handed_over
 from nand.events import PHASE_RANK, Cause, Phase
 
 _ACT_KINDS = frozenset({"output", "inline"})
@@ -121,36 +122,6 @@ def telemetry(row: StepRow, n_modules: int) -> Telemetry:
     return Telemetry(act=act, grad=grad, grad_norm=grad_norm, max_act=max_act)
 
 
-@dataclasses.dataclass(slots=True, kw_only=True)
-class Finding:
-    """The logically first non-finite entry of a step."""
-
-    site: Site
-    phase: Phase
-    module: str
-    module_type: str
-    micro: int
-    order: int
-    call: int = 0  # the module's calls before this one in its micro-step
-    lo: float
-    hi: float
-    cause: Cause
-    tensor: Tensor | None = None  # norm entries: the tensor to count on
-    #: What was checked when it was less than usual (under torch.compile).
-    note: str = ""
-
-
-class Probed(Protocol):
-    """Where a window's values came from: a :class:`ProbeBuffer`, or what a
-    deferred read kept of one (``boundary.Window``)."""
-
-    @property
-    def sites(self) -> list[Site | None]: ...
-
-    @property
-    def norm_sites(self) -> list[Site]: ...
-
-
 #: Said of a float64 tensor's norm finding read one step late: not verified.
 LAGGED_NOTE = (
     "read one step late: its 2-norm was non-finite, not re-checked element by element "
@@ -184,7 +155,7 @@ def first_finding(
     candidates = _activation_findings(buf, values, micro_base) + norms
     for finding in sorted(candidates, key=_logical_key):
         if finding.tensor is None or not bool(torch.isfinite(finding.tensor).all()):
-            return finding
+            return handed_over(finding, buf.pipeline)  # (a pipeline stage's neighbours')
     return None
 
 
@@ -194,31 +165,13 @@ def _logical_key(f: Finding) -> tuple[int, int, int, int]:
     return (previous, f.micro, PHASE_RANK[f.phase], f.order)
 
 
-def _entries(
-    buf: Probed, values: list[float], micro_base: int
-) -> list[tuple[int, Site, float, float, int]]:
-    """(micro, site, lo, hi, call) for every activation/gradient entry."""
-    out = []
-    micro, i = micro_base - 1, 0
-    calls: dict[int, int] = {}
-    for site in buf.sites:
-        if site is None:
-            micro, calls = micro + 1, {}
-            continue
-        call = calls.get(id(site), 0)
-        calls[id(site)] = call + 1
-        out.append((max(micro, micro_base), site, values[i], values[i + 1], call))
-        i += 2
-    return out
-
-
 def _activation_findings(buf: Probed, values: list[float], micro_base: int) -> list[Finding]:
     found: list[Finding] = []
     orders: dict[tuple[int, str], int] = {}
     prev_backward: dict[int, Site] = {}  # micro -> last finite backward site
     first_bad_backward: set[int] = set()
     bad_forward: set[int] = set()  # micro-steps with a non-finite forward so far
-    for micro, site, lo, hi, call in _entries(buf, values, micro_base):
+    for micro, site, lo, hi, call in entries(buf, values, micro_base):
         key = (micro, site.phase)
         order = orders.get(key, 0)
         orders[key] = order + 1

@@ -24,15 +24,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from nand.agent.detect.amp import AmpWatch
+from nand.agent.detect.amp import AmpWatch, amp_figures
 from nand.agent.detect.compiled import CompiledSlots
 from nand.agent.detect.ddp import LocalGradCheck, grads_are_reduced, install, params_are_gathered
 from nand.agent.detect.probes import MICRO, ProbeBuffer
+from nand.agent.detect.tensor_parallel import TensorParallelCheck, received_through_tp
 from nand.agent.identity import Identity
-from nand.agent.step.agreement import settle_shards, with_agreed_flag
+from nand.agent.step.agreement import settle, settle_shards, with_agreed_flag
 from nand.agent.step.analysis import (
     COMPILED_NOTE,
-    Finding,
     ParamSource,
     StepRow,
     first_finding,
@@ -41,6 +41,7 @@ from nand.agent.step.analysis import (
 )
 from nand.agent.step.blowup import BlowUpWatch, global_norm
 from nand.agent.step.deferred import DeferredRead
+from nand.agent.step.finding import Finding
 from nand.agent.step.fingerprint import Fingerprints
 from nand.agent.step.recorder import FlightRecorder
 from nand.agent.step.report import build_event
@@ -76,6 +77,7 @@ class Boundary:
         self.amp: AmpWatch | None = None  # (adopted when a GradScaler steps the optimizer)
         self.slots = slots  # probes taken under torch.compile (see compiled.py)
         self.ddp: LocalGradCheck | None = None  # DDP: this rank's grads before the all-reduce
+        self.tp: TensorParallelCheck | None = None  # TP: this rank's parts before each reduction
         self.grads_reduced = False  # a wrapper (DDP, FSDP) averages gradients across ranks
         self.params_gathered = False  # FSDP: a shard's NaN reaches every rank's forward
         self.loss_tensor: Tensor | None = None
@@ -199,14 +201,17 @@ class Boundary:
         return Window(
             step=step, prev_step=prev_step, prev_micro=prev_micro, skipped=skipped, record=record,
             micro_base=micro_base, sites=buf.sites[:], norm_sites=buf.norm_sites[:],
-            n_pairs=n_pairs, n_norms=len(buf.norms), spans=spans,
+            n_pairs=n_pairs, n_norms=len(buf.norms), spans=spans, pipeline=buf.pipeline,
             compiled=buf.slotted is not None, grads_scaled=scaled, lagged=self.deferred is not None,
+            partials=self.tp.take(self.micro_steps, micro_base) if self.tp is not None else [],
         )  # fmt: skip
 
     def _analyse(self, values: list[float], any_bad: bool, extras: list[str], w: Window) -> Outcome:
         """Telemetry, then the slow path when something was non-finite."""
         self.read_step = w.step
-        scale, norm_scale, overflow = self._amp_figures(values, extras, w)
+        scale, norm_scale, overflow = amp_figures(
+            self.amp, values, extras, w.skipped, w.grads_scaled
+        )
         loss = values[-1] if "loss" in extras else None
         row = StepRow(
             step=w.step, values=values, sites=w.sites, norm_sites=w.norm_sites,
@@ -261,8 +266,8 @@ class Boundary:
             finding = None if self.clean else self._finding(values, extras, w)
         except Exception as exc:  # the others wait in the agreement below: take part first
             error = exc
-        if self.params_gathered and any_bad:  # (every rank takes part: see agreement.py)
-            finding = settle_shards(finding, self.params, w.prev_micro, self.buf.device)
+        gathered = self.params_gathered and any_bad  # (every rank takes part: agreement.py)
+        finding = settle(finding, self.params, w.prev_micro, self.buf.device, gathered)
         if error is not None:
             raise error
         if finding is None:
@@ -296,6 +301,7 @@ class Boundary:
             finding = param_behind(finding, w.prev_micro, self.params) or finding
         if finding is None:
             return None
+        received_through_tp(finding, w.partials)  # (a tensor-parallel layer's: see there)
         if w.compiled:  # probed under torch.compile (see compiled.py)
             if finding.phase == "grad" and finding.cause == "produced":
                 finding = gradient_frontier(w, values, finding, verify=not w.lagged)
@@ -350,18 +356,6 @@ class Boundary:
         values = with_agreed_flag(self.buf.gather(), len(extras), self.buf.device).tolist()
         self.reads += 1
         return (values[:-1] or None), values[-1] > 0
-
-    def _amp_figures(
-        self, values: list[float], extras: list[str], w: Window
-    ) -> tuple[float, float, bool]:
-        if self.amp is None or "scale" not in extras:  # a scaler that is disabled
-            return 1.0, 1.0, False
-        at = len(values) - len(extras)
-        scale, found_inf = values[at], values[at + 1]
-        overflow = w.skipped or found_inf > 0
-        self.amp.record(scale, overflow)
-        norm_scale = scale if w.grads_scaled else 1.0
-        return (scale if scale > 0 else 1.0), (norm_scale if norm_scale > 0 else 1.0), overflow
 
     # --- deferred: this window copied now, read at the next boundary ----------
 

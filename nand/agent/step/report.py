@@ -14,8 +14,8 @@ import torch
 from torch import Tensor
 
 from nand.agent.identity import Identity
-from nand.agent.step.analysis import Finding
-from nand.events import Event
+from nand.agent.step.finding import Finding
+from nand.events import VIA_GRAD_ALL_REDUCE, Event
 
 
 def build_event(
@@ -34,6 +34,7 @@ def build_event(
         module_type=finding.module_type if finding.module else root_type,
         order=finding.order,
         cause=finding.cause,
+        via=received_via(finding),
         call=finding.call,
         seq=seq,
     )
@@ -43,6 +44,14 @@ def build_event(
         _from_minmax(event, finding, scale)
     event.message = describe(event, finding)
     return event
+
+
+def received_via(finding: Finding) -> str:
+    """The collective a received value came through: the one its finding
+    names, else for a gradient the wrapper's gradient reduction."""
+    if finding.cause != "received":
+        return ""
+    return finding.via or (VIA_GRAD_ALL_REDUCE if finding.phase == "grad" else "")
 
 
 def _count(event: Event, t: Tensor) -> None:

@@ -3,9 +3,11 @@ and the :class:`Window` the analysis reads a window's values with."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from copy import copy
+from dataclasses import dataclass, field
 
-from nand.agent.detect.probes import Site
+from nand.agent.detect.probes import Handoff, Site
+from nand.agent.detect.tensor_parallel import Partial
 from nand.events import Alert, Event
 
 
@@ -40,6 +42,12 @@ class Window:
     compiled: bool  # probed under torch.compile (see compiled.py)
     grads_scaled: bool  # the .grad norms still carry the loss scale
     lagged: bool  # read one boundary late: its tensors have moved on
+    #: This rank's own parts of tensor-parallel reductions (``detect.tensor_parallel``).
+    partials: list[Partial] = field(default_factory=list)
+    pipeline: Handoff | None = None  # a pipeline stage's micro-batch marks (``handoff.py``)
+
+    def __post_init__(self) -> None:  # the buffer's marks start afresh at its clear: keep these
+        self.pipeline = copy(self.pipeline)
 
 
 #: A window with nothing to act on: the common case, one shared value.

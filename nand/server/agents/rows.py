@@ -123,6 +123,7 @@ def event_row(message: dict[str, Any], run_ids: RunIds) -> dict[str, Any]:
         "source": clean_str(event.get("source"), 1024),
         "reproduced": _bool_or_none(event.get("reproduced")),
         "replay": clean_str(event.get("replay"), 300),
+        "via": clean_str(event.get("via"), 80),
     }
 
 

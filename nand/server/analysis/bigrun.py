@@ -88,6 +88,7 @@ def origin(session: Session, run_id: int) -> EventRow | None:
             Rank.first_micro_step,
             Rank.first_phase_rank,
             Rank.first_order,
+            EventRow.cause == "received",  # (ties: one not received first, correlate.origin)
             Rank.rank,
         )
         .limit(1)
@@ -107,7 +108,7 @@ def same_point(session: Session, run_id: int, head: EventRow) -> list[int]:
                 Rank.first_step == head.step,
                 Rank.first_micro_step == head.micro_step,
                 Rank.first_phase_rank == head.phase_rank,
-                EventRow.module == head.module,
+                spread.at_point(head),
             )
         )
     )
@@ -233,8 +234,8 @@ def _spread(
     sentence = summary.diverged_sentence(head, groups, world, hint, evidence, device)
     # (merging sorted runs: linear, in C)
     affected = sorted(itertools.chain.from_iterable(groups.values()))
-    received = sorted(itertools.chain(*(r for (k, _), r in groups.items() if k == "received")))
-    simultaneous = any(ranks for (k, _), ranks in groups.items() if k == "simultaneous")
+    received = sorted(itertools.chain(*(r for (k, *_), r in groups.items() if k == "received")))
+    simultaneous = any(ranks for (k, *_), ranks in groups.items() if k == "simultaneous")
     return affected, received, simultaneous, sentence
 
 

@@ -32,13 +32,25 @@ from nand.server.analysis.evidence import OVERFLOW_SHARE, FlightEvidence, dtype_
 
 
 def origin(firsts: Sequence[Event]) -> Event | None:
-    """The logically first of the ranks' first events (ties: the lowest rank)."""
-    return min(firsts, key=lambda e: (e.sort_key(), e.rank), default=None)
+    """The logically first of the ranks' first events (ties: one not received,
+    then the lowest rank)."""
+    return min(firsts, key=lambda e: (e.sort_key(), e.cause == "received", e.rank), default=None)
 
 
 def same_point(a: Event, b: Event) -> bool:
-    """Same step, micro-step, phase and module: neither came first."""
-    return a.sort_key()[:3] == b.sort_key()[:3] and a.module == b.module
+    """Same step, micro-step, phase and module: neither came first.
+
+    One optimizer update is one point, whichever parameter each rank names: a
+    sharded optimizer (ZeRO) updates a different shard on every rank. A rank
+    that says it received its value there (ZeRO's parameter broadcast lands it
+    in the same parameter, at the same update, as on the rank that made it) was
+    not there on its own.
+    """
+    if a.sort_key()[:3] != b.sort_key()[:3]:
+        return False
+    if a.rank != b.rank and "received" in (a.cause, b.cause):
+        return False
+    return a.module == b.module or a.phase == "param"
 
 
 def relation(first: Event, origin_event: Event) -> Relation:

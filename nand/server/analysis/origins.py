@@ -55,6 +55,7 @@ def _event_fields(row: EventRow, run: str) -> Event:
         source=row.source,
         reproduced=row.reproduced,
         replay=row.replay,
+        via=row.via,
     )
 
 

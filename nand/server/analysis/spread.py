@@ -42,15 +42,17 @@ from sqlalchemy.orm import Session
 from nand.events import Relation
 from nand.server.storage.models import EventRow, Rank, Run, RunTally
 
-#: (relation, phase of the first event) of one rank; the few distinct ones are
-#: shared (a 100,000-rank run keeps one small tuple object, not 100,000).
-Kind = tuple[str, str]
+#: (relation, phase of the first event, the collective its agent named) of one
+#: rank; the few distinct ones are shared (a 100,000-rank run keeps a few small
+#: tuple objects, not 100,000).
+Kind = tuple[str, str, str]
 
 
 @dataclass(frozen=True)
 class Known:
     """A run's diverged ranks as last read: ``kinds`` rank -> (relation to the
-    origin ``head_id``, its own rank ``origin``; phase of the first event), and the
+    origin ``head_id``, its own rank ``origin``; phase of the first event; ``via``),
+    and the
     same as ``groups``, kind -> ranks in order (what the verdict's lists and
     sentence are made of, so a few new ranks are merged in, not all sorted again);
     ``mark``: the highest event id when read; ``others``: the ranks whose agent did
@@ -73,6 +75,17 @@ _versions = itertools.count(1)
 _shared: dict[Kind, Kind] = {}
 
 
+def at_point(head: EventRow) -> ColumnElement[bool]:
+    """At the origin's step, micro-step and phase: at its point, on its own
+    (``correlate.same_point``: the module, or any parameter of one update; not
+    received)."""
+    module = EventRow.module == head.module
+    here = or_(module, EventRow.phase == "param") if head.phase == "param" else module
+    if head.cause == "received":
+        return and_(Rank.rank == head.rank, here)
+    return and_(here, or_(Rank.rank == head.rank, EventRow.cause != "received"))
+
+
 def relation_of(head: EventRow) -> ColumnElement[str]:
     """A diverged rank's relation to the origin ``head`` in SQL (``correlate.relation``)."""
     key = tuple_(EventRow.step, EventRow.micro_step, EventRow.phase_rank, EventRow.ord)
@@ -81,7 +94,7 @@ def relation_of(head: EventRow) -> ColumnElement[str]:
         EventRow.step == head.step,
         EventRow.micro_step == head.micro_step,
         EventRow.phase_rank == head.phase_rank,
-        EventRow.module == head.module,
+        at_point(head),
     )
     through = or_(
         and_(EventRow.phase == "grad", key > head_key, EventRow.step == head.step),
@@ -111,30 +124,32 @@ def known(session: Session, run: Run, head: EventRow) -> Known:
 
 
 def groups(found: Known) -> dict[Kind, list[int]]:
-    """The diverged ranks by (relation, phase), each in rank order: the origin's
+    """The diverged ranks by (relation, phase, via), each in rank order: the origin's
     rank is ``simultaneous`` when others went non-finite at its point too
     (``correlate.relations_to``)."""
-    first = [r for (k, _), ranks in found.groups.items() if k in _FIRST for r in ranks]
+    first = [r for (k, *_), ranks in found.groups.items() if k in _FIRST for r in ranks]
     if len(first) <= 1:
         return found.groups
     out: dict[Kind, list[int]] = {}
-    for (relation, phase), ranks in found.groups.items():
-        kind = ("simultaneous", phase) if relation == "origin" else (relation, phase)
+    for (relation, phase, via), ranks in found.groups.items():
+        kind = ("simultaneous" if relation == "origin" else relation, phase, via)
         out[kind] = sorted(out.get(kind, []) + ranks)
     return out
 
 
-def relations(found: Known) -> list[tuple[int, Relation, str]]:
-    """(rank, relation, phase of its first event) of every diverged rank, by rank."""
-    rows = [(r, cast(Relation, k), p) for (k, p), ranks in groups(found).items() for r in ranks]
+def relations(found: Known) -> list[tuple[int, Relation, str, str]]:
+    """(rank, relation, phase of its first event, via) of every diverged rank, by rank."""
+    rows = [
+        (r, cast(Relation, k), p, v) for (k, p, v), ranks in groups(found).items() for r in ranks
+    ]
     return sorted(rows)
 
 
 _FIRST = ("origin", "simultaneous")
 
 
-def _kind(relation: str, phase: str) -> Kind:
-    kind = (relation, phase)
+def _kind(relation: str, phase: str, via: str) -> Kind:
+    kind = (relation, phase, via)
     return _shared.setdefault(kind, kind)
 
 
@@ -147,14 +162,14 @@ def _read_all(session: Session, run_id: int, head: EventRow) -> Known:
     # The mark first: what the rows below read includes every event up to it.
     mark = session.scalar(select(_top())) or 0
     statement = (
-        select(Rank.rank, relation_of(head), EventRow.phase, EventRow.cause)
+        select(Rank.rank, relation_of(head), EventRow.phase, EventRow.via, EventRow.cause)
         .join(EventRow, EventRow.id == Rank.first_event_id)
         .where(Rank.run_id == run_id)
     )
     # (Core rows, not the ORM's: a third of the time at 66,665 rows)
     rows = session.connection().execute(statement).all()
-    kinds = {rank: _kind(k, phase) for rank, k, phase, _ in rows}
-    others = frozenset(rank for rank, _, _, cause in rows if cause != "received")
+    kinds = {rank: _kind(k, phase, via) for rank, k, phase, via, _ in rows}
+    others = frozenset(rank for rank, *_, cause in rows if cause != "received")
     return Known(head.id, mark, kinds, _grouped(kinds), others, next(_versions))
 
 
@@ -185,8 +200,8 @@ def _catch_up(session: Session, run_id: int, head: EventRow, last: Known) -> Kno
         if len(again) > AGAIN_MAX:
             return None
         found += _reread(session, run_id, head, again)
-    new = {rank: _kind(k, phase) for rank, k, phase, _ in found}
-    said = {rank for rank, _, _, cause in found if cause != "received"}
+    new = {rank: _kind(k, phase, via) for rank, k, phase, via, _ in found}
+    said = {rank for rank, *_, cause in found if cause != "received"}
     others = frozenset((last.others - new.keys()) | said)
     changed = {rank: kind for rank, kind in new.items() if last.kinds.get(rank) is not kind}
     if len(last.kinds) + sum(1 for rank in changed if rank not in last.kinds) != diverged:
@@ -208,18 +223,18 @@ def _again(session: Session, run_id: int, head: EventRow, last: Known) -> set[in
         Rank.first_micro_step == head.micro_step,
         Rank.first_phase_rank == head.phase_rank,
     )  # (ix_ranks_first_key; the module is compared by the CASE)
-    first = {r for (k, _), ranks in last.groups.items() if k in _FIRST for r in ranks}
+    first = {r for (k, *_), ranks in last.groups.items() if k in _FIRST for r in ranks}
     return set(last.others) | first | set(session.scalars(at_point)) | {head.rank}
 
 
 def _reread(
     session: Session, run_id: int, head: EventRow, ranks: set[int]
 ) -> list[tuple[Any, ...]]:
-    """(rank, relation to ``head``, phase, cause) of those of ``ranks`` that diverged."""
+    """(rank, relation to ``head``, phase, via, cause) of those of ``ranks`` that diverged."""
     if not ranks:
         return []
     statement = (
-        select(Rank.rank, relation_of(head), EventRow.phase, EventRow.cause)
+        select(Rank.rank, relation_of(head), EventRow.phase, EventRow.via, EventRow.cause)
         .join(EventRow, EventRow.id == Rank.first_event_id)
         .where(Rank.run_id == run_id, Rank.rank.in_(sorted(ranks)))
     )
@@ -248,7 +263,11 @@ def _newer(run_id: int, head: EventRow, mark: int) -> Select[Any]:
     snapshot (the tally and the mark agree with the rows; one row of nulls if none)."""
     newer = (
         select(
-            Rank.rank.label("rank"), relation_of(head).label("k"), EventRow.phase, EventRow.cause
+            Rank.rank.label("rank"),
+            relation_of(head).label("k"),
+            EventRow.phase,
+            EventRow.via,
+            EventRow.cause,
         )
         .join(
             Rank,
@@ -263,7 +282,7 @@ def _newer(run_id: int, head: EventRow, mark: int) -> Select[Any]:
         .subquery()
     )
     return (
-        select(RunTally.diverged, _top(), newer.c.rank, newer.c.k, newer.c.phase, newer.c.cause)
+        select(RunTally.diverged, _top(), *newer.c)
         .select_from(RunTally)
         .outerjoin(newer, true())
         .where(RunTally.run_id == run_id)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from nand.events import Event, replay_words, value_kinds
+from nand.events import VIA_GRAD_ALL_REDUCE, Event, replay_words, value_kinds
 from nand.server.analysis.correlate import origin, relations
 from nand.server.analysis.evidence import FlightEvidence
 from nand.server.analysis.failures import Failure
@@ -100,17 +100,24 @@ def _lone_producer(head: Event, hint_name: str, device: str) -> str:
     return f"{who} produced it."
 
 
-def _channel(phase: str) -> str:
+def _channel(phase: str, via: str) -> str:
+    """The collective a rank received the value through: the one its agent
+    named, else the one its first event's phase implies (DDP's gradient
+    all-reduce for a gradient; for a later forward, a collective nand cannot
+    name: an FSDP agent names its all-gather)."""
+    if via:
+        return via
     if phase == "grad":
-        return "the gradient all-reduce"
+        return VIA_GRAD_ALL_REDUCE
     if phase == "forward":
-        return "the parameter all-gather of the next step"
+        return "a collective of the next step's forward"
     return "a collective"
 
 
-#: The ranks of each (relation to the origin, phase of the rank's first event),
-#: each list in rank order: how a big run's verdict keeps them (``spread.py``).
-Groups = Mapping[tuple[str, str], Sequence[int]]
+#: The ranks of each (relation to the origin, phase of the rank's first event, the
+#: collective its agent named), each list in rank order: how a big run's verdict
+#: keeps them (``spread.py``).
+Groups = Mapping[tuple[str, str, str], Sequence[int]]
 
 
 def diverged_summary(
@@ -125,9 +132,9 @@ def diverged_summary(
     if head is None:
         return ""
     rel = relations(firsts)
-    groups: dict[tuple[str, str], list[int]] = {}
+    groups: dict[tuple[str, str, str], list[int]] = {}
     for event in sorted(firsts, key=lambda e: e.rank):
-        groups.setdefault((rel[event.rank], event.phase), []).append(event.rank)
+        groups.setdefault((rel[event.rank], event.phase, event.via), []).append(event.rank)
     device = (devices or {}).get(head.rank, "")
     return diverged_sentence(head, groups, world_size, hint_name, evidence, device)
 
@@ -141,8 +148,9 @@ def diverged_sentence(
     device: str = "",
 ) -> str:
     """:func:`diverged_summary` from the origin and the diverged ranks grouped by
-    relation and phase, as a big run's verdict keeps them without loading the events."""
-    together = [r for (k, _), ranks in groups.items() if k in _FIRST for r in ranks]
+    relation, phase and the collective each named, as a big run's verdict keeps them
+    without loading the events."""
+    together = [r for (k, *_), ranks in groups.items() if k in _FIRST for r in ranks]
     world = max(world_size, sum(len(ranks) for ranks in groups.values()))
     parts = [_opening(head, together, world)]
     parts.extend(_followers(groups, world, len(together)))
@@ -179,15 +187,15 @@ def _followers(groups: Groups, world: int, n_together: int) -> list[str]:
     """Who received it through which collective (the channels in the order of their
     lowest rank), then who went non-finite later on their own."""
     by_channel: dict[str, list[int]] = {}
-    for (relation, phase), ranks in groups.items():
+    for (relation, phase, via), ranks in groups.items():
         if relation == "received" and ranks:
-            by_channel.setdefault(_channel(phase), []).extend(ranks)
+            by_channel.setdefault(_channel(phase, via), []).extend(ranks)
     parts = []
     for channel, ranks in sorted(by_channel.items(), key=lambda item: min(item[1])):
         others = world - n_together
         who = f"the other {others} ranks" if len(ranks) == others and others > 1 else _ranks(ranks)
         parts.append(f"{who} received it through {channel}")
-    later = [r for (relation, _), ranks in groups.items() if relation == "produced" for r in ranks]
+    later = [r for (relation, *_), ranks in groups.items() if relation == "produced" for r in ranks]
     if later:
         parts.append(f"{_ranks(later)} went non-finite later on their own")
     return parts

@@ -37,6 +37,7 @@ class EventOut(BaseModel):
     module_type: str
     order: int
     cause: Cause
+    via: str = ""  # a received value: the collective it came through (Event.via)
     call: int = 0
     nan: int | None = None
     posinf: int | None = None

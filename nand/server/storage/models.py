@@ -190,6 +190,8 @@ class EventRow(Base):
     source: Mapped[str] = mapped_column(String(1024), default="")
     reproduced: Mapped[bool | None] = mapped_column(Boolean, nullable=True)
     replay: Mapped[str] = mapped_column(String(300), default="")
+    #: The collective a received value came through (``nand.events.Event.via``).
+    via: Mapped[str] = mapped_column(String(80), default="")
 
 
 class Heartbeat(Base):
