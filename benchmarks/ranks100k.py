@@ -19,12 +19,17 @@ two heartbeats, a third of them a received NaN, one produced), then the run's
 rows copied ``--copies`` times under new rank numbers in SQL (the ingest of
 100,000 hellos takes longer than this machine can spare; the run's tally
 follows the copy through the same triggers); one server on that SQLite file;
-each endpoint timed over HTTP, median of 5.
+each endpoint timed over HTTP, median of 5. Then, on a copy of the file, the
+first verdict after one new event, median of 5 (each a rank without one so
+far, written by ``write_batch`` while the server runs): a received NaN (the
+NaN spreads: the server's kept relations catch up) and a NaN a step earlier
+than the origin (the origin moves: every diverged rank is classified again).
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import sqlite3
 import statistics
 import sys
@@ -234,6 +239,12 @@ def reads(args: argparse.Namespace) -> None:
                 _time_reads(server, label)
             finally:
                 server.stop()
+        shutil.copy(path, f"{tmp}/events.db")
+        server = ServerProcess(f"sqlite:///{tmp}/events.db", free_port(), **ALIVE).start()
+        try:
+            _time_new_events(server, Path(f"{tmp}/events.db"), args.ranks, args.copies)
+        finally:
+            server.stop()
 
 
 def _time_reads(server: ServerProcess, label: str) -> None:
@@ -258,6 +269,41 @@ def _time_reads(server: ServerProcess, label: str) -> None:
             flush=True,
         )
     print(f"[{label}] server peak RSS {peak_rss_mb(server):.0f} MB", flush=True)
+    client.close()
+
+
+def _time_new_events(server: ServerProcess, path: Path, ranks: int, copies: int) -> None:
+    """The first verdict after one new event of a rank that had none (rank % 3 == 0,
+    see :func:`_messages`): a received NaN, then NaNs each a step before the origin."""
+    client = httpx.Client(base_url=server.http_url, timeout=300)
+    engine = create_engine(f"sqlite:///{path}")
+    plan = loadgen.Plan(run="wide", world=ranks * copies, servers=(), seconds=0)
+    quiet = iter(r for r in range(3, ranks, 3) if r != 4321 % ranks)
+    kinds = {
+        "received NaN": lambda rank, _: loadgen.nan_event(plan, rank, 501, produced=False),
+        "NaN a step before the origin (it moves)": lambda rank, i: loadgen.nan_event(
+            plan, rank, 499 - i, produced=True
+        ),
+    }
+    for name, event in kinds.items():
+        times = []
+        for i in range(5):
+            client.get("/api/runs/wide/verdict").raise_for_status()  # (polled between events)
+            rank = next(quiet)
+            who = {"agent": f"a{rank}", "seq": 10, "run": plan.run, "rank": rank}
+            message = wire.agent_message("event", **who, body=event(rank, i))
+            write_batch(engine, [wire.decode(wire.encode(message))], time.time())
+            started = time.perf_counter()
+            found = client.get("/api/runs/wide/verdict").raise_for_status().json()
+            times.append(time.perf_counter() - started)
+            assert rank in found["ranks_affected"], rank
+        print(
+            f"[new event] first verdict after one {name}: "
+            f"{1000 * statistics.median(times):.0f} ms (median of 5, "
+            f"{', '.join(f'{1000 * t:.0f}' for t in times)})",
+            flush=True,
+        )
+    engine.dispose()
     client.close()
 
 

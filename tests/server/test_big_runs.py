@@ -19,8 +19,9 @@ from sqlalchemy import Engine, create_engine, event, select
 from sqlalchemy.orm import Session
 
 from nand import wire
+from nand.events import FlightWindow
 from nand.server.agents.writer import write_batch
-from nand.server.analysis import bigrun, correlate, rankpage, series, views
+from nand.server.analysis import bigrun, correlate, rankpage, series, spread, views
 from nand.server.settings import Settings
 from nand.server.storage import migrate, store
 from nand.server.storage.models import Run, RunTally
@@ -194,6 +195,7 @@ def _statements(engine: Engine, call: Callable[[Session], object]) -> int:
         count[0] += 1
 
     bigrun.SPREAD.clear()  # (the uncached path: each run's first verdict)
+    spread.KNOWN.clear()
     event.listen(engine, "before_cursor_execute", counted)
     try:
         with Session(engine) as session:
@@ -275,8 +277,10 @@ def test_the_tallies_kept_by_the_ingest_equal_the_ranks_recounted(mixed, name: s
         assert kept_tally(session, run) == recounted
 
 
-def _calm_run(engine: Engine, run: str, world: int, now: float) -> None:
-    """Every rank alive and reporting; two in three received a NaN, rank 7 produced it."""
+def _calm_run(engine: Engine, run: str, world: int, now: float, flights: bool = False) -> None:
+    """Every rank alive and reporting; two in three received a NaN, rank 7 produced it
+    (``flights``: each with its flight window, as the agent sends one)."""
+    window = FlightWindow(steps=[1, 2], modules=["blocks.1.fc"], act_max_abs=[[1.0], [2.0]])
     messages = []
     for r in range(world):
         hello = {"world_size": world, "host": f"n{r // 8}", "pid": r + 1}
@@ -284,10 +288,11 @@ def _calm_run(engine: Engine, run: str, world: int, now: float) -> None:
             _message(run, r, 1, "hello", hello),
             _message(run, r, 2, "heartbeat", {"step": 3, "steps_per_s": 1.0}),
         ]
-        if r == 7:
-            messages.append(_message(run, r, 3, "event", _nan(r, 2, "forward", "produced", world)))
-        elif r % 3:
-            messages.append(_message(run, r, 3, "event", _nan(r, 2, "grad", "received", world)))
+        if r == 7 or r % 3:
+            phase, cause = ("forward", "produced") if r == 7 else ("grad", "received")
+            event = _nan(r, 2, phase, cause, world)
+            event["flight"] = window.to_dict() if flights else None
+            messages.append(_message(run, r, 3, "event", event))
     for start in range(0, len(messages), 2000):
         write_batch(engine, messages[start : start + 2000], now)
 
@@ -299,8 +304,8 @@ def test_a_big_runs_ranks_page_verdict_and_summary_read_as_much_at_3000_ranks_as
     steps = VmSteps(engine, per=100)
     migrate.upgrade(engine)
     now = time.time()
-    _calm_run(engine, "narrow", 600, now)
-    _calm_run(engine, "wide", 3000, now)
+    _calm_run(engine, "narrow", 600, now, flights=True)
+    _calm_run(engine, "wide", 3000, now, flights=True)
 
     def cost(name: str, call: Callable[[Session, Run], object]) -> int:
         with Session(engine) as session:
@@ -316,9 +321,52 @@ def test_a_big_runs_ranks_page_verdict_and_summary_read_as_much_at_3000_ranks_as
         lambda s, run: rankpage.run_summary(s, run, SETTINGS, now),
     ):
         narrow, wide = cost("narrow", call), cost("wide", call)
-        # Counting the ranks by state read every rank row (5 times more here); the
-        # slack: a few index levels more, and the counter's granularity.
+        # Counting the ranks by state read every rank row (5 times more here), and
+        # a page every rank's flight windows; the slack: a few index levels more,
+        # and the counter's granularity.
         assert wide < 1.5 * narrow + 10, (narrow, wide)
+    with Session(engine) as session:
+        page = rankpage.rank_page(session, _run(session, "wide"), SETTINGS, now, 400, 100)
+    assert [r.rank for r in page.items if r.has_flight] == [r for r in range(401, 501) if r % 3]
+
+
+def test_the_first_verdict_after_a_new_event_reads_as_much_at_3000_ranks_as_at_600(
+    tmp_path,
+) -> None:
+    """During an incident every rank's received event comes in while the verdict
+    is polled: each verdict after one must read the new ranks, not every diverged
+    rank again (400 here against 2,000); and when an earlier event moves the
+    origin, only the ranks whose relation may change (the agents said the others
+    received it)."""
+    engine = create_engine(f"sqlite:///{tmp_path / 'n.db'}")
+    steps = VmSteps(engine, per=100)
+    migrate.upgrade(engine)
+    now = time.time()
+    _calm_run(engine, "narrow", 600, now)
+    _calm_run(engine, "wide", 3000, now)
+
+    def cost(name: str, rank: int, step: int, phase: str, cause: str) -> int:
+        with Session(engine) as session:
+            bigrun.verdict(session, _run(session, name), SETTINGS, now)
+        event = _nan(rank, step, phase, cause, 3000)
+        write_batch(engine, [_message(name, rank, 4, "event", event)], now)
+        with Session(engine) as session:
+            run = _run(session, name)
+            before = steps.count
+            found = bigrun.verdict(session, run, SETTINGS, now)
+            spent = steps.count - before
+        assert rank in found.ranks_affected
+        return spent
+
+    # (ranks 3, 6, ... had no event yet, the origin is at step 2: see _calm_run)
+    for rank, step, phase, cause in [
+        (3, 2, "grad", "received"),
+        (6, 2, "grad", "received"),
+        (9, 1, "forward", "produced"),  # the origin moves a step earlier
+    ]:
+        narrow = cost("narrow", rank, step, phase, cause)
+        wide = cost("wide", rank, step, phase, cause)
+        assert wide < 1.5 * narrow + 10, (rank, narrow, wide)
 
 
 def _zero_events(received: bool) -> list[dict[str, Any]]:

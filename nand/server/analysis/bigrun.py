@@ -7,9 +7,10 @@ indexed range counts (:mod:`nand.server.analysis.counts`); only the ranks that
 failed (lost, crashed, stalled) come back as rows, each kind from an index; the
 origin is the least cached first key (``ix_ranks_first_key``, its first
 entry); and each diverged rank's relation to it is a ``CASE``
-(``correlate.relation``), read once per new event (:data:`SPREAD`). The number
-of statements does not depend on the number of ranks, nor, between events,
-the rows they read (failing ranks aside). The answer is the one
+(``correlate.relation``), kept from verdict to verdict and read for the ranks
+with new events only (:mod:`nand.server.analysis.spread`). The number of
+statements does not depend on the number of ranks, nor the rows they read
+(failing ranks aside; all diverged ranks when the origin moves). The answer is the one
 ``views.verdict`` gives (``tests/server/test_big_runs.py`` holds them equal);
 the API takes this path for a run of more than ``Settings.big_run_ranks``
 ranks.
@@ -17,12 +18,13 @@ ranks.
 
 from __future__ import annotations
 
-from typing import Any, cast
+import itertools
+from typing import Any
 
-from sqlalchemy import ColumnElement, ScalarSelect, Select, and_, case, or_, select, tuple_
+from sqlalchemy import ScalarSelect, Select, and_, select
 from sqlalchemy.orm import Session
 
-from nand.events import Relation
+from nand.events import Event
 from nand.server.analysis import (
     alerts,
     correlate,
@@ -30,9 +32,11 @@ from nand.server.analysis import (
     losses,
     replicas,
     runsummary,
+    spread,
     summary,
     views,
 )
+from nand.server.analysis.evidence import FlightEvidence
 from nand.server.analysis.failures import RankFacts
 from nand.server.analysis.origins import origin_out, to_event
 from nand.server.http.schemas import RunDetail, RunSummary, Verdict
@@ -104,64 +108,12 @@ def same_point(session: Session, run_id: int, head: EventRow) -> list[int]:
                 Rank.first_step == head.step,
                 Rank.first_micro_step == head.micro_step,
                 Rank.first_phase_rank == head.phase_rank,
-                _at_point(head),
+                spread.at_point(head),
             )
         )
     )
     # (sorted here: an ORDER BY rank would walk the run's ranks by ix_ranks_run_rank)
     return sorted(session.scalars(statement))
-
-
-def _at_point(head: EventRow) -> ColumnElement[bool]:
-    """At the origin's step, micro-step and phase: at its point, on its own
-    (``correlate.same_point``: the module, or any parameter of one update; not
-    received)."""
-    module = EventRow.module == head.module
-    here = or_(module, EventRow.phase == "param") if head.phase == "param" else module
-    if head.cause == "received":
-        return and_(Rank.rank == head.rank, here)
-    return and_(here, or_(Rank.rank == head.rank, EventRow.cause != "received"))
-
-
-def relation_of(head: EventRow) -> ColumnElement[str]:
-    """A diverged rank's relation to the origin ``head`` in SQL (``correlate.relation``)."""
-    key = tuple_(EventRow.step, EventRow.micro_step, EventRow.phase_rank, EventRow.ord)
-    head_key = tuple_(head.step, head.micro_step, head.phase_rank, head.ord)
-    same_point = and_(
-        EventRow.step == head.step,
-        EventRow.micro_step == head.micro_step,
-        EventRow.phase_rank == head.phase_rank,
-        _at_point(head),
-    )
-    through = or_(
-        and_(EventRow.phase == "grad", key > head_key, EventRow.step == head.step),
-        and_(EventRow.phase == "forward", EventRow.step > head.step),
-    )
-    return case(
-        (Rank.rank == head.rank, "origin"),
-        (same_point, "simultaneous"),
-        (or_(EventRow.cause == "received", through), "received"),
-        else_="produced",
-    )
-
-
-def relations(
-    session: Session, run_id: int, head: EventRow
-) -> list[tuple[int, Relation, str, str]]:
-    """(rank, relation, phase of its first event, the collective it named) of
-    every diverged rank, by rank."""
-    statement = (
-        select(Rank.rank, relation_of(head), EventRow.phase, EventRow.via)
-        .join(EventRow, EventRow.id == Rank.first_event_id)
-        .where(Rank.run_id == run_id)
-        .order_by(Rank.rank)
-    )
-    rows = session.execute(statement)
-    found = [(rank, cast(Relation, k), phase, via) for rank, k, phase, via in rows]
-    if sum(1 for _, r, _, _ in found if r in ("origin", "simultaneous")) > 1:
-        # The origin's rank was only the lowest of those at the point (correlate.relations_to).
-        found = [(r, "simultaneous" if k == "origin" else k, p, v) for r, k, p, v in found]
-    return found
 
 
 def verdict(session: Session, run: Run, settings: Settings, now: float) -> Verdict:
@@ -236,10 +188,10 @@ def _diverged(
     hint = correlate.hint(head, evidence)
     world = max(run.world_size, ranks_seen)
     device = session.scalar(select(Rank.device).where(Rank.id == _rank_id(run.id, head.rank)))
-    where = str(session.get_bind().engine.url)
-    key = (where, run.id, run.event_count, head_row.id, world, hint, repr(evidence), device or "")
+    known = spread.known(session, run, head_row)
+    key = (known.version, world, hint, repr(evidence), device or "")
     if key not in SPREAD:
-        _remember(key, _spread(session, run.id, head_row, key))
+        _remember(key, _spread(known, head, world, hint, evidence, device or ""))
     affected, received, simultaneous, nonfinite = SPREAD[key]
     return Verdict(
         **common,
@@ -256,30 +208,35 @@ def _diverged(
 
 
 Spread = tuple[list[int], list[int], bool, str]
-#: How the NaN spread (every diverged rank's relation, in lists and words), by run,
-#: its event count, origin, world size, hint, evidence and the origin's device: it
-#: changes only with a new event, and a scheduler polls the verdict of a 100,000-rank
-#: run between events. Derived from the database (any server computes the same).
+#: How the NaN spread in lists and words, by the run's :class:`spread.Known`
+#: relations, world size, hint, evidence and the origin's device: the relations
+#: are kept up to date from the new events (:mod:`nand.server.analysis.spread`),
+#: and a scheduler polls the verdict of a 100,000-rank run between events.
 SPREAD: dict[tuple[Any, ...], Spread] = {}
 SPREAD_KEPT = 8
 
 
-def _remember(key: tuple[Any, ...], spread: Spread) -> None:
+def _remember(key: tuple[Any, ...], found: Spread) -> None:
     while len(SPREAD) >= SPREAD_KEPT:
         del SPREAD[next(iter(SPREAD))]
-    SPREAD[key] = spread
+    SPREAD[key] = found
 
 
-def _spread(session: Session, run_id: int, head_row: EventRow, key: tuple[Any, ...]) -> Spread:
-    *_, world, hint, _, device = key
-    rows = relations(session, run_id, head_row)
-    rel = {rank: relation for rank, relation, _, _ in rows}
-    phases = [(rank, phase, via) for rank, _, phase, via in rows]
-    head = to_event(head_row)
-    evidence = views.origin_evidence(session, run_id, head)
-    sentence = summary.diverged_sentence(head, rel, phases, world, hint, evidence, device)
-    received = [r for r, k in rel.items() if k == "received"]
-    return sorted(rel), received, any(k == "simultaneous" for k in rel.values()), sentence
+def _spread(
+    known: spread.Known,
+    head: Event,
+    world: int,
+    hint: str,
+    evidence: FlightEvidence | None,
+    device: str,
+) -> Spread:
+    groups = spread.groups(known)
+    sentence = summary.diverged_sentence(head, groups, world, hint, evidence, device)
+    # (merging sorted runs: linear, in C)
+    affected = sorted(itertools.chain.from_iterable(groups.values()))
+    received = sorted(itertools.chain(*(r for (k, *_), r in groups.items() if k == "received")))
+    simultaneous = any(ranks for (k, *_), ranks in groups.items() if k == "simultaneous")
+    return affected, received, simultaneous, sentence
 
 
 def _rank_id(run_id: int, rank: int) -> ScalarSelect[int]:

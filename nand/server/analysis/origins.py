@@ -59,8 +59,9 @@ def _event_fields(row: EventRow, run: str) -> Event:
     )
 
 
-def event_out(row: EventRow, run: str) -> EventOut:
-    event = to_event(row, run)
+def event_out(row: EventRow, run: str, event: Event | None = None) -> EventOut:
+    """``event``: the row as :func:`to_event` makes it, when the caller has it already."""
+    event = event if event is not None else to_event(row, run)
     # JSON has no NaN/inf: ``values`` keeps in words what min/max said.
     return EventOut(id=row.id, values=value_kinds(event), **json_safe(_fields(event)))
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from nand.events import Relation
+from nand.events import Event, Relation
 from nand.server.analysis import bigrun, correlate, counts, losses, runsummary, views
 from nand.server.analysis.runsummary import RunFacts
 from nand.server.http.schemas import RankPage, RunSummary
@@ -35,9 +35,11 @@ def rank_page(
     more = len(rows) > limit
     rows = rows[:limit]
     counted = counts.state_counts(session, run, settings, now)
-    relations = _relations(session, run.id, [e for _, e in rows if e is not None])
-    flights = store.ranks_with_flight(session, run.id)
-    items = views.rank_statuses(run, rows, settings, now, flights, relations)
+    page = (rows[0][0].rank, rows[-1][0].rank) if rows else (0, -1)
+    flights = store.ranks_with_flight(session, run.id, page)
+    items = views.rank_statuses(
+        run, rows, settings, now, flights, lambda firsts: _relations(session, run.id, firsts)
+    )
     return RankPage(
         items=items,
         total=counted.ranks,
@@ -62,14 +64,12 @@ def _page_rows(
     return [(rank, event) for rank, event in session.execute(statement).all()]
 
 
-def _relations(session: Session, run_id: int, firsts: list[EventRow]) -> dict[int, Relation]:
+def _relations(session: Session, run_id: int, firsts: list[Event]) -> dict[int, Relation]:
     head = bigrun.origin(session, run_id)
     if head is None or not firsts:
         return {}
     together = len(bigrun.same_point(session, run_id, head)) > 1
-    return correlate.relations_to(
-        [views.to_event(e) for e in firsts], views.to_event(head), together
-    )
+    return correlate.relations_to(firsts, views.to_event(head), together)
 
 
 def run_summary(session: Session, run: Run, settings: Settings, now: float) -> RunSummary:

@@ -114,6 +114,12 @@ def _channel(phase: str, via: str) -> str:
     return "a collective"
 
 
+#: The ranks of each (relation to the origin, phase of the rank's first event, the
+#: collective its agent named), each list in rank order: how a big run's verdict
+#: keeps them (``spread.py``).
+Groups = Mapping[tuple[str, str, str], Sequence[int]]
+
+
 def diverged_summary(
     firsts: Sequence[Event],
     world_size: int,
@@ -126,34 +132,37 @@ def diverged_summary(
     if head is None:
         return ""
     rel = relations(firsts)
-    phases = [(e.rank, e.phase, e.via) for e in firsts]
+    groups: dict[tuple[str, str, str], list[int]] = {}
+    for event in sorted(firsts, key=lambda e: e.rank):
+        groups.setdefault((rel[event.rank], event.phase, event.via), []).append(event.rank)
     device = (devices or {}).get(head.rank, "")
-    return diverged_sentence(head, rel, phases, world_size, hint_name, evidence, device)
+    return diverged_sentence(head, groups, world_size, hint_name, evidence, device)
 
 
 def diverged_sentence(
     head: Event,
-    rel: Mapping[int, str],
-    phases: Sequence[tuple[int, str, str]],
+    groups: Groups,
     world_size: int,
     hint_name: str,
     evidence: FlightEvidence | None = None,
     device: str = "",
 ) -> str:
-    """:func:`diverged_summary` from the origin, every diverged rank's relation to
-    it, the phase of its first event and the collective it named (``phases``:
-    (rank, phase, via), in the order to name them), as a big run's verdict has
-    them without loading the events."""
-    together = [r for r, k in rel.items() if k in ("origin", "simultaneous")]
-    world = max(world_size, len(rel))
+    """:func:`diverged_summary` from the origin and the diverged ranks grouped by
+    relation, phase and the collective each named, as a big run's verdict keeps them
+    without loading the events."""
+    together = [r for (k, *_), ranks in groups.items() if k in _FIRST for r in ranks]
+    world = max(world_size, sum(len(ranks) for ranks in groups.values()))
     parts = [_opening(head, together, world)]
-    parts.extend(_followers(phases, rel, world, len(together)))
+    parts.extend(_followers(groups, world, len(together)))
     sentence = "; ".join(parts) + "."
     if len(together) == 1 and world > 1 and head.phase != "loss":
         sentence += " " + _lone_producer(head, hint_name, device)
     extras = (_replay_sentence(head), _hint_sentence(hint_name, evidence, head))
     extra = " ".join(s for s in extras if s)
     return f"{sentence} {extra}" if extra else sentence
+
+
+_FIRST = ("origin", "simultaneous")
 
 
 def _replay_sentence(head: Event) -> str:
@@ -174,19 +183,19 @@ def _opening(head: Event, together: list[int], world: int) -> str:
     return f"rank {head.rank} {verb} {what}"
 
 
-def _followers(
-    phases: Sequence[tuple[int, str, str]], rel: Mapping[int, str], world: int, n_together: int
-) -> list[str]:
+def _followers(groups: Groups, world: int, n_together: int) -> list[str]:
+    """Who received it through which collective (the channels in the order of their
+    lowest rank), then who went non-finite later on their own."""
     by_channel: dict[str, list[int]] = {}
-    for rank, phase, via in phases:
-        if rel[rank] == "received":
-            by_channel.setdefault(_channel(phase, via), []).append(rank)
+    for (relation, phase, via), ranks in groups.items():
+        if relation == "received" and ranks:
+            by_channel.setdefault(_channel(phase, via), []).extend(ranks)
     parts = []
-    for channel, ranks in by_channel.items():
+    for channel, ranks in sorted(by_channel.items(), key=lambda item: min(item[1])):
         others = world - n_together
         who = f"the other {others} ranks" if len(ranks) == others and others > 1 else _ranks(ranks)
         parts.append(f"{who} received it through {channel}")
-    later = [rank for rank, _, _ in phases if rel[rank] == "produced"]
+    later = [r for (relation, *_), ranks in groups.items() if relation == "produced" for r in ranks]
     if later:
         parts.append(f"{_ranks(later)} went non-finite later on their own")
     return parts

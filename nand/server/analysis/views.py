@@ -6,6 +6,7 @@ computed at read time from the rank rows and ``now``; nothing here writes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from sqlalchemy.orm import Session
@@ -182,13 +183,14 @@ def rank_statuses(
     settings: Settings,
     now: float,
     with_flight: set[int],
-    relations: dict[int, Relation] | None = None,
+    relations_of: Callable[[list[Event]], dict[int, Relation]] = correlate.relations,
 ) -> list[RankStatus]:
-    """``ranks`` may be a page of the run's ranks: then pass their ``relations``
-    (:mod:`nand.server.analysis.rankpage`), which depend on every rank."""
+    """``ranks`` may be a page of the run's ranks: then pass ``relations_of``, their
+    relations (:mod:`nand.server.analysis.rankpage`), which depend on every rank."""
     states = rank_states(ranks, settings, now)
-    if relations is None:
-        relations = correlate.relations([to_event(e) for _, e in ranks if e is not None])
+    # (each first event made once: the relations and the body both need it)
+    firsts = {rank.rank: to_event(e, run.name) for rank, e in ranks if e is not None}
+    relations = relations_of(list(firsts.values()))
     return [
         RankStatus(
             rank=rank.rank,
@@ -202,7 +204,7 @@ def rank_statuses(
             grad_norm=rank.grad_norm,
             max_activation=rank.max_activation,
             amp_skipped=rank.amp_skipped,
-            first_event=event_out(event, run.name) if event is not None else None,
+            first_event=event_out(event, run.name, firsts[rank.rank]) if event else None,
             relation=relations.get(rank.rank),
             has_flight=rank.rank in with_flight,
             device=rank.device or "",

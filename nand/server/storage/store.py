@@ -107,9 +107,15 @@ def flight_scale(session: Session, run_id: int) -> tuple[float | None, float | N
     return low, high
 
 
-def ranks_with_flight(session: Session, run_id: int) -> set[int]:
-    """The ranks of a run that sent at least one flight-recorder window."""
+def ranks_with_flight(
+    session: Session, run_id: int, between: tuple[int, int] | None = None
+) -> set[int]:
+    """The ranks of a run (``between`` these two, inclusive: a page's) that sent at
+    least one flight-recorder window."""
     statement = select(Flight.rank).where(Flight.run_id == run_id).distinct()
+    if between is not None:
+        # (a range of ix_flights_run_rank: a page need not read every diverged rank's)
+        statement = statement.where(Flight.rank.between(*between))
     return set(session.scalars(statement))
 
 
