@@ -247,7 +247,8 @@ class ProbeBuffer:
         if self.spans:
             self.spans.clear()
         self.slotted = None
-        self.others.clear()
+        if any(self.others.positions.values()):  # (float32 windows: none to clear)
+            self.others.clear()
         self.wide_norms = False
 
     def _refit(self) -> None:
