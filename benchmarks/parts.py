@@ -78,7 +78,7 @@ VARIANTS: dict[str, LeaveOut | None] = {
     "- gradient norms": _patched(OptimizerHooks, "add_norms", _nothing),  # and params, state
     "- held for replay": lambda watch: _both(
         mock.patch.object(Held, "hold_inputs", _nothing),
-        mock.patch.object(Held, "hold_gradients", _nothing),
+        mock.patch.object(Held, "hold_gradients", lambda *a, **k: ()),  # (no output taken)
     ),
 }
 

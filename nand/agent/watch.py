@@ -40,7 +40,7 @@ from nand.agent.step.fingerprint import ended_cleanly
 from nand.agent.step.incidents import Incidents
 from nand.agent.step.policy import StepPolicy
 from nand.agent.step.recorder import FlightRecorder
-from nand.agent.step.window import Outcome
+from nand.agent.step.window import HEALTHY, Outcome
 from nand.config import AgentConfig
 from nand.errors import NandError, NonFiniteError, StopRequested
 from nand.events import Event, FlightWindow, StepSummary
@@ -246,7 +246,7 @@ class Watch:
             self._looking = None
         outcome = self._guarded_check(skipped=False)
         self._serve_session()
-        if outcome is not None:  # (the policy: see step/policy.py)
+        if outcome is not None and outcome is not HEALTHY:  # (the policy: see step/policy.py)
             self._policy.act(outcome, self._boundary.read_step)
         if not self._guard.off:  # switched off by its own error: nothing counted from here on
             self.step += 1

@@ -87,3 +87,64 @@ def test_a_root_output_that_is_not_its_nodes_first_output_is_held_and_checked_by
         opt.step()
     assert watch.first is not None
     assert (watch.first.phase, watch.first.module) == ("loss", "")
+
+
+class CustomMLP(nn.Module):
+    """An MLP as most code writes it: its own class (whose attributes a
+    replay holds), layers as attributes, ``F.relu`` inline."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def nand_calls_per_step(model: nn.Module, steps: int = 20) -> float:
+    """Python function calls into nand's code (every frame of nand's, not
+    only the entries) per healthy light training step, after a warm-up."""
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(4, 8)
+    calls = 0
+
+    def step() -> None:
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def profile(frame: FrameType, event: str, arg: Any) -> None:
+        nonlocal calls
+        if event == "call" and frame.f_code.co_filename.startswith(NAND_DIR):
+            calls += 1
+
+    with nand.watch(model, opt, mode="light", log_events=False) as watch:
+        for _ in range(12):  # (the early warnings' windows fill up: their usual path)
+            step()
+        sys.setprofile(profile)
+        try:
+            for _ in range(steps):
+                step()
+        finally:
+            sys.setprofile(None)
+        assert watch.first is None and watch.step == 12 + steps
+    return calls / steps
+
+
+#: The most Python calls into nand a healthy light step of an MLP may make:
+#: the root's two hooks (the input's probe, holding the step for a replay),
+#: the output gradient's hook, and the optimizer pre-hook (the gradients'
+#: norm, the one read, the early warnings, the plan for the parameters).
+#: Before the cuts of issue 32's MLP round: 76 (custom module), 75 (Sequential).
+MAX_NAND_CALLS_A_LIGHT_STEP = 70
+
+
+def test_a_healthy_light_mlp_step_calls_into_nands_python_no_more_than_it_needs():
+    """Each call is Python run between the model's kernels on every step; the
+    light mode's per-step cost on a small model is mostly these (issue 32):
+    a cut that comes back shows here, whatever the machine's load."""
+    torch.manual_seed(0)
+    for model in (CustomMLP(), mlp()):
+        calls = nand_calls_per_step(model)
+        assert calls <= MAX_NAND_CALLS_A_LIGHT_STEP, (type(model).__name__, calls)

@@ -34,7 +34,7 @@ for a module other than its own (a shallow copy shares the hook dicts).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -45,7 +45,7 @@ from nand.agent.detect.entry import input_slot, outside_backward, probe_inputs
 from nand.agent.detect.grads import BiasProxy, GradHooks, loss_probe
 from nand.agent.detect.inline import NEGINF_SAFE_NODES, InlineCheck
 from nand.agent.detect.modules import CONTAINERS, Chains, ModuleInfo, proxy_bias
-from nand.agent.detect.probes import MICRO, Site, iter_tensors
+from nand.agent.detect.probes import MICRO, Site, iter_tensors, tensors_of
 from nand.agent.detect.savable import SavableHook
 from nand.agent.detect.state import HookState
 
@@ -284,7 +284,7 @@ class Hooks:
         def root_hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
             if state.guard.off or module is not owner:
                 return
-            taken: set[int] = set()  # outputs whose loss probe the held step's hook calls
+            taken: Collection[int] = ()  # outputs whose loss probe the held step's hook calls
             if not _is_compiling():
                 state.depth = 0  # (always called, an exception in forward too)
                 if state.held is not None:  # (rerun/held.py; guarded itself)
@@ -298,7 +298,7 @@ class Hooks:
                 if output is state.last:  # Sequential-like: the last child's output
                     state.last = None
                     return
-                for slot, t in iter_tensors(output):
+                for slot, t in tensors_of(output):
                     if not t.is_floating_point() or not t.numel():
                         continue
                     # Shared with the last child: that child's gradient hook is

@@ -153,7 +153,7 @@ class OptimizerHooks:
         """
         if self.guard.off:
             return None
-        closure = _closure_of(args, kwargs)
+        closure = _closure_of(args, kwargs) if len(args) > 1 or kwargs else None
         if closure is None:
             self._at_boundary()
             return None

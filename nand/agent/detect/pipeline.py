@@ -38,7 +38,7 @@ from typing import Any
 
 from torch import nn
 
-from nand.agent.detect.probes import Handoff
+from nand.agent.detect.stage import Handoff
 from nand.agent.detect.state import HookState
 
 log = logging.getLogger("nand")

@@ -17,7 +17,7 @@ The buffer's lists are cleared in place, never rebound: the hooks hold them.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from operator import attrgetter
 from typing import Any
 
@@ -25,27 +25,8 @@ import torch
 from torch import Tensor
 from torch.compiler import is_dynamo_compiling as is_compiling
 
+from nand.agent.detect.stage import Handoff
 from nand.events import Phase
-
-
-@dataclasses.dataclass(slots=True)
-class Handoff:
-    """A stage's place in the pipeline and, for the window being filled,
-    ``marks``: (position in ``ProbeBuffer.sites``, micro-batch index) where
-    each chunk's entries begin."""
-
-    stage: int
-    stages: int
-    marks: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-
-    @property
-    def first(self) -> bool:
-        return self.stage == 0
-
-    @property
-    def last(self) -> bool:
-        return self.stage == self.stages - 1
-
 
 #: Marks the start of a micro-step (a root forward call) in ``ProbeBuffer.sites``.
 MICRO = None
@@ -191,8 +172,8 @@ class ProbeBuffer:
     """
 
     __slots__ = (
-        "device", "exact_norms", "extras", "norm_sites", "norms", "others", "pairs", "pipeline",
-        "room", "sites", "slab", "slots", "slotted", "spans", "spilled", "wide_norms",
+        "device", "exact_norms", "extras", "heads", "norm_sites", "norms", "others", "pairs",
+        "pipeline", "room", "sites", "slab", "slots", "slotted", "spans", "spilled", "wide_norms",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -269,7 +250,8 @@ class ProbeBuffer:
         if self.spans:
             self.spans.clear()
         self.slotted = None
-        self.others.clear()
+        if any(self.others.positions.values()):  # (float32 windows: none to clear)
+            self.others.clear()
         self.wide_norms = False
         if self.pipeline is not None:
             self.pipeline.marks = []
@@ -285,6 +267,9 @@ class ProbeBuffer:
     def _make_slab(self, size: int, device: torch.device) -> None:
         self.slab = torch.empty(size, device=device)
         self.slots: list[Tensor] = list(self.slab.unbind())  # its elements as 0-d views
+        #: The slab's first n values as a view, by n: a window's size repeats
+        #: step after step, and slicing a tensor is an op of its own (~1 µs).
+        self.heads: dict[int, Tensor] = {}
         self.room = size - 1  # a probe at pairs index < room fits in the slab
         self.device = device
         self.others = OtherSlabs(size, device)
@@ -344,7 +329,9 @@ class ProbeBuffer:
             torch._foreach_copy_(slots[n : n + m], self.norms)
         if not n + m:
             return None
-        main = self.slab[: n + m]
+        main = self.heads.get(n + m)
+        if main is None:
+            main = self.heads[n + m] = self.slab[: n + m]
         if self.wide_norms or any(self.others.positions.values()):
             return self.others.combine(main, n, self.wide_norms)
         return main
@@ -365,6 +352,11 @@ def local(t: Tensor) -> Tensor:
     with torch.no_grad():
         shard: Tensor = to_local().detach()
     return shard
+
+
+def tensors_of(value: Any) -> Iterable[tuple[str, Tensor]]:
+    """:func:`iter_tensors`, without a generator to run for a lone tensor (most outputs)."""
+    return (("", value),) if isinstance(value, Tensor) else iter_tensors(value)
 
 
 def iter_tensors(value: Any, path: str = "", depth: int = 0) -> Iterator[tuple[str, Tensor]]:

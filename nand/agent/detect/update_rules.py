@@ -199,7 +199,10 @@ class GroupRules:
     def update(self) -> None:
         """Derive the rules again if a hyperparameter they read has changed."""
         groups = self.optimizer.param_groups
-        seen = [value for group in groups for value in map(group.get, RULE_KEYS)]
+        if len(groups) == 1:  # (most optimizers: one C loop)
+            seen = list(map(groups[0].get, RULE_KEYS))
+        else:
+            seen = [value for group in groups for value in map(group.get, RULE_KEYS)]
         if self._mutable or len(seen) != len(self._seen) or any(map(is_not, seen, self._seen)):
             self._seen = seen
             self._mutable = not all(map(_immutable, seen))

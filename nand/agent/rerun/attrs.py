@@ -8,7 +8,8 @@ it would run another forward than the one it repeats.
 
 Each root call takes a shallow copy of the ``__dict__`` of each module whose
 class is not torch's own (torch's modules keep such values fixed while
-training): one dict copy per module, nothing walked. The replay sets the
+training): one dict copy per module, nothing walked, in one C loop (the
+dicts are found once, by :func:`own_dicts`). The replay sets the
 values of a plain immutable type (:data:`PLAIN`) that changed since, and
 puts back those of now afterwards. Anything else (a tensor, an iterator the
 forward consumes) is left as it is now.
@@ -22,18 +23,19 @@ from torch import nn
 
 #: The types of the values a replay sets back (immutable: a reference is the value).
 PLAIN = (bool, int, float, str, type(None))
-#: Attributes held per module: (the modules, a shallow copy of each one's ``__dict__``).
-HeldAttrs = tuple[list[nn.Module], list[dict[str, Any]]]
+#: Attributes held: (the modules' live ``__dict__`` s, a shallow copy of each).
+HeldAttrs = tuple[list[dict[str, Any]], list[dict[str, Any]]]
+_copy = dict.copy
 
 
-def own_modules(root: nn.Module) -> list[nn.Module]:
-    """The modules whose classes are not torch's: the user's, a library's."""
-    return [m for m in root.modules() if not type(m).__module__.startswith("torch.")]
+def own_dicts(root: nn.Module) -> list[dict[str, Any]]:
+    """The ``__dict__`` of each module whose class is not torch's: the user's, a library's."""
+    return [vars(m) for m in root.modules() if not type(m).__module__.startswith("torch.")]
 
 
-def take(modules: list[nn.Module]) -> HeldAttrs | None:
-    """The attributes of ``modules`` now (None: no such module)."""
-    return (modules, [m.__dict__.copy() for m in modules]) if modules else None
+def take(dicts: list[dict[str, Any]]) -> HeldAttrs | None:
+    """The attributes in ``dicts`` now (None: no such module)."""
+    return (dicts, list(map(_copy, dicts))) if dicts else None
 
 
 def put_back(held: HeldAttrs | None) -> list[tuple[dict[str, Any], str, Any]]:
@@ -41,8 +43,7 @@ def put_back(held: HeldAttrs | None) -> list[tuple[dict[str, Any], str, Any]]:
     undo: list[tuple[dict[str, Any], str, Any]] = []
     if held is None:
         return undo
-    for module, then in zip(*held, strict=True):
-        now = module.__dict__
+    for now, then in zip(*held, strict=True):
         for name, value in then.items():
             current = now.get(name, value)
             if current is not value and type(value) in PLAIN and type(current) in PLAIN:

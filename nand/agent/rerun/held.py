@@ -40,7 +40,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from nand.agent.detect.grads import register_tensor_hook
 from nand.agent.detect.probes import iter_tensors
@@ -69,16 +69,17 @@ class HeldStep:
         self,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-        device: torch.device,
+        cuda: torch.device | None,
         attrs: HeldAttrs | None = None,
         step: Callable[[Any], Tensor] | None = None,
     ) -> None:
+        """``cuda``: the model's CUDA device, whose RNG state is held too (None: on CPU)."""
         self.args = args
         self.step = step
         self.kwargs = kwargs
         self.attrs = attrs  # the modules' plain values (see attrs.py)
         self.rng = _cpu_generator.get_state()  # (what torch.get_rng_state calls)
-        self.cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        self.cuda_rng = torch.cuda.get_rng_state(cuda) if cuda is not None else None
         self.autocast = _autocast() if _any_autocast() else {}
         self.grads: dict[str, Tensor] = {}
 
@@ -146,15 +147,16 @@ class Held:
         state: HookState,
         device: torch.device,
         reads: Callable[[], int],
-        modules: list[nn.Module] | None = None,
+        dicts: list[dict[str, Any]] | None = None,
         keep_earlier: bool = False,
     ) -> None:
-        self.modules = modules or []  # whose plain attributes are held (attrs.own_modules)
+        self.dicts = dicts or []  # of the modules whose plain attributes are held (attrs.own_dicts)
         self.steps: list[HeldStep] = []
         self.before = 0  # micro-steps of the window before (a parameter's label)
         self.paused = False
         self.off = False  # a hook failed
         self.device = device
+        self._cuda = device if device.type == "cuda" else None
         #: The boundary's windows so far (read, or copied to be read): one more
         #: since the last micro-step held means that step's window is closed,
         #: and its micro-steps are over. Each window is numbered by it.
@@ -204,8 +206,8 @@ class Held:
                 self.steps = []
                 self._read_at = reads
             if len(self.steps) < MAX_HELD:  # (the first ones: their index is the micro-step)
-                attrs = take(self.modules)
-                self.steps.append(HeldStep(args, kwargs, self.device, attrs, step))
+                attrs = take(self.dicts)
+                self.steps.append(HeldStep(args, kwargs, self._cuda, attrs, step))
         except Exception as exc:
             self._failed(exc)
 

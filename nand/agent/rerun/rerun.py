@@ -50,7 +50,7 @@ from torch import nn
 from nand.agent.detect.ddp import params_are_gathered
 from nand.agent.detect.state import HookState
 from nand.agent.detect.tiers import CHECKED, Tiers
-from nand.agent.rerun.attrs import own_modules
+from nand.agent.rerun.attrs import own_dicts
 from nand.agent.rerun.held import MAX_HELD, Held, HeldStep
 from nand.agent.rerun.light import make_exact, needs_probes, probed_finding
 from nand.agent.rerun.opwatch import OpRecord
@@ -99,8 +99,8 @@ class Rerun:
             param = next(iter(self.root.parameters()), None)
             device = param.device if param is not None else torch.device("cpu")
             lagged = self.boundary.deferred is not None
-            modules = own_modules(self.root)
-            self.held = Held(self.state, device, self._windows, modules, keep_earlier=lagged)
+            dicts = own_dicts(self.root)
+            self.held = Held(self.state, device, self._windows, dicts, keep_earlier=lagged)
 
     def _windows(self) -> int:
         """The boundary's windows so far: read, or copied to be read (deferred).

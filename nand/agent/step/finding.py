@@ -9,7 +9,8 @@ from typing import Protocol
 
 from torch import Tensor
 
-from nand.agent.detect.probes import Handoff, Site
+from nand.agent.detect.probes import Site
+from nand.agent.detect.stage import Handoff
 from nand.events import Cause, Phase
 
 

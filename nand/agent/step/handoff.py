@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from nand.agent.detect.probes import Handoff, Site
+from nand.agent.detect.probes import Site
+from nand.agent.detect.stage import Handoff
 from nand.agent.step.finding import Finding, Probed
 from nand.events import VIA_PIPELINE, Phase
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 from copy import copy
 from dataclasses import dataclass, field
 
-from nand.agent.detect.probes import Handoff, Site
+from nand.agent.detect.probes import Site
+from nand.agent.detect.stage import Handoff
 from nand.agent.detect.tensor_parallel import Partial
 from nand.events import Alert, Event
 
