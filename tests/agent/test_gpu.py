@@ -1,5 +1,7 @@
-"""On a GPU: nand never synchronises the host with the device in ``warn``
-(and deferred ``skip`` through a fused optimizer): CUDA's sync debug mode
+"""On a GPU: nand never synchronises the host with the device on a healthy
+step in ``warn`` (the light mode: through a fused optimizer, which skips a bad
+update on the device; the full mode: any) and in deferred ``skip`` through a
+fused optimizer: CUDA's sync debug mode
 turns any synchronising call (``.item()``, ``tolist()`` of a CUDA tensor, a
 blocking copy) into an error, the optimizer step and nand's boundary included."""
 
@@ -61,6 +63,7 @@ def _steps_without_sync(model, opt, steps, plant_at=None):
             torch.cuda.set_sync_debug_mode("default")
 
 
+@pytest.mark.nand_mode("full")  # (the light mode reads a plain SGD's steps in sync: below)
 def test_warn_on_cuda_reads_deferred_with_zero_syncs_per_step():
     model = mlp(plant_after=0).cuda()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
@@ -82,3 +85,24 @@ def test_skip_through_a_fused_optimizer_on_cuda_has_zero_syncs_and_keeps_weights
         _steps_without_sync(model, opt, 10, plant_at=4)
     assert w.first is not None and (w.first.step, w.first.phase) == (6, "forward")
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+def test_light_warn_through_a_fused_optimizer_reads_deferred_and_replays_with_the_steps_weights():
+    # The light mode replays a bad step at the next boundary, so it reads late
+    # only where the optimizer can skip the bad update on the device.
+    model = mlp(plant_after=0).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    with nand.watch(model, opt, mode="light") as w:
+        assert w.deferred
+        _steps_without_sync(model, opt, 2)
+        _steps_without_sync(model, opt, 20)  # healthy: not one sync
+        assert w.first is None
+        for step in range(3):  # (the incident's replay may sync: outside the debug mode)
+            model[1].value = float("nan") if step == 1 else None
+            model(torch.randn(4, 8, device="cuda")).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    first = w.first
+    assert first is not None and (first.step, first.phase, first.module) == (23, "forward", "1")
+    assert first.reproduced is True
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())  # (update skipped)
