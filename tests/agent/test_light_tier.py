@@ -54,6 +54,19 @@ def test_a_light_incident_with_replays_off_is_not_exact_and_switches_to_the_full
     assert (second.step, second.module, second.replay) == (3, "log", "")
 
 
+def test_a_model_with_sync_batchnorm_is_probed_in_full_from_the_start():
+    # A replay runs on one rank: SyncBatchNorm's forward would all-gather its
+    # statistics with ranks that are not replaying, and wait for them forever.
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 8), torch.nn.SyncBatchNorm(8), torch.nn.Linear(8, 1)
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with nand.watch(model, opt, mode="light") as watch:
+        assert not watch._tiers.light
+        hooked = [m for m in model.modules() if m._forward_hooks]
+        assert model[1] in hooked and model[2] in hooked  # (light: the root only)
+
+
 class Faulty(torch.nn.Module):
     """Two layers; ``mid``'s output gets a NaN while ``armed`` (a 0-d tensor,
     so that a compiled graph does not guard on it)."""

@@ -29,7 +29,8 @@ step that never called the root (:meth:`Tiers.window_read`), and a compiled
 model: compiled code ignores hooks added after dynamo traced it, so a model
 compiled before ``nand.watch`` runs full from the start, and one compiled
 after it turns full while its first compiled call is traced
-(``compile_switch.py``).
+(``compile_switch.py``). So do models under tensor parallelism and with
+``SyncBatchNorm``: a replay on one rank would wait in their collectives.
 """
 
 from __future__ import annotations
@@ -87,13 +88,11 @@ class Tiers:
     def install(self, mode: str, model: nn.Module, proxies: bool) -> None:
         """Hook the root (light) or every module (full); see the module."""
         self._proxies = proxies
-        compiled = type(model).__name__ == "OptimizedModule"
-        if mode == "light" and compiled:
-            log.warning("nand: mode='light' on a compiled model: every module probed instead")
         self.tp = TensorParallelCheck.install(self.infos, self.hooks)
-        if mode == "light" and self.tp is not None:  # (a replay would need the other ranks)
-            log.warning("nand: mode='light' under tensor parallelism: every module probed instead")
-        self.light = mode == "light" and not compiled and self.tp is None
+        unreplayable = self._unreplayable(type(model).__name__ == "OptimizedModule")
+        if mode == "light" and unreplayable:
+            log.info("nand: %s: every module probed from the start", unreplayable)
+        self.light = mode == "light" and not unreplayable
         self.hooks.install(self.root, self.infos, proxies=proxies, modules=not self.light)
         listener = pipeline.listen(self.root, model, self.hooks.state)  # (a stage's chunks)
         if listener is not None:
@@ -101,6 +100,16 @@ class Tiers:
         if self.light:  # compiled later: full from the first compiled call (compile_switch.py)
             self._switch = CompileSwitch(self.root, self._compiled_now)
             self.hooks.handles.append(self._switch.handle)
+
+    def _unreplayable(self, compiled: bool) -> str:
+        """Why no replay of this model's steps could be exact ("" if one can)."""
+        if compiled:
+            return "a compiled model (compiled code ignores hooks added for a replay)"
+        if self.tp is not None:
+            return "tensor parallelism (a replay would need the other ranks)"
+        if any(isinstance(module, nn.SyncBatchNorm) for module in self.root.modules()):
+            return "SyncBatchNorm (a replay would gather statistics with the other ranks)"
+        return ""
 
     def _compiled_now(self) -> None:
         self.go_full("the model is being compiled, and compiled code ignores hooks added later")
