@@ -89,6 +89,7 @@ def _overflow(flight: dict[str, Any], steps: list[int]) -> str:
     act, grad = act + [[]] * (n - len(act)), grad + [[]] * (n - len(grad))
     peaks = [max(_finite(a) + _finite(g), default=0.0) for a, g in zip(act, grad, strict=True)]
     peaks = [p for p in peaks if p > 0]
+    rose: tuple[float, float] | None = None
     if peaks and max(peaks) > peaks[0] and max(peaks) >= OVERFLOW_SHARE * limit:
         rose = (peaks[0], max(peaks))
     else:
