@@ -16,6 +16,7 @@ import sys
 import pytest
 from torch import nn
 
+from nand.agent.detect.sampling import MAX_PER_STEP
 from nand.agent.detect.savable import SavableHook
 from tests.integrations.check import assert_reported_as_the_truth_says, planted_answer, same_losses
 from tests.integrations.faults import Fault, Planted
@@ -45,13 +46,15 @@ def light(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NAND_MODE", "light")
 
 
-def nand_hooked(model: nn.Module) -> list[nn.Module]:
-    """The modules that carry a forward hook of nand's."""
+def nand_hooked(model: nn.Module, sampling: bool | None = None) -> list[nn.Module]:
+    """The modules that carry a forward hook of nand's (``sampling``: only the
+    light mode's rotating sample of outputs, or only the others; None: any)."""
     return [
         module
         for module in model.modules()
         if any(
             isinstance(hook, SavableHook)
+            and (sampling is None or (hook.func.__name__ == "sample_hook") == sampling)
             for hooks in (module._forward_hooks, module._forward_pre_hooks)
             for hook in hooks.values()
         )
@@ -102,7 +105,8 @@ def test_a_healthy_run_in_light_mode_is_silent_bit_identical_and_hooks_only_the_
     run = Loop(model, FP32, observer="nand")
     try:
         run.train(3)
-        assert nand_hooked(run.model) == [run.model]
+        assert nand_hooked(run.model, sampling=False) == [run.model]
+        assert len(nand_hooked(run.model, sampling=True)) <= MAX_PER_STEP  # (sampling.py)
     finally:
         run.close()
     assert run.watch is not None

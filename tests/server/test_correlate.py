@@ -181,6 +181,30 @@ def test_overflow_from_a_runaway_growth_far_below_a_float32_limit() -> None:
     ).overflow  # a thousandfold is training, not runaway
 
 
+def test_a_sampled_window_is_judged_layer_by_layer_not_row_by_row() -> None:
+    """The light mode's rows are a rotating sample: a layer whose values are
+    large all along, first sampled after a row of small ones, is no runaway;
+    a layer whose own samples climb a millionfold is."""
+    steady = FlightWindow(
+        steps=[1, 2, 3, 4],
+        modules=["", "embed", "fc2"],
+        act_max_abs=[[1.0, None, None], [1.2, 3e6, None], [1.1, None, 0.5], [1.3, 3.1e6, None]],
+        dtype="float32",
+        dtype_max=3.4e38,
+    )
+    assert not flight_evidence(steady.to_dict()).overflow
+    running = FlightWindow(
+        steps=[1, 2, 3, 4],
+        modules=["", "embed", "fc2"],
+        act_max_abs=[[1.0, None, 0.5], [1.2, 3.0, None], [1.1, None, 5e4], [1.3, 3.1, 2e12]],
+        dtype="float32",
+        dtype_max=3.4e38,
+    )
+    evidence = flight_evidence(running.to_dict())
+    assert evidence.overflow
+    assert "rose from 0.5 to 2e+12 (float32 limit 3.4e+38) over steps 1-4" in evidence.text
+
+
 def test_gradient_explosion_from_a_rising_grad_norm() -> None:
     window = FlightWindow(steps=[1, 2, 3, 4, 5], grad_norm=[1.0, 3.0, 20.0, 150.0, None])
     evidence = flight_evidence(window.to_dict())

@@ -45,7 +45,7 @@ class Site:
     module_type: str
     index: int = -1  # position in the module table; -1 for parameters
     slot: str = ""  # output position ("0", "logits"...), state key, or input path
-    kind: str = "output"  # output | inline | loss | input | norm
+    kind: str = "output"  # output | inline | loss | input | norm | sample (sampling.py)
     dtype: torch.dtype | None = None  # of the last probed tensor
     shape: tuple[int, ...] | None = ()  # of the last probed tensor (None: not recorded)
     allow_neginf: bool = False  # allow-listed module: -inf is on purpose

@@ -7,7 +7,8 @@ step's checks are the same in both modes, and need no module hook: the loss
 given to ``watch.loss``, one multi-tensor norm of the gradients and of the
 parameters by the implied-finite rules (``optimizer.py``), the GradScaler's
 ``found_inf`` (``amp.py``), DDP's pre-all-reduce bucket check (``ddp.py``).
-No device work per module.
+No device work per module but a rotating sample of a few modules' outputs a
+step, telemetry for the flight recorder and ``headroom`` (``sampling.py``).
 ``mode="full"`` (the default, and the mode for hunting by hand): every
 module output and activation gradient gets a probe (``hooks.py``) on every
 step.
@@ -50,6 +51,7 @@ from nand.agent.detect.compiled import CompiledSlots
 from nand.agent.detect.hooks import Hooks
 from nand.agent.detect.modules import ModuleInfo
 from nand.agent.detect.probes import ProbeBuffer
+from nand.agent.detect.sampling import LayerSampler
 from nand.agent.detect.state import HookState
 from nand.agent.detect.tensor_parallel import TensorParallelCheck
 from nand.agent.safety import Guard
@@ -84,6 +86,8 @@ class Tiers:
         self._switch: CompileSwitch | None = None
         #: This rank's parts of tensor-parallel reductions (None: no such layer).
         self.tp: TensorParallelCheck | None = None
+        #: The light mode's rotating sample of module outputs (sampling.py).
+        self.sampler: LayerSampler | None = None
 
     def install(self, mode: str, model: nn.Module, proxies: bool) -> None:
         """Hook the root (light) or every module (full); see the module."""
@@ -98,6 +102,8 @@ class Tiers:
         if listener is not None:
             self.hooks.handles.append(cast(RemovableHandle, listener))
         if self.light:  # compiled later: full from the first compiled call (compile_switch.py)
+            self.sampler = LayerSampler(self.hooks.state, self.root, self.infos)
+            self.hooks.handles.append(cast(RemovableHandle, self.sampler))  # (removed at close)
             self._switch = CompileSwitch(self.root, self._compiled_now)
             self.hooks.handles.append(self._switch.handle)
 
@@ -119,6 +125,8 @@ class Tiers:
         said = COMPILED if self.compiled and not _is_compiling() else SWITCHED
         if self.light:
             self.light = False
+            if self.sampler is not None:
+                self.sampler.remove()
             self.hooks.install_modules(self.root, self.infos, proxies=self._proxies)
             log.warning("nand: %s; %s", why, said)
         return said
@@ -139,6 +147,8 @@ class Tiers:
         it, so every module is probed from then on (the entry points too)."""
         if self.light and stepped and not micro_steps:
             self.go_full("a step ran without calling the watched model, which no replay can repeat")
+        if self.light and self.sampler is not None:
+            self.sampler.advance()  # the next modules' outputs are sampled
         return micro_steps
 
     @property

@@ -32,11 +32,14 @@ import torch
 from torch import Tensor
 
 from nand.agent.detect.probes import Site, local
+from nand.agent.detect.sampling import SAMPLE
 from nand.agent.step.finding import Finding, Probed
 from nand.agent.step.handoff import entries, handed_over
 from nand.events import PHASE_RANK, Cause, Phase
 
-_ACT_KINDS = frozenset({"output", "inline"})
+#: Kinds of forward sites whose max|x| is a layer's telemetry ("sample": the
+#: light mode's rotating sample, ``detect/sampling.py``; never a finding).
+_ACT_KINDS = frozenset({"output", "inline", SAMPLE})
 
 #: Below this max|x| no activation can be near any float dtype's limit (fp16:
 #: 65504), so the per-site headroom check is skipped.
@@ -172,6 +175,8 @@ def _activation_findings(buf: Probed, values: list[float], micro_base: int) -> l
     first_bad_backward: set[int] = set()
     bad_forward: set[int] = set()  # micro-steps with a non-finite forward so far
     for micro, site, lo, hi, call in entries(buf, values, micro_base):
+        if site.kind == SAMPLE:
+            continue  # telemetry only: the light mode's checks and its replay find
         key = (micro, site.phase)
         order = orders.get(key, 0)
         orders[key] = order + 1

@@ -16,7 +16,10 @@ the step's one read already holds (no tensor, no sync) and returns
 
 Nothing is compared before :data:`WARMUP` figures are in, a spiking figure
 does not enter the window it is judged against (so a run of spikes is still
-seen as one), and each kind warns once per module per :data:`QUIET_STEPS`.
+seen as one), and each kind warns once per :data:`QUIET_STEPS`: ``headroom``
+too, whichever layer it names (the first one near the limit; in the light
+mode, where layers are sampled in turn, the one sampled first that step, so a
+value carried through three layers would otherwise warn three times).
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ class BlowUpWatch:
         self.grad_norms: deque[float] = deque(maxlen=GRAD_WINDOW)
         self._median = 0.0  # of grad_norms, recomputed every MEDIAN_EVERY steps
         self._stale = 0
-        self._last: dict[tuple[str, str], int] = {}  # (kind, module) -> step warned
+        self._last: dict[str, int] = {}  # kind -> step warned
 
     def look(self, row: StepRow, n_pairs: int, grad_norm: float | None, clean: bool) -> list[Alert]:
         """This step's alerts (usually none: a few comparisons). A step that
@@ -135,8 +138,8 @@ class BlowUpWatch:
         )
 
     def _due(self, alert: Alert) -> bool:
-        """Once per kind and module per QUIET_STEPS steps."""
-        key = (alert.kind, alert.module)
+        """Once per kind per QUIET_STEPS steps (see the module)."""
+        key = alert.kind
         last = self._last.get(key)
         if last is not None and alert.step - last < QUIET_STEPS:
             return False

@@ -78,7 +78,8 @@ def _span(steps: list[int]) -> str:
 
 
 def _overflow(flight: dict[str, Any], steps: list[int]) -> str:
-    """Peak finite max|x| per step (activations and gradients) near the dtype's limit."""
+    """Peak finite max|x| per step (activations and gradients) near the dtype's
+    limit, or one layer's max|x| running away over the window."""
     limit = flight.get("dtype_max")
     if not isinstance(limit, int | float) or not math.isfinite(limit) or limit <= 0:
         return ""
@@ -88,17 +89,28 @@ def _overflow(flight: dict[str, Any], steps: list[int]) -> str:
     act, grad = act + [[]] * (n - len(act)), grad + [[]] * (n - len(grad))
     peaks = [max(_finite(a) + _finite(g), default=0.0) for a, g in zip(act, grad, strict=True)]
     peaks = [p for p in peaks if p > 0]
-    if not peaks or max(peaks) <= peaks[0]:
-        return ""
-    near_limit = max(peaks) >= OVERFLOW_SHARE * limit
-    runaway = max(peaks) >= RUNAWAY_FACTOR * peaks[0]
-    if not (near_limit or runaway):
+    rose: tuple[float, float] | None = None
+    if peaks and max(peaks) > peaks[0] and max(peaks) >= OVERFLOW_SHARE * limit:
+        rose = (peaks[0], max(peaks))
+    else:
+        rose = _runaway(act) or _runaway(grad)
+    if rose is None:
         return ""
     dtype = flight.get("dtype") or "dtype"
-    return (
-        f"max |x| rose from {peaks[0]:.3g} to {max(peaks):.3g} "
-        f"({dtype} limit {limit:.6g}){_span(steps)}"
-    )
+    first, top = rose
+    return f"max |x| rose from {first:.3g} to {top:.3g} ({dtype} limit {limit:.6g}){_span(steps)}"
+
+
+def _runaway(rows: list[list[Any]]) -> tuple[float, float] | None:
+    """A layer whose max|x| grew :data:`RUNAWAY_FACTOR` times over the window:
+    (its first figure, its largest). Each layer against itself: the light
+    mode's rows are a rotating sample (cells not sampled are None), and two
+    steps' peaks over different layers are not comparable."""
+    for column in itertools.zip_longest(*rows):
+        values = [v for v in _finite(list(column)) if v > 0]
+        if values and max(values) >= RUNAWAY_FACTOR * values[0]:
+            return values[0], max(values)
+    return None
 
 
 def _rows(rows: Any) -> list[list[Any]]:
