@@ -292,7 +292,7 @@ class AgentConfig:
     on_nonfinite: OnNonfinite = OnNonfinite.WARN
     on_warning: WarningPolicy = "log"
     read: Read = "auto"
-    mode: Mode = "full"
+    mode: Mode = "light"
     disabled: bool = False
     server: str | None = None
     run: str | None = None

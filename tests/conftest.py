@@ -9,10 +9,11 @@ import pytest
 # One thread per test process: the CI machine has 2 cores, and multi-rank
 # tests start several processes at once.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-#: ``NAND_TEST_MODE=light`` (or ``full``, the default) runs every test's watch
-#: in that mode (``NAND_MODE``), so that the suite holds both; read before the
-#: isolation below. A test about one mode's probes is marked
-#: ``@pytest.mark.nand_mode("full")`` and keeps it (an argument ``mode=`` too).
+#: ``NAND_TEST_MODE=full`` (or ``light``, the default mode) runs every test's
+#: watch in that mode (``NAND_MODE``), so that the suite holds both (CI runs
+#: both: see scripts/test); read before the isolation below. A test about one
+#: mode's probes is marked ``@pytest.mark.nand_mode("full")`` and keeps it
+#: (an argument ``mode=`` too).
 TEST_MODE = os.environ.get("NAND_TEST_MODE")
 
 

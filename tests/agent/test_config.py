@@ -30,9 +30,9 @@ def test_arguments_win_over_the_environment_and_the_environment_over_defaults(mo
     monkeypatch.setenv("NAND_ON_NONFINITE", "skip")
     monkeypatch.setenv("NAND_FLIGHT_STEPS", "8")
     monkeypatch.setenv("NAND_READ_PARAMS_EVERY_STEP", "1")
-    monkeypatch.setenv("NAND_MODE", "light")
+    monkeypatch.setenv("NAND_MODE", "full")
     resolved = AgentConfig.resolve(on_nonfinite="raise")
-    assert resolved.mode == "light" and AgentConfig.resolve(mode="full").mode == "full"
+    assert resolved.mode == "full" and AgentConfig.resolve(mode="light").mode == "light"
     assert resolved.on_nonfinite == "raise"  # the argument
     assert resolved.flight_steps == 8 and resolved.read_params_every_step  # the environment
     assert resolved.max_events == AgentConfig.max_events  # the default

@@ -1,6 +1,6 @@
 """Which probes run on every step: :class:`Tiers`.
 
-``mode="light"`` (``NAND_MODE=light``): only the root module is hooked: its
+``mode="light"`` (the default): only the root module is hooked: its
 inputs (the data), its outputs (the loss a model returns, or its logits)
 and the gradient arriving there (the loss computation's). The rest of the
 step's checks are the same in both modes, and need no module hook: the loss
@@ -9,7 +9,7 @@ parameters by the implied-finite rules (``optimizer.py``), the GradScaler's
 ``found_inf`` (``amp.py``), DDP's pre-all-reduce bucket check (``ddp.py``).
 No device work per module but a rotating sample of a few modules' outputs a
 step, telemetry for the flight recorder and ``headroom`` (``sampling.py``).
-``mode="full"`` (the default, and the mode for hunting by hand): every
+``mode="full"`` (``NAND_MODE=full``, the mode for hunting by hand): every
 module output and activation gradient gets a probe (``hooks.py``) on every
 step.
 
