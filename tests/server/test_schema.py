@@ -64,7 +64,9 @@ def test_every_response_matches_the_openapi_document(server, tmp_path: Path) -> 
 
 
 def test_the_document_declares_what_the_run_routes_answer(server) -> None:
-    document = httpx.get(f"{server.http_url}/openapi.json").json()
+    # (the first request builds the document in the server's process, which a
+    # loaded machine can stretch past httpx's default 5 s)
+    document = httpx.get(f"{server.http_url}/openapi.json", timeout=60).json()
     for path, operations in document["paths"].items():
         for method, operation in operations.items():
             if "{run}" in path:
