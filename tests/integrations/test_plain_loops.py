@@ -139,15 +139,10 @@ BEYOND = "beyond issue 15's list: backward blame follows the order gradients arr
 @pytest.mark.parametrize(
     "model,where",
     [
-        pytest.param(
-            "llama",
-            "model.layers.1.input_layernorm",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason=f"{BEYOND}; the norm feeds q, k and v and sits on the residual: "
-                "nand names model.layers.1.self_attn",
-            ),
-        ),
+        # The norm feeds q, k and v and sits on the residual: nand named
+        # model.layers.1.self_attn while k and v re-probed the norm's output as
+        # the attention's inline value (now it is probed once: detect/inline.py).
+        ("llama", "model.layers.1.input_layernorm"),
         pytest.param(
             "resnet18",
             "resnet.encoder.stages.2.layers.0.shortcut.convolution",

@@ -3,20 +3,19 @@
 Per module call:
 
 - the **forward hook** probes each float output (one ``aminmax``) and registers
-  a **tensor hook** on it that probes its gradient in backward. Tensor hooks on
-  forward outputs, not ``register_full_backward_hook``: they cost a fraction,
-  work with ``ReLU(inplace=True)`` and see the right gradient when an in-place
-  op follows.
+  a **tensor hook** on it that probes its gradient in backward (not a
+  ``register_full_backward_hook``: a fraction of its cost, and right with
+  ``ReLU(inplace=True)`` or another in-place op after it).
 - a Linear, convolution or norm with a trained bias of its own takes no
   tensor hook: its output gradient is read from ``bias.grad`` by a hook
   registered once on the bias (``grads.BiasProxy``), except for a second call
   in a micro-step, under ``torch.compile``, a pipeline and DDP/FSDP (there the
   bias gradient is all-reduced: a real probe keeps this rank's own value).
-- inputs that are not the output recorded last were made by inline code in
-  the parent's ``forward`` (``inline.InlineCheck``); containers check them in
-  a forward pre-hook, leaves in the forward hook. A parent whose output is its
-  last child's adds no probe; in an ``nn.Sequential`` a finite-preserving
-  child that feeds a probed leaf gets no hook at all (``modules.Chains``).
+- inputs that are not the output recorded last, nor probed already, were made
+  by inline code in the parent's ``forward`` (``inline.InlineCheck``);
+  containers check them in a pre-hook, leaves in the forward hook. A parent
+  whose output is its last child's adds no probe; in an ``nn.Sequential`` a
+  finite-preserving child feeding a probed leaf is not hooked (``modules.Chains``).
 - the **root** pre-hook marks a micro-step and probes the input data
   (positional and keyword, nested); the root's outputs get a "loss" tensor
   hook: the gradient arriving there comes from the loss computation. A
@@ -24,11 +23,11 @@ Per module call:
   inputs are probed as data too (``entry.py``; the root and containers keep the
   count). The root's two hooks also hold what a replay needs (``rerun/held.py``).
 
-Under ``torch.compile`` every probe goes to a fixed slot (``compiled.py``).
-Torch keeps module hooks in the modules' ``__dict__``, so ``copy.deepcopy``
-and ``torch.save`` take them along: each is handed to torch as a
-:class:`SavableHook`, which copies as a no-op, and returns at once when called
-for a module other than its own (a shallow copy shares the hook dicts).
+Under ``torch.compile`` every probe goes to a fixed slot (``compiled.py``). Torch
+keeps module hooks in the modules' ``__dict__``, so ``copy.deepcopy`` and
+``torch.save`` take them along: each is handed to torch as a :class:`SavableHook`,
+which copies as a no-op, and returns at once when called for a module other
+than its own (a shallow copy shares the hook dicts).
 """
 
 from __future__ import annotations
@@ -43,7 +42,7 @@ from torch.utils.hooks import RemovableHandle
 
 from nand.agent.detect.entry import input_slot, outside_backward, probe_inputs
 from nand.agent.detect.grads import BiasProxy, GradHooks, loss_probe
-from nand.agent.detect.inline import NEGINF_SAFE_NODES, InlineCheck
+from nand.agent.detect.inline import NEGINF_SAFE_NODES, PROBED, InlineCheck
 from nand.agent.detect.modules import CONTAINERS, Chains, ModuleInfo, proxy_bias
 from nand.agent.detect.probes import MICRO, Site, iter_tensors, tensors_of
 from nand.agent.detect.savable import SavableHook
@@ -384,6 +383,7 @@ class Hooks:
     def _probe(self, site: Site, t: Tensor) -> None:
         self.state.buf.probe(t, site)
         site.shape, site.dtype = t.shape, t.dtype
+        setattr(t, PROBED, t._version)  # (not probed again as an input: inline.py)
 
     def _probe_input(self, info: ModuleInfo, slot: str, t: Tensor) -> None:
         if not t.is_floating_point() or not t.numel():

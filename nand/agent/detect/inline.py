@@ -10,6 +10,13 @@ cannot be non-finite unless that output was. ReLU's backward zeroes the
 gradient where the input was cut, which can hide a NaN the consumer made
 there; its gradient probe waits (:meth:`InlineCheck.defer`) until the consumer
 is known, and is dropped when the consumer's backward is benign.
+
+An input probed already at its current version (a module's output that a
+second consumer reads: ``q(x)``, ``k(x)``, ``v(x)`` after a norm) is not
+probed again as the parent's: its value is known, and in backward a second
+hook on the same gradient would fire after the producer's, so a non-finite
+gradient made by the producer's own consumer (the norm's input gradient)
+would be blamed on the parent. :data:`PROBED` marks the tensors probed.
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ FINITE_NODES = frozenset(
 #: -inf * 0 = NaN): used when some module may emit -inf (``allow_nonfinite``).
 NEGINF_SAFE_NODES = frozenset({"ReluBackward0", "TanhBackward0", "SigmoidBackward0"})
 MASKING_NODES = frozenset({"ReluBackward0"})
+#: The attribute that marks a probed tensor with the version it was probed at.
+PROBED = "_nand_probed"
 
 
 def finite_op_of(
@@ -109,6 +118,7 @@ class InlineCheck:
                 and x.is_floating_point()
                 and x.numel()
                 and getattr(x, "_local_tensor", None) is None  # (not a DTensor: see above)
+                and getattr(x, PROBED, None) != x._version  # (probed already: see the module)
             ):
                 if owner is None:
                     nands = 0 if info.leaf else 1  # containers carry nand's pre-hook
