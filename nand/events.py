@@ -207,12 +207,15 @@ class Event:
             kwargs["shape"] = list(kwargs["shape"])
         return cls(**kwargs)
 
+    def where(self) -> str:
+        """The module, as a sentence names it: ``layers.0.act (Act)``, ``<root>``."""
+        where = self.module or "<root>"
+        return f"{where} ({self.module_type})" if self.module_type else where
+
     def describe(self, shape: str | None = None) -> str:
         """A sentence a person can act on, e.g. for the log. ``shape``: what to
         say instead of the shape (one that was not recorded)."""
-        where = self.module or "<root>"
-        if self.module_type:
-            where = f"{where} ({self.module_type})"
+        where = self.where()
         kinds = value_kinds(self)
         how = {
             "data": "arrived in the input data",

@@ -164,15 +164,29 @@ def test_bias_proxies_give_each_layers_gradient_figure(accum):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_gradient_made_non_finite_in_backward_is_blamed_on_what_ran_before_it(kind):
+def test_a_gradient_made_non_finite_in_backward_is_blamed_on_what_ran_before_it(kind, monkeypatch):
+    monkeypatch.setenv("NAND_REPLAYS", "0")  # the probes alone
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    before = _corrupt_gradient_into(model[2], (2, 1), VALUES[kind])
+    with nand.watch(model, opt, mode="full") as w:
+        train(model, opt, 4, accum=2, before=before)
+    # Finite into the last Linear's output, not into the middle one's: what
+    # ran between them (the last Linear's backward, the ReLU's) made it.
+    assert where(w.first) == (2, 1, "backward", "4", "produced")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_replay_names_the_module_whose_backward_node_a_gradient_hook_ran_in(kind):
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     before = _corrupt_gradient_into(model[2], (2, 1), VALUES[kind])
     with nand.watch(model, opt) as w:
         train(model, opt, 4, accum=2, before=before)
-    # Finite into the last Linear's output, not into the middle one's: what
-    # ran between them (the last Linear's backward, the ReLU's) made it.
-    assert where(w.first) == (2, 1, "backward", "4", "produced")
+    # A hook on the middle Linear's output runs before that Linear's backward
+    # node, with it: the replay's op ran there (rerun/owners.py).
+    assert where(w.first) == (2, 1, "backward", "2", "produced")
+    assert w.first.op and w.first.reproduced
 
 
 def test_a_non_finite_loss_gradient_is_blamed_on_the_loss():

@@ -19,7 +19,9 @@ Each record names the op (``aten::log``, ``aten::div.Tensor``), the user's
 line (:mod:`~nand.agent.rerun.source`), the phase (``backward``: an autograd
 node is running, grad mode off; else ``forward``, a checkpointed forward
 recomputed in backward included) and, in forward, the innermost module
-running. Checking costs a host read per op: a replay is the slow path.
+running; in backward, the module that made the autograd node running
+(:mod:`~nand.agent.rerun.owners`). Checking costs a host read per op: a
+replay is the slow path.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from nand.agent.rerun.owners import NodeOwners
 from nand.agent.rerun.source import (
     caller,
     innermost_module,
@@ -57,7 +60,7 @@ class OpRecord:
     op: str  # aten::log, aten::div.Tensor
     source: str  # path:line, "" when no line of the user's was found
     phase: str  # forward | backward
-    module: str | None  # forward: the innermost module running (qualified name)
+    module: str | None  # the innermost module running (forward), or the node's (backward)
     kind: str  # produced | constant | input (see the module)
 
 
@@ -87,12 +90,14 @@ def _scalars_finite(value: Any) -> bool:
 class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]  # (torch's, unannotated)
     """Records the ops that output non-finite values; see the module.
 
-    ``names``: module -> qualified name, for the forward records.
+    ``names``: module -> qualified name, for the forward records; ``owners``:
+    the module of each node, for the backward ones.
     """
 
-    def __init__(self, names: dict[nn.Module, str]) -> None:
+    def __init__(self, names: dict[nn.Module, str], owners: NodeOwners | None = None) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.names = names
+        self.owners = owners
         self.records: list[OpRecord] = []
         self._seen: set[tuple[str, str | None, str]] = set()
 
@@ -126,6 +131,8 @@ class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]  # (torch's, 
         if phase == "forward":
             found = innermost_module(frame)
             module = self.names.get(found) if found is not None else None
+        elif self.owners is not None:
+            module = self.owners.of(node)
         if kind != "produced" and (phase, module, kind) in self._seen:
             return
         self._seen.add((phase, module, kind))

@@ -91,6 +91,7 @@ class Rerun:
         self.held: Held | None = None
         self.tiers = tiers  # (the light mode's, see tiers.py)
         self._names = {module: name for name, module in root.named_modules()}
+        self._modules = {name: module for module, name in self._names.items()}
 
     def install(self, budget: int) -> None:
         """Hold each micro-step from now on (after nand's own hooks: see ``held``)."""
@@ -207,8 +208,20 @@ class Rerun:
         event.reproduced = event.reproduced or finding is not None  # (the probes saw it)
         if chosen is not None:
             event.op, event.source = chosen.op, chosen.source
+            self._blame_node_owner(event, backward_owner(replayed.records))
             if chosen.kind != "produced":
                 event.replay += "; no op made it from finite values: its input came from outside"
+
+    def _blame_node_owner(self, event: Event, owner: str | None) -> None:
+        """A backward event names the module whose backward node made the
+        value (``owners.py``) where the probes' order of arrival named
+        another: one consumer of a value read twice (q, k and v), or a branch
+        beside another (a shortcut). (A ``grad`` event names a parameter.)"""
+        if event.phase != "backward" or owner is None or owner == event.module:
+            return
+        before = event.where()
+        event.module, event.module_type = owner, type(self._modules[owner]).__name__
+        event.message = event.message.replace(f" of {before} at ", f" of {event.where()} at ", 1)
 
     def _run(self, micro: int, backward: bool, light: bool) -> tuple[Replayed, Finding | None]:
         """Replay micro-step ``micro``; in light mode with every module probed."""
@@ -245,6 +258,18 @@ def conclude(event: Event, replayed: Replayed) -> tuple[OpRecord | None, bool]:
     produced = [r for r in scope if r.kind == "produced"]
     chosen = produced[0] if produced else (scope[0] if scope else None)
     return chosen, bool(scope)
+
+
+def backward_owner(records: list[OpRecord]) -> str | None:
+    """The module of the backward node where the value was made: the first op
+    of the backward that made a non-finite value from finite inputs; failing
+    that, the first that output one, a Python infinity written on purpose
+    included (a custom backward's ``fill_``): the forward was finite, so the
+    backward's first non-finite value is where it began."""
+    backward = [r for r in records if r.phase == "backward"]
+    produced = [r for r in backward if r.kind == "produced"]
+    first = produced[0] if produced else (backward[0] if backward else None)
+    return first.module if first is not None else None
 
 
 def _within(record: OpRecord, event: Event) -> bool:

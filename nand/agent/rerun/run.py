@@ -4,7 +4,8 @@ The root module is called with the held inputs (or a framework's step
 with the held batch, see ``held``), under the autocast state
 and RNG states the micro-step had, with anomaly mode recording each backward
 node's forward line (``check_nan=False``: nothing raises), inside an
-:class:`~nand.agent.rerun.opwatch.OpWatch`. The backward starts from the
+:class:`~nand.agent.rerun.opwatch.OpWatch` (which names the module of each
+backward node, :mod:`~nand.agent.rerun.owners`). The backward starts from the
 gradients that arrived at the outputs (see ``held``) and is a
 ``torch.autograd.grad`` over the parameters: ``.grad`` stays as it was, and
 neither DDP's all-reduce nor any post-accumulate hook runs (those fire when
@@ -27,6 +28,7 @@ from torch.autograd.graph import Node
 from nand.agent.detect.probes import iter_tensors
 from nand.agent.rerun.held import HeldStep
 from nand.agent.rerun.opwatch import OpRecord, OpWatch
+from nand.agent.rerun.owners import NodeOwners
 from nand.agent.rerun.state import Saved
 
 
@@ -45,7 +47,8 @@ def replay(
     backward: bool,
 ) -> Replayed:
     """Run ``held`` again; everything it changed is put back before returning."""
-    watch = OpWatch(names)
+    owners = NodeOwners(root, names)
+    watch = OpWatch(names, owners)
     saved = Saved(root, device)
     try:
         saved.start(held)
@@ -63,6 +66,7 @@ def replay(
             with watch:
                 _backward(seeds, params)
     finally:
+        owners.remove()
         saved.restore()
     inputs = [t for _, t in iter_tensors((held.args, held.kwargs)) if t.is_floating_point()]
     finite = all(bool(torch.isfinite(t).all()) for t in inputs)
