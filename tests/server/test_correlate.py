@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from nand.events import VIA_FSDP_ALL_GATHER, Event, FlightWindow
+from nand.events import VIA_FSDP_ALL_GATHER, VIA_TP_ALL_REDUCE, Event, FlightWindow
 from nand.server.analysis import correlate, summary
 from nand.server.analysis.evidence import FlightEvidence, flight_evidence
 
@@ -39,6 +39,22 @@ def test_a_cpu_run_is_never_told_to_suspect_its_gpu() -> None:
     text = summary.diverged_summary(firsts, 2, "produced_in_layer", devices={1: "cpu"})
     assert "Only rank 1 (host box) produced it: suspect its batch." in text
     assert "GPU" not in text
+
+
+def test_a_tensor_parallel_lone_producer_is_not_told_to_suspect_its_batch() -> None:
+    # Its tensor-parallel peers ran the same batch through their own shards.
+    firsts = [ev(1, 9, "forward", "mlp.fc1", module_type="Linear", posinf=3, host="gpu1")]
+    firsts += [
+        ev(0, 9, "forward", "mlp.fc2", module_type="Linear", posinf=3, cause="received",
+           via=VIA_TP_ALL_REDUCE)
+    ]  # fmt: skip
+    text = summary.diverged_summary(firsts, 2, "produced_in_layer", devices={1: "cuda:1"})
+    assert "rank 0 received it through the tensor-parallel all-reduce" in text
+    assert (
+        "Only rank 1 (host gpu1) produced it from the batch its tensor-parallel peers ran too: "
+        "suspect its shard of the weights or its GPU."
+    ) in text
+    assert "suspect its batch" not in text
 
 
 def test_a_backward_bug_points_at_the_backward_and_the_incoming_gradient() -> None:

@@ -19,7 +19,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from nand.events import VIA_GRAD_ALL_REDUCE, Event, replay_words, value_kinds
+from nand.events import (
+    VIA_GRAD_ALL_REDUCE,
+    VIA_TP_ALL_REDUCE,
+    VIA_TP_GRAD_ALL_REDUCE,
+    Event,
+    replay_words,
+    value_kinds,
+)
 from nand.server.analysis.correlate import origin, relations
 from nand.server.analysis.evidence import FlightEvidence
 from nand.server.analysis.failures import Failure
@@ -83,9 +90,11 @@ def _hint_sentence(hint_name: str, evidence: FlightEvidence | None, head: Event)
     return f"Hint: {text.format(kinds=value_kinds(head), largest=largest)}." if text else ""
 
 
-def _lone_producer(head: Event, hint_name: str, device: str) -> str:
+def _lone_producer(head: Event, hint_name: str, device: str, same_batch: bool) -> str:
     """The sentence for the one rank that made it alone, naming its host, with the
-    suspicion the evidence supports (a GPU only in forward, on a CUDA device)."""
+    suspicion the evidence supports (a GPU only in forward, on a CUDA device;
+    its batch only where the others did not run the same one: ``same_batch``,
+    the tensor-parallel peers that received it)."""
     host = f" (host {head.host})" if head.host else ""
     who = f"Only rank {head.rank}{host}"
     on_gpu = device.startswith("cuda")
@@ -96,6 +105,12 @@ def _lone_producer(head: Event, hint_name: str, device: str) -> str:
             " or its GPU's memory." if on_gpu else "."
         )
     if head.phase == "forward" and hint_name == "produced_in_layer":
+        if same_batch:  # (its peers ran the same batch through their shards)
+            return f"{who} produced it from the batch its tensor-parallel peers ran too: " + (
+                "suspect its shard of the weights or its GPU."
+                if on_gpu
+                else "suspect its shard of the weights."
+            )
         return f"{who} produced it: suspect its batch" + (" or its GPU." if on_gpu else ".")
     return f"{who} produced it."
 
@@ -156,13 +171,16 @@ def diverged_sentence(
     parts.extend(_followers(groups, world, len(together)))
     sentence = "; ".join(parts) + "."
     if len(together) == 1 and world > 1 and head.phase != "loss":
-        sentence += " " + _lone_producer(head, hint_name, device)
+        same_batch = any(via in _TENSOR_PARALLEL for (_, _, via) in groups)
+        sentence += " " + _lone_producer(head, hint_name, device, same_batch)
     extras = (_replay_sentence(head), _hint_sentence(hint_name, evidence, head))
     extra = " ".join(s for s in extras if s)
     return f"{sentence} {extra}" if extra else sentence
 
 
 _FIRST = ("origin", "simultaneous")
+#: The collectives of ranks that ran the same batch as the origin.
+_TENSOR_PARALLEL = (VIA_TP_ALL_REDUCE, VIA_TP_GRAD_ALL_REDUCE)
 
 
 def _replay_sentence(head: Event) -> str:
