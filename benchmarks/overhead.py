@@ -24,13 +24,24 @@ the wall-clock ratio is printed alongside. Detectors:
   CPU (the copy is synchronous there; parameters read every step);
 - ``naive``: a forward hook on every module and a tensor hook on every output
   gradient, each doing ``if torch.isnan(t).any(): raise`` (a host sync each);
-- ``anomaly``: ``torch.autograd.set_detect_anomaly(True)``.
+- ``anomaly``: ``torch.autograd.set_detect_anomaly(True)``;
+- ``floor``: no nand, but the device work the light mode cannot do without,
+  written into the step by hand: one ``aminmax`` of the loss, one
+  ``_foreach_norm`` of the gradients, one ``stack`` and one read
+  (``tolist``) before the optimizer step. No Python of nand's: what a light
+  tier costs with no bookkeeping at all (holding the step for a replay,
+  micro-steps, early warnings, the flight recorder), the lower bound of
+  ``nand-light`` on a shape.
 
 Models (``benchmarks/shapes.py``): an MLP 64-256-256-10 (batch 64, SGD) as an
 ``nn.Sequential`` and as a custom ``nn.Module``; ``nn.TransformerEncoder``
 (d256, 4 layers, seq 128, batch 16, AdamW); a GPT-2-style decoder written as
 ordinary modules (4 layers, d256, seq 128, batch 8, AdamW); a ResNet-18 for
-32x32 inputs (batch 8, SGD with momentum). The last line counts nand's host
+32x32 inputs (batch 8, SGD with momentum). Beside each ratio of medians, the median
+of the per-repeat ratios (each repeat's steps against the bare steps of the
+same repeat: drift on a shared machine cancels) and its 95% interval
+(bootstrap of that median): a ratio is "shown" under a target only when the
+interval's top is. The last line counts nand's host
 reads per optimizer step (and, with ``--device cuda``, the synchronising CUDA
 calls per step, counted with CUDA's sync debug mode).
 
@@ -50,6 +61,7 @@ import argparse
 import copy
 import dataclasses
 import logging
+import random
 import statistics
 import sys
 import time
@@ -65,7 +77,7 @@ import nand
 
 Step = Callable[[], None]
 KINDS = ["none", "nand", "naive", "anomaly"]
-ALL_KINDS = [*KINDS, "nand-light", "nand-sync", "nand-deferred"]
+ALL_KINDS = [*KINDS, "nand-light", "nand-sync", "nand-deferred", "floor"]
 READS = {"nand": None, "nand-light": None, "nand-sync": "sync", "nand-deferred": "deferred"}
 
 
@@ -147,17 +159,29 @@ def make_step(
     elif kind == "naive":
         naive_hooks(model)
     device = next(model.parameters()).device.type
+    params = list(model.parameters())
     mixed = torch.autocast(device, dtype=autocast or torch.float32, enabled=autocast is not None)
 
     def step() -> None:
         with torch.autograd.set_detect_anomaly(kind == "anomaly", check_nan=True):
             with mixed:
                 out = model(inputs())
-            loss_fn(out).backward()
+            loss = loss_fn(out)
+            loss.backward()
+        if kind == "floor":
+            floor_checks(loss, params)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
     return step
+
+
+def floor_checks(loss: torch.Tensor, params: list[nn.Parameter]) -> None:
+    """The light mode's unavoidable device work, by hand (see ``floor`` above)."""
+    with torch.no_grad():
+        low, high = torch.aminmax(loss.detach())
+        norms = torch._foreach_norm([p.grad for p in params if p.grad is not None])
+        torch.stack([low, high, *norms]).tolist()  # (mixed dtypes promote)
 
 
 #: Untimed steps at the start of every repeat.
@@ -194,11 +218,39 @@ def bench(b: Bench, reps: int, steps: int, kinds: list[str], device: str = "cpu"
     base, base_wall = statistics.median(cpu["none"]), statistics.median(wall["none"])
     where = f" on {torch.cuda.get_device_name()}" if device == "cuda" else ""
     print(f"\n{b.title}{where}: median ms/step over {reps} interleaved repeats of {steps} steps")
-    print(f"  {'':13s} {'CPU ms':>9s}   ratio   {'wall ms':>9s}   ratio")
+    print(f"  {'':13s} {'CPU ms':>9s}   ratio   {'wall ms':>9s}   ratio   paired CPU ratio [95%]")
     for k in kinds:
         med, med_wall = statistics.median(cpu[k]), statistics.median(wall[k])
         ratio, ratio_wall = med / base, med_wall / base_wall
-        print(f"  {k:13s} {med:9.3f}   {ratio:5.2f}x  {med_wall:9.3f}   {ratio_wall:5.2f}x")
+        paired, low, high = paired_ratio(cpu[k], cpu["none"])
+        print(
+            f"  {k:13s} {med:9.3f}   {ratio:5.2f}x  {med_wall:9.3f}   {ratio_wall:5.2f}x"
+            f"   {paired:.3f}x [{low:.3f}, {high:.3f}]"
+        )
+
+
+def paired_ratio(times: list[float], bare: list[float]) -> tuple[float, float, float]:
+    """The median of per-repeat ratios, and a 95% bootstrap interval of it."""
+    return median_interval([t / b for t, b in zip(times, bare, strict=True)])
+
+
+def paired_difference(times: list[float], other: list[float]) -> tuple[float, float, float]:
+    """The median of per-repeat differences, and a 95% bootstrap interval of it."""
+    return median_interval([t - o for t, o in zip(times, other, strict=True)])
+
+
+def median_interval(samples: list[float]) -> tuple[float, float, float]:
+    """The median of ``samples`` and a 95% bootstrap interval of it."""
+    rng = random.Random(0)  # (the same interval for the same samples)
+    medians = sorted(
+        statistics.median(rng.choices(samples, k=len(samples))) for _ in range(BOOTSTRAP)
+    )
+    low, high = medians[int(0.025 * BOOTSTRAP)], medians[int(0.975 * BOOTSTRAP) - 1]
+    return statistics.median(samples), low, high
+
+
+#: Resamples of the bootstrap interval.
+BOOTSTRAP = 2000
 
 
 def host_reads(steps: int = 20) -> None:

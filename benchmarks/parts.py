@@ -8,7 +8,10 @@ Every variant is a watched copy of the model with one part of nand patched
 out around its own timed block (``hooks only``: nand installed and switched
 off, so torch still calls every hook and each returns at once). Variants run
 in a shuffled order in every repeat, on one thread; the figure is the median
-of CPU time per step, with its difference from the full watch. A part's
+of CPU time per step, with its difference from the full watch, and the
+median of that difference taken repeat by repeat with its 95% bootstrap
+interval (a part is shown to cost something only when the interval is
+below zero). A part's
 figure is what leaving it out saves *in situ*, between the model's own
 kernels, where a small op costs several times its micro-benchmark.
 
@@ -130,9 +133,14 @@ def run(which: str, repeats: int, mode: str) -> None:
     bare, full = statistics.median(times["none"]), statistics.median(times["nand"])
     runs = f"{repeats} shuffled repeats of {b.steps} steps"
     print(f"\n{b.title}, mode={mode}: median CPU µs/step over {runs}")
+    print(f"  {'':24s} {'µs':>8s}   ratio    against nand   paired [95%]")
     for name, samples in times.items():
         us = statistics.median(samples)
-        print(f"  {name:24s} {us:8.1f}   {us / bare:5.3f}x   {us - full:+7.1f} against nand")
+        paired, low, high = overhead.paired_difference(samples, times["nand"])
+        print(
+            f"  {name:24s} {us:8.1f}   {us / bare:5.3f}x   {us - full:+7.1f}"
+            f"   {paired:+7.1f} [{low:+.1f}, {high:+.1f}]"
+        )
 
 
 def main() -> None:
