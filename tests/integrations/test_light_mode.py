@@ -83,6 +83,25 @@ def test_a_fault_in_light_mode_is_reported_as_the_full_mode_and_the_ground_truth
     assert where(run.watch.first) == full_mode_first(model, FP32, fault, steps, monkeypatch)
 
 
+def test_a_first_layers_backward_fault_in_light_mode_is_its_weights_gradient_as_in_full_mode(
+    light, monkeypatch
+):
+    """No probe comes after a first layer in backward, so the replay's probes
+    find nothing; the replay's op watch sees the value made, as the full
+    mode's replay does: the same event (the weight's gradient, with the op),
+    and the watch stays light. (The ground truth names the layer's backward:
+    ``test_plain_loops``' branch test keeps that case a strict xfail.)"""
+    where_ = "vit.embeddings.patch_embeddings.projection"
+    fault = Fault("backward", 2, where_, "nan")
+    run = with_nand("vit", FP32, fault, 4, read=SYNC)
+    assert run.watch is not None and run.watch.first is not None
+    first = run.watch.first
+    assert where(first) == (2, 0, "grad", f"{where_}.weight", "produced")
+    assert first.reproduced is True and first.op, first.replay
+    assert run.watch._tiers.light, first.replay  # (no switch to the full mode)
+    assert where(first) == full_mode_first("vit", FP32, fault, 4, monkeypatch)
+
+
 @pytest.mark.parametrize("kind,micro", [("input", 1), ("forward", 2)])
 def test_under_accumulation_the_light_mode_names_the_micro_step_the_full_mode_names(
     kind, micro, light, monkeypatch

@@ -199,12 +199,18 @@ class Rerun:
             event.replay += "; the module's parameter was non-finite before it ran"
             event.reproduced = True
             return
+        chosen, event.reproduced = conclude(event, replayed)
         if light and finding is None:  # the probes saw nothing: not where
             event.replay += "; its probes found nothing non-finite"
             if not backward:  # the root's output came out finite: not reproduced
-                event.reproduced = False  # (a gradient's: its .grad is not checked)
-            return
-        chosen, event.reproduced = conclude(event, replayed)
+                event.reproduced = False
+                return
+            if not event.reproduced:  # (nor did any op of the backward)
+                event.reproduced = None  # (a gradient's: its .grad is not checked)
+                return
+            # Only a parameter's gradient (a first layer's backward, which no
+            # probe comes after): the op watch saw it made, as the full mode's
+            # replay does; the event stays that parameter's.
         event.reproduced = event.reproduced or finding is not None  # (the probes saw it)
         if chosen is not None:
             event.op, event.source = chosen.op, chosen.source
