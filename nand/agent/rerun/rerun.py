@@ -205,12 +205,14 @@ class Rerun:
             if not backward:  # the root's output came out finite: not reproduced
                 event.reproduced = False
                 return
-            if not event.reproduced:  # (nor did any op of the backward)
+            owner = backward_owner(replayed.records)
+            if not event.reproduced or owner is None or not _owns(owner, event.module):
                 event.reproduced = None  # (a gradient's: its .grad is not checked)
                 return
             # Only a parameter's gradient (a first layer's backward, which no
-            # probe comes after): the op watch saw it made, as the full mode's
-            # replay does; the event stays that parameter's.
+            # probe comes after): the op watch saw it made in the backward of
+            # the parameter's own module, as the full mode's replay does; the
+            # event stays that parameter's.
         event.reproduced = event.reproduced or finding is not None  # (the probes saw it)
         if chosen is not None:
             event.op, event.source = chosen.op, chosen.source
@@ -276,6 +278,11 @@ def backward_owner(records: list[OpRecord]) -> str | None:
     produced = [r for r in backward if r.kind == "produced"]
     first = produced[0] if produced else (backward[0] if backward else None)
     return first.module if first is not None else None
+
+
+def _owns(module: str, param: str) -> bool:
+    """Whether ``param`` (a qualified parameter name) is ``module``'s own."""
+    return param.rpartition(".")[0] == module
 
 
 def _within(record: OpRecord, event: Event) -> bool:
