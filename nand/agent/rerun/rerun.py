@@ -200,19 +200,8 @@ class Rerun:
             event.reproduced = True
             return
         chosen, event.reproduced = conclude(event, replayed)
-        if light and finding is None:  # the probes saw nothing: not where
-            event.replay += "; its probes found nothing non-finite"
-            if not backward:  # the root's output came out finite: not reproduced
-                event.reproduced = False
-                return
-            owner = backward_owner(replayed.records)
-            if not event.reproduced or owner is None or not _owns(owner, event.module):
-                event.reproduced = None  # (a gradient's: its .grad is not checked)
-                return
-            # Only a parameter's gradient (a first layer's backward, which no
-            # probe comes after): the op watch saw it made in the backward of
-            # the parameter's own module, as the full mode's replay does; the
-            # event stays that parameter's.
+        if light and finding is None and not _seen_without_probes(event, replayed, backward):
+            return
         event.reproduced = event.reproduced or finding is not None  # (the probes saw it)
         if chosen is not None:
             event.op, event.source = chosen.op, chosen.source
@@ -278,6 +267,25 @@ def backward_owner(records: list[OpRecord]) -> str | None:
     produced = [r for r in backward if r.kind == "produced"]
     first = produced[0] if produced else (backward[0] if backward else None)
     return first.module if first is not None else None
+
+
+def _seen_without_probes(event: Event, replayed: Replayed, backward: bool) -> bool:
+    """The light replay's probes found nothing: whether the value was seen all
+    the same. Only a parameter's gradient is (a first layer's backward, which
+    no probe comes after): the op watch saw it made in the backward of the
+    parameter's own module, as the full mode's replay does, and the event
+    stays that parameter's. Otherwise a forward event is not reproduced (the
+    root's output came out finite), a gradient's unknown (``.grad`` is not
+    checked)."""
+    event.replay += "; its probes found nothing non-finite"
+    if not backward:
+        event.reproduced = False
+        return False
+    owner = backward_owner(replayed.records)
+    if event.reproduced and owner is not None and _owns(owner, event.module):
+        return True
+    event.reproduced = None
+    return False
 
 
 def _owns(module: str, param: str) -> bool:
