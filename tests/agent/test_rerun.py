@@ -107,6 +107,30 @@ def test_a_backward_only_nan_is_named_as_the_backward_op_at_the_forward_line_of_
     assert event.reproduced is True
 
 
+class WritesNan(nn.Module):
+    """Fills the zero entries of its input with NaN from a Python number: a
+    bug writing the value itself, not a mask's -inf on purpose."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x.masked_fill(x == 0, float("nan"))
+
+
+def test_a_nan_written_from_a_python_number_is_named_as_that_op_not_as_a_probe_of_nands():
+    # Before: the full mode passed over the op (a constant, like a mask's
+    # -inf), found nothing else, and said the replay did not make it again
+    # (suspect the device); the light mode named its own probe, aten::aminmax.out.
+    model = model_with(WritesNan())
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with nand.watch(model, opt, on_nonfinite="skip") as watch:
+        train(model, opt, 4, zero_row_at=2)
+    event = watch.first
+    assert (event.step, event.phase, event.module) == (2, "forward", "1")
+    assert event.op == "aten::masked_fill.Scalar"
+    assert event.source == line_of(WritesNan.forward, "masked_fill")
+    assert event.reproduced is True
+    assert "written from a non-finite Python number" in event.replay
+
+
 @pytest.mark.nand_mode("full")  # (the light mode's: test_light_tier.py)
 def test_a_fault_that_fires_once_is_not_reproduced_and_the_device_is_suspected():
     model = model_with(Log(once_at=3))  # the third call: step 2

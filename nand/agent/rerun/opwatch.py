@@ -39,6 +39,7 @@ from nand.agent.rerun.owners import NodeOwners
 from nand.agent.rerun.source import (
     caller,
     innermost_module,
+    nands,
     stack_source,
     traceback_source,
 )
@@ -127,6 +128,8 @@ class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]  # (torch's, 
         # mode on; the replay's own backward runs with it off (no create_graph).
         phase = "forward" if node is None or torch.is_grad_enabled() else "backward"
         frame = caller(2)  # the code that called the op (the caller of __torch_dispatch__)
+        if nands(frame, __file__):
+            return  # a probe of nand's, reading a value the model made: not the model's op
         module = None
         if phase == "forward":
             found = innermost_module(frame)

@@ -35,7 +35,9 @@ inputs; in backward, the first such op of the backward. Failing that, the
 first op there that output a non-finite value (its input was a tensor no op
 of the step made: a constant, a buffer). Ops that write an infinity given
 as a Python number (an attention mask) are passed over, also where a
-checkpointed forward is recomputed inside the backward. ``reproduced`` says
+checkpointed forward is recomputed inside the backward, unless no other op
+there output one (``masked_fill(..., nan)``: the code wrote it). Ops that
+nand's own probes run during the replay are never named. ``reproduced`` says
 whether the replay saw the non-finite value again there (for ``input``: the
 held batch).
 """
@@ -206,7 +208,9 @@ class Rerun:
         if chosen is not None:
             event.op, event.source = chosen.op, chosen.source
             self._blame_node_owner(event, backward_owner(replayed.records))
-            if chosen.kind != "produced":
+            if chosen.kind == "constant":
+                event.replay += "; written from a non-finite Python number in the code"
+            elif chosen.kind != "produced":
                 event.replay += "; no op made it from finite values: its input came from outside"
 
     def _blame_node_owner(self, event: Event, owner: str | None) -> None:
@@ -250,11 +254,12 @@ def conclude(event: Event, replayed: Replayed) -> tuple[OpRecord | None, bool]:
     scope = [
         r
         for r in replayed.records
-        if r.phase == phase and r.kind != "constant" and (phase == "backward" or _within(r, event))
+        if r.phase == phase and (phase == "backward" or _within(r, event))
     ]
-    produced = [r for r in scope if r.kind == "produced"]
-    chosen = produced[0] if produced else (scope[0] if scope else None)
-    return chosen, bool(scope)
+    made = [r for r in scope if r.kind != "constant"]  # (a mask's -inf: on purpose)
+    produced = [r for r in made if r.kind == "produced"]
+    candidates = produced or made or scope
+    return (candidates[0] if candidates else None), bool(scope)
 
 
 def backward_owner(records: list[OpRecord]) -> str | None:

@@ -35,6 +35,11 @@ _SKIPPED = (
     sysconfig.get_paths()["stdlib"] + os.sep,
 )
 _NAND = os.path.dirname(nand.__file__) + os.sep
+#: torch's frames between an op's caller and a dispatch mode (dynamo's disable wrapper).
+_DISPATCH = tuple(
+    os.path.join(os.path.dirname(torch.__file__), *part)
+    for part in (("_dynamo", ""), ("_compile.py",), ("utils", "_python_dispatch.py"))
+)
 _TRACE_ENTRY = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+)')
 _CALL_IMPL = nn.Module._call_impl.__code__
 
@@ -97,3 +102,15 @@ def innermost_module(frame: FrameType | None) -> nn.Module | None:
 
 def caller(depth: int) -> FrameType | None:
     return sys._getframe(depth + 1)
+
+
+def nands(frame: FrameType | None, own_file: str) -> bool:
+    """Whether the op at ``frame`` was called by nand's own code (passing over
+    the dispatch machinery's frames and ``own_file``'s, the dispatch mode's):
+    a probe reading a value the model made, not an op of the model."""
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if filename != own_file and not filename.startswith(_DISPATCH):
+            return filename.startswith(_NAND)
+        frame = frame.f_back
+    return False
