@@ -1,5 +1,6 @@
-"""benchmarks/parts.py patches nand's internals by name: it must still find
-them, and leaving each part out must leave training running."""
+"""Benchmarks that reach into nand: parts.py patches its internals by name (it
+must still find them, and leaving each part out must leave training running);
+replay_cost.py times its replay (it must still replay the step it plants)."""
 
 from __future__ import annotations
 
@@ -26,3 +27,17 @@ def test_every_part_is_left_out_and_timed() -> None:
     assert timed == expected, done.stdout
     # A part whose patch broke nand would switch it off, which nand logs.
     assert "switched itself off" not in done.stderr, done.stderr
+
+
+def test_the_replay_cost_benchmark_replays_the_planted_step_and_reports_its_figures() -> None:
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "replay_cost.py"), "--only", "custom-mlp"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "one replay: " in done.stdout and "peak RSS: bare " in done.stdout, done.stdout
+    # The NaN it plants is the one the replay names, in the middle Linear.
+    assert "NaN in forward of fc2 (Linear)" in done.stdout, done.stdout
+    assert "made by aten::index_fill" in done.stdout, done.stdout
