@@ -3,6 +3,7 @@ the scheduler watchdog wrapper, and the one-command demo."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import signal
 import subprocess
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from nand.client import request_json, run_url
+from nand.demo import faults as demo_faults
 from nand.server.embedded import EmbeddedServer
 from tests.e2e.conftest import TOKEN, embedded_test_server
 from tests.e2e.jobs import TRAINER, agent_env, api, launch, torchrun, wait_for
@@ -151,3 +153,9 @@ def test_the_demo_command_prints_the_verdict_of_its_planted_fault(tmp_path):
     assert demo.returncode == 0, demo.stdout + demo.stderr
     assert "rank 1 produced" in demo.stdout and "blocks.1.mlp.fc2" in demo.stdout, demo.stdout
     assert "step 16" in demo.stdout and "dashboard" in demo.stdout
+    # The replay names the planted overflow's own line: the demo's model is a
+    # user's code, not nand's (it was "an unknown line").
+    overflow = inspect.getsourcelines(demo_faults._overflow_hook)
+    line = next(i for i, text in enumerate(overflow[0]) if "return output +" in text)
+    where = f"{inspect.getsourcefile(demo_faults)}:{overflow[1] + line}"
+    assert where in " ".join(demo.stdout.split()), demo.stdout

@@ -10,8 +10,9 @@ has that code on the stack: it wins.
 
 "The user's" line: the innermost frame that is not torch's, not the standard
 library's and not this dispatch mode's. The walk stops at any other frame of
-nand: what lies beyond is the replay itself and the training loop that
-called ``optimizer.step()``, not the code that made the value.
+nand (the demo's model, ``nand/demo``, is a user's code): what lies beyond is
+the replay itself and the training loop that called ``optimizer.step()``,
+not the code that made the value.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ _SKIPPED = (
     sysconfig.get_paths()["stdlib"] + os.sep,
 )
 _NAND = os.path.dirname(nand.__file__) + os.sep
+#: The agent's own code, and the demo's model (which lives in nand too).
+_AGENT = os.path.join(_NAND, "agent", "")
+_DEMO = os.path.join(_NAND, "demo", "")
 #: torch's frames between an op's caller and a dispatch mode (dynamo's disable wrapper).
 _DISPATCH = tuple(
     os.path.join(os.path.dirname(torch.__file__), *part)
@@ -45,8 +49,9 @@ _CALL_IMPL = nn.Module._call_impl.__code__
 
 
 def _where(filename: str) -> bool | None:
-    """True: the user's file; False: skip it; None: nand's, stop here."""
-    if filename.startswith(_NAND):
+    """True: the user's file; False: skip it; None: nand's, stop here (the
+    demo's model and faults, ``nand/demo``, are a user's code)."""
+    if filename.startswith(_NAND) and not filename.startswith(_DEMO):
         return None
     return not (filename.startswith("<") or filename.startswith(_SKIPPED))
 
@@ -111,6 +116,6 @@ def nands(frame: FrameType | None, own_file: str) -> bool:
     while frame is not None:
         filename = frame.f_code.co_filename
         if filename != own_file and not filename.startswith(_DISPATCH):
-            return filename.startswith(_NAND)
+            return filename.startswith(_AGENT)
         frame = frame.f_back
     return False
