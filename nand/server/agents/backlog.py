@@ -114,3 +114,43 @@ class Backlog:
             self._bytes -= share
             self._first -= message["kind"] in FIRST_KINDS
         return [(ident, message) for ident, message, _ in entries]
+
+
+#: About how long writing one batch may take: what an event that arrives
+#: meanwhile waits before its own batch is written.
+BATCH_TARGET_S = 0.25
+#: The fewest messages a full batch is cut to, however slow the database.
+MIN_BATCH = 100
+
+
+class Pace:
+    """How many messages the next batch takes: as many as the last full batches
+    wrote in :data:`BATCH_TARGET_S` (at most ``most``).
+
+    A batch of 2,000 heartbeats of 2,000 ranks took a second and more on a
+    loaded host at 100,000 ranks; one of 8 agents' heartbeats, a tenth of
+    that. The size follows the time a message took (a moving average), so a
+    batch stays near the target on either.
+
+    >>> pace = Pace(most=2000)
+    >>> pace.size()
+    2000
+    >>> pace.wrote(2000, 2.0); pace.size()  # 1 ms a message
+    250
+    >>> pace.wrote(250, 0.0125); pace.size()  # then 0.05 ms: it grows back
+    349
+    """
+
+    def __init__(self, most: int) -> None:
+        self.most = most
+        self._per_message = 0.0
+
+    def size(self) -> int:
+        if self._per_message <= 0:
+            return self.most
+        return max(MIN_BATCH, min(self.most, int(BATCH_TARGET_S / self._per_message)))
+
+    def wrote(self, count: int, seconds: float) -> None:
+        """A full batch (as many as :meth:`size` said) of ``count`` took ``seconds``."""
+        rate = seconds / max(1, count)
+        self._per_message = rate if not self._per_message else 0.7 * self._per_message + 0.3 * rate

@@ -5,8 +5,9 @@ Each turn reads what the socket holds (up to four batches ahead of the
 writer), validates every frame with :func:`nand.wire.decode` (bad ones are
 counted by reason in ``/metrics``, logged, and otherwise ignored: never a
 crash), queues the admitted messages (:mod:`nand.server.agents.backlog`: events
-and byes go before the heartbeats queued with them), writes the next batch of
-up to ``Settings.max_batch`` in one transaction
+and byes go before the heartbeats queued with them), writes the next batch
+(up to ``Settings.max_batch``, fewer when a batch would take more than about
+a quarter second) in one transaction
 (:func:`nand.server.agents.writer.write_batch`) and only then sends each agent
 ``{"kind": "ack", "agent": id, "seqs": [...]}``, duplicates included.
 
@@ -39,7 +40,7 @@ from nand.errors import WireError
 from nand.runids import run_problem
 from nand.server.agents import announce, decoding, gate
 from nand.server.agents.admission import Admission
-from nand.server.agents.backlog import Backlog
+from nand.server.agents.backlog import Backlog, Pace
 from nand.server.agents.leases import Leases
 from nand.server.agents.orders import Commander
 from nand.server.agents.writer import write_batch
@@ -100,6 +101,7 @@ class Ingest:
         self._sock: zmq.Socket | None = None
         #: Read and admitted, not yet written: what decides a verdict goes first.
         self.backlog = Backlog(BACKLOG_BATCHES * settings.max_batch, settings.max_batch_bytes)
+        self.pace = Pace(settings.max_batch)  # (batches of about a quarter second)
         self.commander = Commander(engine, settings, metrics, self._reply)
 
     def start(self, timeout: float = 10.0) -> str:
@@ -213,11 +215,15 @@ class Ingest:
         if frames:
             accepted = self._authorised(sock, self._decode_all(frames))
             self.backlog.add(accepted, sum(len(payload) for _, payload in frames))
-        accepted = self.backlog.take(self.settings.max_batch)
+        size = self.pace.size()
+        accepted = self.backlog.take(size)
         if not accepted:
             return
         self.commander.seen(accepted, time.time())
+        started = time.perf_counter()
         acked = self._write(accepted)
+        if acked and len(accepted) == size:  # (a smaller one is mostly any batch's cost)
+            self.pace.wrote(size, time.perf_counter() - started)
         announce.stored(
             m
             for _, m in accepted
