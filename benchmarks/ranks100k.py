@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
+from typing import IO
 
 import httpx
 from sqlalchemy import create_engine
@@ -99,14 +100,25 @@ def ingest(args: argparse.Namespace) -> None:
 
 
 def latency(args: argparse.Namespace) -> None:
-    with _databases(args.db) as fresh:
+    with _databases(args.db) as fresh, tempfile.TemporaryFile("w+") as log:
         for world in [int(n) for n in args.ranks.split(",")]:
             with fresh() as url:
-                server = ServerProcess(url, free_port(), **ALIVE).start()
+                server = ServerProcess(url, free_port(), **ALIVE).start(stderr=log)
                 try:
                     print(f"[{args.db}] {_latency_at(server, world, args)}", flush=True)
+                    _say_if_gone(server, log)
                 finally:
                     server.stop()
+
+
+def _say_if_gone(server: ServerProcess, log: IO[str]) -> None:
+    """A server that exited during the run (its peak RSS then reads 0): why, from its log."""
+    assert server.proc is not None
+    if server.proc.poll() is None:
+        return
+    log.seek(0)
+    tail = log.read()[-2_000:]
+    print(f"the server exited with {server.proc.returncode} during the run:\n{tail}", flush=True)
 
 
 @contextmanager
