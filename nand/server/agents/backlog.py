@@ -20,6 +20,10 @@ silence) and ``fingerprint`` (the replicas' check needs every rank's, a
 period apart), and so does ``hello`` (a rank joining decides no verdict, and
 a hello flood at a job's start need not hold up its heartbeats).
 
+Heartbeats wait while messages that go first keep coming, at most until the
+queue is full: then the ingest reads nothing more (ZeroMQ holds the rest, as
+it did before) and the next batches are the heartbeats.
+
 Order within an agent is kept: its messages are written in the order they
 came, because an event of an agent whose ``hello`` is still queued takes the
 hello with it (the hello decides the attempt the event belongs to,
