@@ -22,7 +22,7 @@ from tests.server.processes import ServerProcess
 
 RANKS = 2_000
 BEATS_PER_RANK = 8
-PLAN = loadgen.Plan(run="queued", world=RANKS + 1, servers=(), seconds=0)
+PLAN = loadgen.Plan(run="queued", world=RANKS, servers=(), seconds=0)
 
 
 def _stored(server: ServerProcess, kind: str) -> int:
@@ -31,13 +31,20 @@ def _stored(server: ServerProcess, kind: str) -> int:
     return int(float(match.group(1))) if match else 0
 
 
-def _frame(kind: str, rank: int, seq: int, body: dict) -> bytes:
-    who = {"agent": f"a{rank}", "seq": seq, "run": PLAN.run, "rank": rank}
+def _frame(kind: str, agent: str, rank: int, seq: int, body: dict) -> bytes:
+    who = {"agent": agent, "seq": seq, "run": PLAN.run, "rank": rank}
     return wire.encode(wire.agent_message(kind, **who, body=body))
 
 
-def _origin(server: ServerProcess) -> dict | None:
-    response = httpx.get(f"{server.http_url}/api/runs/{PLAN.run}/verdict", timeout=30)
+def _hello(rank: int, launch: str) -> dict:
+    """A hello of ``launch`` (``NAND_LAUNCH``: a new one starts a new attempt)."""
+    return {**loadgen.hello(PLAN, rank), "launch": launch}
+
+
+def _origin(server: ServerProcess, attempt: int | None = None) -> dict | None:
+    query = f"?attempt={attempt}" if attempt else ""
+    url = f"{server.http_url}/api/runs/{PLAN.run}/verdict{query}"
+    response = httpx.get(url, timeout=30)
     return response.json().get("origin") if response.status_code == 200 else None
 
 
@@ -64,35 +71,37 @@ def test_an_event_sent_behind_thousands_of_heartbeats_is_in_the_verdict_before_t
     server, dealer, tmp_path
 ) -> None:
     for rank in range(RANKS):
-        dealer.send(_frame("hello", rank, 1, loadgen.hello(PLAN, rank)))
+        dealer.send(_frame("hello", f"a{rank}", rank, 1, _hello(rank, "first")))
     eventually(lambda: _stored(server, "hello") == RANKS, timeout=120, interval=0.2)
-    # Every rank's heartbeats, then a rank that joins late: its hello and its NaN,
-    # all on one connection, framed first so that they leave at once.
+    # Every rank's heartbeats; then rank 7's process restarted by a new launch (a
+    # new attempt of the run): its hello and its NaN, all on one connection,
+    # framed first so that they leave at once.
+    beat = {"step": 1, "loss": 2.0, "grad_norm": 1.0}
     beats = [
-        _frame("heartbeat", rank, 1 + beat, {"step": beat, "loss": 2.0, "grad_norm": 1.0})
-        for beat in range(1, BEATS_PER_RANK + 1)
+        _frame("heartbeat", f"a{rank}", rank, 1 + n, {**beat, "step": n})
+        for n in range(1, BEATS_PER_RANK + 1)
         for rank in range(RANKS)
     ]
-    late = RANKS
-    frames = [*beats, _frame("hello", late, 1, loadgen.hello(PLAN, late))]
-    frames.append(_frame("event", late, 2, loadgen.nan_event(PLAN, late, 5, produced=True)))
-    for frame in frames:
+    restarted = [_frame("hello", "b7", 7, 1, _hello(7, "second"))]
+    restarted.append(_frame("event", "b7", 7, 2, loadgen.nan_event(PLAN, 7, 5, produced=True)))
+    for frame in [*beats, *restarted]:
         dealer.send(frame)
     origin = eventually(lambda: _origin(server), timeout=120, interval=0.02)
     heartbeats_then = _stored(server, "heartbeat")
 
-    assert origin["rank"] == late
+    assert origin["rank"] == 7
     assert heartbeats_then < len(beats), "the event waited for every heartbeat sent before it"
     print(f"heartbeats stored when the verdict named the event: {heartbeats_then} of {len(beats)}")
-    # Nothing lost or stored twice; the late rank's hello was written with its event.
+    # The hello went with the event (it decides the attempt: the second, the live
+    # one); nothing lost or stored twice.
+    assert _origin(server, attempt=1) is None
     eventually(lambda: _stored(server, "heartbeat") == len(beats), timeout=120, interval=0.2)
     time.sleep(0.5)
     db = sqlite3.connect(tmp_path / "nand.db")
     assert db.execute("select count(*) from heartbeats").fetchone() == (len(beats),)
-    assert db.execute("select count(*) from events").fetchone() == (1,)
-    host = db.execute("select host, world_size from ranks where rank = ?", (late,)).fetchone()
-    assert host == (loadgen.hello(PLAN, late)["host"], PLAN.world)
-    assert db.execute("select count(*) from runs").fetchone() == (1,)
+    assert db.execute(
+        "select attempt from runs join events on events.run_id = runs.id"
+    ).fetchall() == [(2,)]
     db.close()
 
 
