@@ -73,16 +73,22 @@ def build(path: Path, world: int) -> None:
     db.close()
 
 
+def heartbeats(world: int, batch: int, round_: int, spread: bool) -> list[dict]:
+    """Round ``round_``'s batch: ``batch`` heartbeats, each of another rank, the ranks
+    spread over the run or consecutive (seqs rise from round to round)."""
+    stride = world // batch if spread else 1
+    first = round_ if spread else round_ * batch
+    ranks = [(first + i * stride) % world for i in range(batch)]
+    beat = StepSummary(step=1 + round_, steps_per_s=1.0, loss=2.0, grad_norm=1.0).to_dict()
+    seq = 2 + round_ + (0 if spread else 1_000)  # (spread runs first: seqs only rise)
+    return [_message("heartbeat", r, seq, beat) for r in ranks]
+
+
 def time_batches(path: Path, world: int, batch: int, rounds: int, spread: bool) -> list[float]:
     engine = make_engine(f"sqlite:///{path}")
-    stride = world // batch if spread else 1
     seconds = []
     for round_ in range(rounds):
-        first = round_ if spread else round_ * batch
-        ranks = [(first + i * stride) % world for i in range(batch)]
-        beat = StepSummary(step=1 + round_, steps_per_s=1.0, loss=2.0, grad_norm=1.0).to_dict()
-        seq = 2 + round_ + (0 if spread else 1_000)  # (spread runs first: seqs only rise)
-        messages = [_message("heartbeat", r, seq, beat) for r in ranks]
+        messages = heartbeats(world, batch, round_, spread)
         started = time.perf_counter()
         write_batch(engine, messages, time.time())
         seconds.append(time.perf_counter() - started)
