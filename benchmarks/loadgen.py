@@ -91,6 +91,9 @@ class Tally:
     started: float = 0.0
     ended: float = 0.0
     probes_sent: dict[int, float] = field(default_factory=dict)
+    #: When each probe left, after waiting for room in the socket's shared window
+    #: (a real rank's own window is empty at the heartbeat rule's period).
+    probes_left: dict[int, float] = field(default_factory=dict)
 
 
 class Ranks:
@@ -252,6 +255,7 @@ def _send_scheduled(sim: Ranks, what: str, rank: int) -> None:
         i = int(what.removeprefix("probe"))
         sim.tally.probes_sent[i] = time.time()
         sim.send(rank, "event", nan_event(plan, rank, PROBE_STEP - i, produced=True))
+        sim.tally.probes_left[i] = time.time()
     else:
         sim.send(rank, "event", nan_event(plan, rank, PROBE_STEP + 1, produced=False))
 

@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
+from typing import IO
 
 import httpx
 from sqlalchemy import create_engine
@@ -99,14 +100,25 @@ def ingest(args: argparse.Namespace) -> None:
 
 
 def latency(args: argparse.Namespace) -> None:
-    with _databases(args.db) as fresh:
+    with _databases(args.db) as fresh, tempfile.TemporaryFile("w+") as log:
         for world in [int(n) for n in args.ranks.split(",")]:
             with fresh() as url:
-                server = ServerProcess(url, free_port(), **ALIVE).start()
+                server = ServerProcess(url, free_port(), **ALIVE).start(stderr=log)
                 try:
                     print(f"[{args.db}] {_latency_at(server, world, args)}", flush=True)
+                    _say_if_gone(server, log)
                 finally:
                     server.stop()
+
+
+def _say_if_gone(server: ServerProcess, log: IO[str]) -> None:
+    """A server that exited during the run (its peak RSS then reads 0): why, from its log."""
+    assert server.proc is not None
+    if server.proc.poll() is None:
+        return
+    log.seek(0)
+    tail = log.read()[-2_000:]
+    print(f"the server exited with {server.proc.returncode} during the run:\n{tail}", flush=True)
 
 
 @contextmanager
@@ -145,15 +157,22 @@ def _latency_at(server: ServerProcess, world: int, args: argparse.Namespace) -> 
     seen = _watch_origins(server, plan)
     sender.join()
     sent = {int(i): t for tally in tallies for i, t in tally["probes_sent"].items()}
+    left = {int(i): t for tally in tallies for i, t in tally["probes_left"].items()}
     waits = sorted(seen[i] - sent[i] for i in sent if i in seen)
     if not waits:
         return f"{world:,} ranks: no probe seen"
-    p99 = waits[min(len(waits) - 1, int(0.99 * len(waits)))]
+    # (the same from when each probe left the load generator's shared window)
+    after_window = sorted(seen[i] - left[i] for i in left if i in seen)
     return (
-        f"{world:,} ranks: event -> verdict p50 {1000 * statistics.median(waits):.0f} ms, "
-        f"p99 {1000 * p99:.0f} ms ({len(waits)}/{len(sent)} probes seen); "
+        f"{world:,} ranks: event -> verdict {_p50_p99(waits)} ({len(waits)}/{len(sent)} "
+        f"probes seen); from leaving the shared window {_p50_p99(after_window)}; "
         f"peak RSS {peak_rss_mb(server):.0f} MB"
     )
+
+
+def _p50_p99(seconds: list[float]) -> str:
+    p99 = seconds[min(len(seconds) - 1, int(0.99 * len(seconds)))]
+    return f"p50 {1000 * statistics.median(seconds):.0f} ms, p99 {1000 * p99:.0f} ms"
 
 
 def _watch_origins(server: ServerProcess, plan: loadgen.Plan) -> dict[int, float]:

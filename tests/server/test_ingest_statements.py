@@ -73,6 +73,27 @@ def test_a_batch_of_heartbeats_costs_the_same_statements_at_400_and_4000_message
     assert cost_large == cost_small <= 30, (cost_small, cost_large)
 
 
+def test_heartbeats_of_many_ranks_cost_a_statement_per_500_ranks_not_one_per_rank(engine):
+    """A 100,000-rank job's batch holds heartbeats of 2,000 ranks, each one's
+    agent's first in the batch: telling them from resends (each agent's highest
+    stored seq) took a statement per agent (nand.server.agents.seqs)."""
+
+    def beats(agents: list[str], seq: int) -> list[dict]:
+        made = [
+            wire.agent_message("heartbeat", agent=a, seq=seq, run="many", rank=r, body={"step": 1})
+            for r, a in enumerate(agents)
+        ]
+        return [wire.decode(wire.encode(m)) for m in made]
+
+    def cost(ranks: int) -> int:
+        agents = [uuid.uuid4().hex for _ in range(ranks)]
+        write_batch(engine, beats(agents, 1), time.time())  # (each agent has a seq stored)
+        return counted(engine, lambda: write_batch(engine, beats(agents, 2), time.time()))
+
+    few, many = cost(200), cost(2_000)
+    assert many - few <= 2_000 // 500, (few, many)
+
+
 def test_with_no_stop_pending_the_commander_asks_one_query_a_batch(engine):
     agents = [uuid.uuid4().hex for _ in range(WORLD)]
     batch = messages("quiet", agents, "hello", 0, WORLD)

@@ -4,6 +4,7 @@ database poll, the first-event lookup at ingest uses the rank's own index, and
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Iterator
@@ -28,6 +29,8 @@ RECEIVED = {
     "cause": "received",
     "nan": 1,
 }
+HELLO = {"world_size": 64, "host": "node-1", "pid": 42}
+BYE = {"step": 3, "reason": "finished"}
 
 
 def _messages(run: str, ranks: range, **event_fields: object) -> list[dict]:
@@ -203,3 +206,39 @@ def test_a_big_run_is_summarised_as_the_small_path_does(server) -> None:
             full = views.run_summary(run, ranks, state.settings, 100.0)
             light = rankpage.run_summary(session, run, state.settings, 100.0)
             assert light == full, name
+
+
+def test_a_page_of_plain_rows_is_what_the_orm_rows_give(server) -> None:
+    """``/ranks`` reads plain tuples named by the columns (rankpage._page_rows): every
+    field of a page, first events with NaN and infinite values, a rank that said bye
+    and one that reported losses, equals the statuses built from the ORM objects."""
+    from sqlalchemy.orm import Session
+
+    from nand.server.analysis import rankpage, views
+    from nand.server.storage import store
+
+    _fill(server, "plain", range(1, 40))
+    _fill(server, "plain", range(0, 1), step=8, cause="produced", phase="forward", min=-math.inf)
+    _fill(server, "plain", range(40, 41), step=8, phase="forward", max=math.inf, shape=[2, 3])
+    beat = {"step": 3, "loss": 1.5, "dropped": {"spool_full": 7}}
+    said = [("hello", HELLO), ("heartbeat", beat), ("bye", BYE)]
+    who = {"agent": "plain-50", "run": "plain", "rank": 50}
+    messages = [wire.agent_message(k, seq=i, **who, body=b) for i, (k, b) in enumerate(said, 1)]
+    engine = server.app.state.nand.engine
+    write_batch(engine, [wire.decode(wire.encode(m)) for m in messages], time.time())
+    state = server.app.state.nand
+    with Session(state.engine) as session:
+        run = store.run_by_name(session, "plain")
+        assert run is not None
+        page = rankpage.rank_page(session, run, state.settings, 100.0, None, 500)
+        rows = store.ranks_of(session, [run.id])[run.id]
+        firsts = {event.rank for _, event in rows if event is not None}
+        relations = rankpage._relations  # (the page's relations, as the page finds them)
+        settings = state.settings.for_world(run.world_size)
+        full = views.rank_statuses(
+            run, rows, settings, 100.0, set(), lambda events: relations(session, run.id, events)
+        )
+    assert page.items == full and len(full) == 42 and len(firsts) == 41
+    by_rank = {item.rank: item for item in page.items}
+    assert by_rank[0].first_event is not None and by_rank[0].first_event.min is None
+    assert by_rank[50].messages_dropped == 7 and by_rank[50].bye_reason == "finished"

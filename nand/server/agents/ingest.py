@@ -1,11 +1,15 @@
 """The ZeroMQ ingest loop: receive → validate → write a batch → commit → ack.
 
 One ROUTER socket on one daemon thread (ZeroMQ sockets are not thread-safe).
-Each turn drains up to ``Settings.max_batch`` frames, validates every one with
-:func:`nand.wire.decode` (bad ones are counted by reason in ``/metrics``,
-logged, and otherwise ignored: never a crash), writes the good ones in one
-transaction (:func:`nand.server.agents.writer.write_batch`) and only then sends each
-agent ``{"kind": "ack", "agent": id, "seqs": [...]}``, duplicates included.
+Each turn reads what the socket holds (up to four batches ahead of the
+writer), validates every frame with :func:`nand.wire.decode` (bad ones are
+counted by reason in ``/metrics``, logged, and otherwise ignored: never a
+crash), queues the admitted messages (:mod:`nand.server.agents.backlog`: events
+and byes go before the heartbeats queued with them), writes the next batch
+(up to ``Settings.max_batch``, fewer when a batch would take more than about
+a quarter second) in one transaction
+(:func:`nand.server.agents.writer.write_batch`) and only then sends each agent
+``{"kind": "ack", "agent": id, "seqs": [...]}``, duplicates included.
 
 Admission (:mod:`nand.server.agents.admission`): every agent id is bound to the run,
 rank and connection it introduced itself with; with a token configured, only
@@ -36,6 +40,7 @@ from nand.errors import WireError
 from nand.runids import run_problem
 from nand.server.agents import announce, decoding, gate
 from nand.server.agents.admission import Admission
+from nand.server.agents.backlog import Backlog, Pace
 from nand.server.agents.leases import Leases
 from nand.server.agents.orders import Commander
 from nand.server.agents.writer import write_batch
@@ -48,6 +53,10 @@ log = logging.getLogger("nand.server.agents.ingest")
 #: What the descriptor gate hears of the ingest socket: each accepted
 #: connection, and the end of monitoring (which wakes it at shutdown).
 MONITORED = zmq.EVENT_ACCEPTED | zmq.EVENT_MONITOR_STOPPED
+
+#: Batches of messages the ingest reads ahead of the writer, so that an event
+#: can pass the heartbeats queued before it (nand.server.agents.backlog).
+BACKLOG_BATCHES = 4
 
 #: What the log says when an agent is refused, by reason.
 _REFUSAL_TEXT = {
@@ -90,6 +99,9 @@ class Ingest:
         #: Loss counts committed here: heartbeats repeating them write nothing.
         self._drops = losses.Committed()
         self._sock: zmq.Socket | None = None
+        #: Read and admitted, not yet written: what decides a verdict goes first.
+        self.backlog = Backlog(BACKLOG_BATCHES * settings.max_batch, settings.max_batch_bytes)
+        self.pace = Pace(settings.max_batch)  # (batches of about a quarter second)
         self.commander = Commander(engine, settings, metrics, self._reply)
 
     def start(self, timeout: float = 10.0) -> str:
@@ -161,8 +173,9 @@ class Ingest:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         while not self._stopping.is_set():
-            if poller.poll(100):
-                frames = self._drain(sock)
+            # (with messages queued, only a look: a batch waits to be written)
+            frames = self._drain(sock) if poller.poll(0 if self.backlog else 100) else []
+            if frames or self.backlog:
                 try:
                     self._handle(sock, frames)
                 except Exception:  # never let one batch kill the loop
@@ -172,12 +185,13 @@ class Ingest:
             self.admission.leases.renew_if_due()
 
     def _drain(self, sock: zmq.Socket) -> list[tuple[bytes, bytes]]:
-        """Up to ``max_batch`` frames and about ``max_batch_bytes``: a flood of
-        large frames is held in ZeroMQ's bounded queues, not in this list."""
+        """As many frames as the backlog has room for (messages and bytes): a
+        flood is held in ZeroMQ's bounded queues, not in this list."""
         frames: list[tuple[bytes, bytes]] = []
         size = 0
         recv = sock.recv
-        while len(frames) < self.settings.max_batch and size < self.settings.max_batch_bytes:
+        count, room = self.backlog.room()
+        while len(frames) < count and size < room:
             # Part by part (a multipart message arrives whole): the identity as bytes
             # (a ROUTER always has a part after it), then each part with its own
             # "more" flag: a third of what recv_multipart costs (it asks the socket).
@@ -197,12 +211,19 @@ class Ingest:
     # --- one batch ----------------------------------------------------------
 
     def _handle(self, sock: zmq.Socket, frames: list[tuple[bytes, bytes]]) -> None:
-        decoded = self._decode_all(frames)
-        accepted = self._authorised(sock, decoded)
+        """One turn: the frames just read into the backlog, its next batch written."""
+        if frames:
+            accepted = self._authorised(sock, self._decode_all(frames))
+            self.backlog.add(accepted, sum(len(payload) for _, payload in frames))
+        size = self.pace.size()
+        accepted = self.backlog.take(size)
         if not accepted:
             return
         self.commander.seen(accepted, time.time())
+        started = time.perf_counter()
         acked = self._write(accepted)
+        if acked and len(accepted) == size:  # (a smaller one is mostly any batch's cost)
+            self.pace.wrote(size, time.perf_counter() - started)
         announce.stored(
             m
             for _, m in accepted
@@ -285,6 +306,7 @@ class Ingest:
             self.metrics.write_error()
             if not self._database_answers():
                 log.warning("database unavailable; %d messages not acked", len(messages))
+                self.backlog.clear()  # (theirs too: agents resend, in their order)
                 self._stopping.wait(0.5)
                 return set()
             log.exception("a batch of %d messages failed; storing one by one", len(messages))

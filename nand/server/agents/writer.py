@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Connection, Engine, bindparam, case, func, insert, select, tuple_
+from sqlalchemy import Connection, Engine, bindparam, case, insert, select, tuple_
 from sqlalchemy import update as sql_update
 from sqlalchemy.exc import IntegrityError
 
@@ -25,6 +25,7 @@ from nand.server.agents import attempts, bulk
 from nand.server.agents import rows as build
 from nand.server.agents.attempts import RunIds
 from nand.server.agents.sanitize import clean_str
+from nand.server.agents.seqs import highest_seqs
 from nand.server.analysis import alerts, losses, outliers, replicas
 from nand.server.analysis import firsts as firsts_mod
 from nand.server.settings import Settings
@@ -133,11 +134,8 @@ def _claim(
     for agent, seq in unique:
         by_agent[agent].append(seq)
     seen: set[Key] = set()
-    for agent, seqs in by_agent.items():
-        highest = conn.execute(_HIGHEST, {"agent": agent}).scalar()
-        if highest is None:
-            continue
-        old = [seq for seq in seqs if seq <= highest]
+    for agent, highest in highest_seqs(conn, list(by_agent)).items():
+        old = [seq for seq in by_agent[agent] if seq <= highest]
         for start in range(0, len(old), _CHUNK):
             found = conn.execute(
                 select(Message.seq).where(
@@ -152,8 +150,6 @@ def _claim(
         insert_rows(conn, Message, ("agent", "seq", "run_id"), rows)
     return fresh
 
-
-_HIGHEST = select(func.max(Message.seq)).where(Message.agent == bindparam("agent"))
 
 #: Keys per lookup query (well under SQLite's limit of bound parameters).
 _CHUNK = 500

@@ -160,7 +160,8 @@ def of_rank(rank: Rank) -> dict[str, int]:
 
 def counts(raw: object) -> dict[str, int]:
     """A ``ranks.dropped`` value as losses by reason, largest first (``{}``: none)."""
-    raw = raw if isinstance(raw, dict) else {}
+    if not isinstance(raw, dict) or not raw:
+        return {}  # (most ranks: a page of 500 asks twice a rank)
     found = {str(k): v for k, v in raw.items() if isinstance(v, int) and v > 0}
     return dict(sorted(found.items(), key=lambda kv: (-kv[1], kv[0])))
 

@@ -14,7 +14,11 @@ streams' poller sends for a big run).
 
 from __future__ import annotations
 
-from sqlalchemy import select
+from collections import namedtuple
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from sqlalchemy import FromClause, select
 from sqlalchemy.orm import Session
 
 from nand.events import Event, Relation
@@ -49,19 +53,33 @@ def rank_page(
     )
 
 
-def _page_rows(
-    session: Session, run_id: int, after: int | None, limit: int
-) -> list[tuple[Rank, EventRow | None]]:
-    statement = (
-        select(Rank, EventRow)
-        .outerjoin(EventRow, EventRow.id == Rank.first_event_id)
-        .where(Rank.run_id == run_id)
-        .order_by(Rank.rank)
-        .limit(limit)
-    )
+def _plain(table: FromClause) -> Callable[[Iterable[Any]], Any]:
+    """Rows of ``table`` as plain named tuples, whose attributes are the column
+    names: the views read them like the ORM objects (no attribute is renamed)."""
+    plain: Any = namedtuple("Row", [column.name for column in table.c])  # type: ignore[misc]
+    return plain._make
+
+
+_rank_tuple = _plain(Rank.__table__)
+_event_tuple = _plain(EventRow.__table__)
+
+
+def _page_rows(session: Session, run_id: int, after: int | None, limit: int) -> views.RankRows:
+    """The page's rank rows and first events, as plain tuples: 500 ORM objects
+    of each were a third of a page's time (made, then every attribute read
+    through the ORM's instrumentation)."""
+    statement = select(*Rank.__table__.c).where(Rank.run_id == run_id)
     if after is not None:
         statement = statement.where(Rank.rank > after)
-    return [(rank, event) for rank, event in session.execute(statement).all()]
+    ranks = [
+        _rank_tuple(row) for row in session.execute(statement.order_by(Rank.rank).limit(limit))
+    ]
+    ids = [rank.first_event_id for rank in ranks if rank.first_event_id is not None]
+    firsts: dict[int, Any] = {}
+    if ids:
+        events = session.execute(select(*EventRow.__table__.c).where(EventRow.id.in_(ids)))
+        firsts = {event.id: _event_tuple(event) for event in events}
+    return [(rank, firsts.get(rank.first_event_id)) for rank in ranks]
 
 
 def _relations(session: Session, run_id: int, firsts: list[Event]) -> dict[int, Relation]:
