@@ -165,7 +165,9 @@ def _print_verdict(term: Terminal, verdict: dict[str, Any]) -> None:
     origin = verdict.get("origin") or {}
     term.line(term.style(f"  ✗ diverged at step {origin.get('step', '?')}", "1;31"))
     term.line("")
-    for line in textwrap.wrap(verdict["summary"], width=88):
+    # (a path stays whole: not broken at its hyphens, nor when longer than a line)
+    summary = verdict["summary"]
+    for line in textwrap.wrap(summary, width=88, break_on_hyphens=False, break_long_words=False):
         term.line(f"    {line}")
     term.line("")
 

@@ -88,7 +88,11 @@ def test_wait_until_diverged_returns_0_when_it_diverges(srv) -> None:
     thread, codes = _wait_in_thread(
         ["wait", "later", "--until", "diverged", "--interval", "0.1", "--url", srv.http_url]
     )
-    a = _agent(srv, "later")  # the run did not exist when the wait began
+    # The run did not exist when the wait began. The NaN goes with the hello,
+    # unacked in between: a loaded machine that stored them a second apart
+    # would show the run lost (silent for lost_after_s) before it diverged.
+    a = FakeAgent(srv.zmq_endpoint, run="later", rank=0, world_size=2)
+    a.hello(token="tok")
     a.event(step=12, phase="loss", nan=1)
     a.wait_acked()
     thread.join(10)

@@ -142,6 +142,9 @@ class IngestClock:
     def time(self) -> float:
         return self.now
 
+    def __getattr__(self, name: str) -> object:
+        return getattr(time, name)  # (perf_counter and the rest: the real clock's)
+
 
 @pytest.fixture
 def clocked(start_server, monkeypatch):
