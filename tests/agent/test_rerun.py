@@ -80,12 +80,18 @@ def train(model, opt, steps: int, zero_row_at: int | None = None, accum: int = 1
     return losses
 
 
-def test_a_log_of_zero_in_forward_is_named_as_aten_log_at_this_file_s_line():
-    model = model_with(Log())
+def first_event_of(middle: nn.Module):
+    """The first event of 4 steps of ``model_with(middle)`` whose batch at step 2
+    has a zero row (under ``skip``)."""
+    model = model_with(middle)
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     with nand.watch(model, opt, on_nonfinite="skip") as watch:
         train(model, opt, 4, zero_row_at=2)
-    event = watch.first
+    return watch.first
+
+
+def test_a_log_of_zero_in_forward_is_named_as_aten_log_at_this_file_s_line():
+    event = first_event_of(Log())
     assert (event.step, event.phase, event.module) == (2, "forward", "1")
     assert event.op == "aten::log"
     assert event.source == line_of(Log.forward, "torch.log")
@@ -94,11 +100,7 @@ def test_a_log_of_zero_in_forward_is_named_as_aten_log_at_this_file_s_line():
 
 
 def test_a_backward_only_nan_is_named_as_the_backward_op_at_the_forward_line_of_this_file():
-    model = model_with(Sqrt())
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    with nand.watch(model, opt, on_nonfinite="skip") as watch:
-        train(model, opt, 4, zero_row_at=2)
-    event = watch.first
+    event = first_event_of(Sqrt())
     assert (event.step, event.phase, event.module) == (2, "backward", "1")
     truth = first_op_without_nand(model_with(Sqrt()), batch(2, zero_row_at=2))
     assert truth == ("aten::div.Tensor", "SqrtBackward0")
@@ -119,11 +121,7 @@ def test_a_nan_written_from_a_python_number_is_named_as_that_op_not_as_a_probe_o
     # Before: the full mode passed over the op (a constant, like a mask's
     # -inf), found nothing else, and said the replay did not make it again
     # (suspect the device); the light mode named its own probe, aten::aminmax.out.
-    model = model_with(WritesNan())
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    with nand.watch(model, opt, on_nonfinite="skip") as watch:
-        train(model, opt, 4, zero_row_at=2)
-    event = watch.first
+    event = first_event_of(WritesNan())
     assert (event.step, event.phase, event.module) == (2, "forward", "1")
     assert event.op == "aten::masked_fill.Scalar"
     assert event.source == line_of(WritesNan.forward, "masked_fill")
