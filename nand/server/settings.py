@@ -47,8 +47,10 @@ class Settings:
     #: Most bytes of frames read from the ZeroMQ socket in one turn.
     max_batch_bytes: int = 64 * 1024 * 1024
     #: Agent bindings kept in memory (nand.server.agents.admission); older ones are
-    #: looked up in the database again when their agent speaks.
-    max_agents_cached: int = 50_000
+    #: looked up in the database again when their agent speaks. A job's ranks
+    #: speak in turn, so a cache smaller than the job misses on every message:
+    #: this covers a 100,000-rank job on one server (about 33 MB at 100,000).
+    max_agents_cached: int = 131_072
     #: How long a server holds an agent id after last hearing it (nand.server.agents.leases).
     agent_lease_s: float = 15.0
     #: Where state changes are POSTed (nand.server.notify.notifier); none: not at all.

@@ -72,3 +72,42 @@ def test_a_batch_touches_its_runs_in_id_order_the_order_every_server_locks_them_
 
     write_batch(engine, [hello("second", seq=2), hello("first", seq=2)], time.time())
     assert touched and all(ids == sorted(ids) for ids in touched), touched
+
+
+def lease_updates(engine) -> list[int]:
+    """How many agents each ``UPDATE agent_leases`` names, as the engine runs them."""
+    counted: list[int] = []
+
+    @event.listens_for(engine, "before_cursor_execute")
+    def seen(conn, cursor, statement, parameters, context, executemany) -> None:
+        if statement.startswith("UPDATE agent_leases"):
+            counted.append(len(parameters) - 2)  # (the agents, then server and expiry)
+
+    return counted
+
+
+def test_a_renewal_is_written_a_chunk_at_a_time_between_batches_and_only_what_changed(
+    sqlite_url,
+) -> None:
+    """Renewing every lease at once held the ingest loop 0.4-0.6 s at 20,000
+    agents every 5 s, which an event arriving then waited out: each call now
+    writes about ``budget_s`` of the plan, and a lease already written to the
+    expiry its agent's last message gives is not written again."""
+    engine = make_engine(sqlite_url)
+    upgrade(engine)
+    leases = Leases(engine, 15.0, "host-a tcp://a:1")
+    agents = {f"agent-{i:04}" for i in range(1_200)}
+    assert leases.claim(agents, now=100.0) == set()
+    leases.heard(agents, now=101.0)
+    updates = lease_updates(engine)
+    calls = 0
+    while calls == 0 or leases._due:
+        leases.renew_if_due(now=106.0, budget_s=0.0)  # one chunk per call
+        calls += 1
+    assert calls == 3 and sorted(updates) == [200, 500, 500]
+    assert set(leases.held.values()) == {102.5 + 15.0}  # heard at 101, to the 2.5 s step
+    leases.renew_if_due(now=112.0)  # nothing heard since: nothing to write
+    assert len(updates) == 3 and leases._due == []
+    leases.heard({"agent-0007"}, now=113.0)
+    leases.renew_if_due(now=118.0)
+    assert updates[3:] == [1] and leases.held["agent-0007"] == 115.0 + 15.0

@@ -128,13 +128,15 @@ MIN_BATCH = 100
 
 
 class Pace:
-    """How many messages the next batch takes: as many as the last full batches
-    wrote in :data:`BATCH_TARGET_S` (at most ``most``).
+    """How many messages the next batch takes: as many as the last batches of at
+    least :data:`MIN_BATCH` wrote in :data:`BATCH_TARGET_S` (at most ``most``).
 
     A batch of 2,000 heartbeats of 2,000 ranks took a second and more on a
     loaded host at 100,000 ranks; one of 8 agents' heartbeats, a tenth of
-    that. The size follows the time a message took (a moving average), so a
-    batch stays near the target on either.
+    that; 1,000 hellos of a 20,000-rank job's start, a second (they were
+    never a full batch: the senders' windows held 1,000, and an event that
+    came meanwhile waited it out). The size follows the time a message took
+    (a moving average), so a batch stays near the target on any of them.
 
     >>> pace = Pace(most=2000)
     >>> pace.size()
@@ -142,6 +144,8 @@ class Pace:
     >>> pace.wrote(2000, 2.0); pace.size()  # 1 ms a message
     250
     >>> pace.wrote(250, 0.0125); pace.size()  # then 0.05 ms: it grows back
+    349
+    >>> pace.wrote(10, 5.0); pace.size()  # too few to say: mostly a batch's own cost
     349
     """
 
@@ -155,6 +159,8 @@ class Pace:
         return max(MIN_BATCH, min(self.most, int(BATCH_TARGET_S / self._per_message)))
 
     def wrote(self, count: int, seconds: float) -> None:
-        """A full batch (as many as :meth:`size` said) of ``count`` took ``seconds``."""
+        """A batch of ``count`` messages took ``seconds`` to write."""
+        if count < MIN_BATCH:
+            return
         rate = seconds / max(1, count)
         self._per_message = rate if not self._per_message else 0.7 * self._per_message + 0.3 * rate

@@ -215,15 +215,14 @@ class Ingest:
         if frames:
             accepted = self._authorised(sock, self._decode_all(frames))
             self.backlog.add(accepted, sum(len(payload) for _, payload in frames))
-        size = self.pace.size()
-        accepted = self.backlog.take(size)
+        accepted = self.backlog.take(self.pace.size())
         if not accepted:
             return
         self.commander.seen(accepted, time.time())
         started = time.perf_counter()
         acked = self._write(accepted)
-        if acked and len(accepted) == size:  # (a smaller one is mostly any batch's cost)
-            self.pace.wrote(size, time.perf_counter() - started)
+        if acked:
+            self.pace.wrote(len(accepted), time.perf_counter() - started)
         announce.stored(
             m
             for _, m in accepted

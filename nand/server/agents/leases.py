@@ -50,6 +50,8 @@ log = logging.getLogger("nand.server.agents.leases")
 
 #: Agent ids per statement (well under SQLite's limit of bound parameters).
 CHUNK = 500
+#: How long one call of ``renew_if_due`` writes before it lets the ingest go on.
+RENEW_SLICE_S = 0.03
 
 
 class Leases:
@@ -66,6 +68,8 @@ class Leases:
         #: Agent id → when a message of it was last accepted here.
         self.seen: dict[str, float] = {}
         self._renewed = 0.0
+        #: Renewals planned and not yet written: ``(expires, agents)``.
+        self._due: list[tuple[float, list[str]]] = []
 
     def missing(self, agents: Iterable[str], now: float) -> set[str]:
         """The agent ids this server does not hold a lease of that runs a while yet
@@ -102,14 +106,34 @@ class Leases:
         for agent in agents:
             self.seen[agent] = now
 
-    def renew_if_due(self, now: float | None = None) -> None:
-        """Every third of a lease: extend each lease to ``lease_s`` after its agent
-        was last heard (to a sixth of a lease), and forget agents not heard for
-        ``lease_s`` (another server may take them once their lease runs out)."""
+    def renew_if_due(self, now: float | None = None, budget_s: float = RENEW_SLICE_S) -> None:
+        """Every third of a lease: plan to extend each lease to ``lease_s`` after its
+        agent was last heard (to a sixth of a lease), and forget agents not heard
+        for ``lease_s`` (another server may take them once their lease runs out).
+        Each call writes the plan for about ``budget_s`` (at least one chunk), so
+        the ingest loop that calls it between batches never stalls on the
+        renewal of every agent at once (0.4-0.6 s at 20,000 agents)."""
         now = time.time() if now is None else now
-        if now - self._renewed < self.lease_s / 3:
-            return
-        self._renewed = now
+        if not self._due and now - self._renewed >= self.lease_s / 3:
+            self._renewed = now
+            self._due = self._plan(now)
+        deadline = time.perf_counter() + budget_s
+        try:
+            while self._due:
+                expires, planned = self._due.pop()
+                # (a batch may have claimed one since, to a later expiry)
+                agents = [a for a in planned if self.held.get(a, 0.0) < expires]
+                if agents:
+                    self._renew(agents, expires)
+                if time.perf_counter() >= deadline:
+                    break
+        except Exception as exc:  # the database is away: the leases run out, claimed again
+            self._due.clear()
+            log.warning("could not renew agent leases: %s", exc)
+
+    def _plan(self, now: float) -> list[tuple[float, list[str]]]:
+        """The renewals due: ``(expires, agents)`` chunks, leaving out the leases
+        already written to that expiry (an agent not heard since the last renewal)."""
         horizon = now - self.lease_s
         for agent in [a for a, t in self.seen.items() if t < horizon]:
             del self.seen[agent]
@@ -117,24 +141,24 @@ class Leases:
         step = self.lease_s / 6  # a few statements per renewal, not one per agent
         by_expiry: dict[float, list[str]] = defaultdict(list)
         for agent, heard in self.seen.items():
-            by_expiry[math.ceil(heard / step) * step + self.lease_s].append(agent)
-        try:
-            for expires, agents in by_expiry.items():
-                self._renew(sorted(agents), expires)
-        except Exception as exc:  # the database is away: the leases run out, claimed again
-            log.warning("could not renew agent leases: %s", exc)
+            expires = math.ceil(heard / step) * step + self.lease_s
+            if self.held.get(agent) != expires:
+                by_expiry[expires].append(agent)
+        return [
+            (expires, chunk)
+            for expires, agents in by_expiry.items()
+            for chunk in _chunks(sorted(agents))
+        ]
 
     def _renew(self, agents: list[str], expires: float) -> None:
-        renewed: set[str] = set()
         with self.engine.begin() as conn:
-            for chunk in _chunks(agents):
-                statement = (
-                    update(AgentLease)
-                    .where(AgentLease.agent.in_(chunk), AgentLease.server == self.server)
-                    .values(expires=expires)
-                    .returning(AgentLease.agent)
-                )
-                renewed.update(conn.scalars(statement))
+            statement = (
+                update(AgentLease)
+                .where(AgentLease.agent.in_(agents), AgentLease.server == self.server)
+                .values(expires=expires)
+                .returning(AgentLease.agent)
+            )
+            renewed = set(conn.scalars(statement))
         for agent in agents:  # one another server took meanwhile is claimed again
             if agent in renewed:
                 self.held[agent] = expires
@@ -145,6 +169,7 @@ class Leases:
         """Give up every lease of this server (a clean stop): its agents may move now."""
         self.held.clear()
         self.seen.clear()
+        self._due.clear()
         try:
             with self.engine.begin() as conn:
                 conn.execute(delete(AgentLease).where(AgentLease.server == self.server))
