@@ -2,7 +2,8 @@
 the reads of a 100,000-rank run (verdict, run page, /ranks, /series).
 
     python benchmarks/ranks100k.py ingest --servers 1,2,3 --ranks 20000 --seconds 30
-    python benchmarks/ranks100k.py latency --ranks 1000,20000 --probes 20 [--db sqlite]
+    python benchmarks/ranks100k.py latency --ranks 1000,20000 --probes 20 [--servers 2]
+    python benchmarks/ranks100k.py latency --ranks 20000,100000 --probes 10 --db sqlite
     python benchmarks/ranks100k.py reads --ranks 20000 --copies 5   # a 100,000-rank run
 
 ``ingest``: a throwaway PostgreSQL (``tests/server/pg.py``), N ``nand server``
@@ -10,9 +11,11 @@ processes on it, ``benchmarks/loadgen.py`` with ``--procs`` processes of
 simulated ranks spread over the servers, heartbeats as fast as the servers
 acknowledge (``--heartbeat-s 0``): stored msg/s, and each server's peak RSS.
 
-``latency``: one server on PostgreSQL (or SQLite: ``--db sqlite``), a job of
-N simulated ranks at the heartbeat period of ``nand.cadence``; every second a
-fresh rank sends a NaN earlier than the last, and the verdict is polled until it names it: p50/p99.
+``latency``: ``--servers`` servers on one PostgreSQL (or one on SQLite:
+``--db sqlite``), a job of N simulated ranks at the heartbeat period of
+``nand.cadence`` spread over them; every second a fresh rank sends a NaN
+earlier than the last, and the verdict (from the first server) is polled
+until it names it: p50/p99.
 
 ``reads``: ``--ranks`` ranks through the real ingest (``write_batch``: hello,
 two heartbeats, a third of them a received NaN, one produced), then the run's
@@ -100,15 +103,23 @@ def ingest(args: argparse.Namespace) -> None:
 
 
 def latency(args: argparse.Namespace) -> None:
+    if args.servers > 1 and args.db == "sqlite":
+        raise SystemExit("several servers share a PostgreSQL, not an SQLite file")
     with _databases(args.db) as fresh, tempfile.TemporaryFile("w+") as log:
         for world in [int(n) for n in args.ranks.split(",")]:
             with fresh() as url:
-                server = ServerProcess(url, free_port(), **ALIVE).start(stderr=log)
+                servers = [
+                    ServerProcess(url, free_port(), **ALIVE).start(stderr=log)
+                    for _ in range(args.servers)
+                ]
                 try:
-                    print(f"[{args.db}] {_latency_at(server, world, args)}", flush=True)
-                    _say_if_gone(server, log)
+                    label = f"[{args.db}, {args.servers} server(s)]"
+                    print(f"{label} {_latency_at(servers, world, args)}", flush=True)
+                    for server in servers:
+                        _say_if_gone(server, log)
                 finally:
-                    server.stop()
+                    for server in servers:
+                        server.stop()
 
 
 def _say_if_gone(server: ServerProcess, log: IO[str]) -> None:
@@ -141,11 +152,11 @@ def _databases(kind: str) -> Iterator[Callable[[], AbstractContextManager[str]]]
         cluster.stop()
 
 
-def _latency_at(server: ServerProcess, world: int, args: argparse.Namespace) -> str:
+def _latency_at(servers: list[ServerProcess], world: int, args: argparse.Namespace) -> str:
     plan = loadgen.Plan(
         run=f"lat{world}",
         world=world,
-        servers=(server.zmq_endpoint,),
+        servers=tuple(s.zmq_endpoint for s in servers),
         seconds=args.probe_at + args.probes + 5,
         probes=args.probes,
         probe_at=args.probe_at,
@@ -154,19 +165,20 @@ def _latency_at(server: ServerProcess, world: int, args: argparse.Namespace) -> 
     tallies: list[dict] = []
     sender = threading.Thread(target=lambda: tallies.extend(loadgen.run(plan, args.procs)))
     sender.start()
-    seen = _watch_origins(server, plan)
+    seen, origins = _watch_probes(servers[0], plan, sender)
     sender.join()
     sent = {int(i): t for tally in tallies for i, t in tally["probes_sent"].items()}
     left = {int(i): t for tally in tallies for i, t in tally["probes_left"].items()}
     waits = sorted(seen[i] - sent[i] for i in sent if i in seen)
     if not waits:
-        return f"{world:,} ranks: no probe seen"
+        return f"{world:,} ranks: no probe seen ({len(sent)}/{plan.probes} sent)"
     # (the same from when each probe left the load generator's shared window)
     after_window = sorted(seen[i] - left[i] for i in left if i in seen)
     return (
-        f"{world:,} ranks: event -> verdict {_p50_p99(waits)} ({len(waits)}/{len(sent)} "
-        f"probes seen); from leaving the shared window {_p50_p99(after_window)}; "
-        f"peak RSS {peak_rss_mb(server):.0f} MB"
+        f"{world:,} ranks: event -> verdict {_p50_p99(waits)} ({len(waits)}/{plan.probes} "
+        f"probes in it, {len(origins & set(seen))} named as its origin; {len(sent)} sent on "
+        f"schedule); from leaving the shared window {_p50_p99(after_window)}; peak RSS MB "
+        + ", ".join(f"{peak_rss_mb(s):.0f}" for s in servers)
     )
 
 
@@ -175,18 +187,33 @@ def _p50_p99(seconds: list[float]) -> str:
     return f"p50 {1000 * statistics.median(seconds):.0f} ms, p99 {1000 * p99:.0f} ms"
 
 
-def _watch_origins(server: ServerProcess, plan: loadgen.Plan) -> dict[int, float]:
-    """When the verdict first named each probe as the origin (probe i is at PROBE_STEP - i)."""
+def _watch_probes(
+    server: ServerProcess, plan: loadgen.Plan, sender: threading.Thread
+) -> tuple[dict[int, float], set[int]]:
+    """When the verdict first listed each probe's rank among the ranks affected,
+    and the probes it named as the origin (probe i is at PROBE_STEP - i; one
+    stored after a later, earlier-step probe is affected but never the origin),
+    until every probe is in or 60 s after the sender is done (a load
+    generator behind schedule sends fewer probes than planned)."""
     client = httpx.Client(base_url=server.http_url, timeout=60)
+    probe_of_rank = {plan.probe_rank(i): i for i in range(plan.probes)}
     seen: dict[int, float] = {}
-    deadline = time.time() + plan.seconds + 600
+    origins: set[int] = set()
+    deadline = float("inf")
     while len(seen) < plan.probes and time.time() < deadline:
+        if deadline == float("inf") and not sender.is_alive():
+            deadline = time.time() + 60
         response = client.get(f"/api/runs/{plan.run}/verdict")
-        if response.status_code == 200 and (origin := response.json().get("origin")):
-            seen.setdefault(loadgen.PROBE_STEP - origin["step"], time.time())
+        if response.status_code == 200:
+            now, verdict = time.time(), response.json()
+            for rank in verdict["ranks_affected"]:
+                if rank in probe_of_rank:
+                    seen.setdefault(probe_of_rank[rank], now)
+            if origin := verdict.get("origin"):
+                origins.add(loadgen.PROBE_STEP - origin["step"])
         time.sleep(0.02)
     client.close()
-    return seen
+    return seen, origins
 
 
 def _messages(plan: loadgen.Plan, rank: int) -> list[dict]:
@@ -341,6 +368,7 @@ def main() -> None:
     two.add_argument("--probe-at", type=float, default=10.0)
     two.add_argument("--procs", type=int, default=2)
     two.add_argument("--db", choices=("postgresql", "sqlite"), default="postgresql")
+    two.add_argument("--servers", type=int, default=1, help="on one PostgreSQL")
     three = sub.add_parser("reads")
     three.add_argument("--ranks", type=int, default=20_000)
     three.add_argument("--copies", type=int, default=5)
