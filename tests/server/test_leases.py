@@ -111,3 +111,19 @@ def test_a_renewal_is_written_a_chunk_at_a_time_between_batches_and_only_what_ch
     leases.heard({"agent-0007"}, now=113.0)
     leases.renew_if_due(now=118.0)
     assert updates[3:] == [1] and leases.held["agent-0007"] == 115.0 + 15.0
+
+
+def test_a_lease_claimed_on_a_message_is_not_written_again_by_the_next_renewal(
+    sqlite_url,
+) -> None:
+    """Above about 30,000 ranks an agent's heartbeats are further apart than the
+    lease, so each one claims it again: the claim writes the expiry the renewal
+    would, and the renewal leaves it."""
+    engine = make_engine(sqlite_url)
+    upgrade(engine)
+    leases = Leases(engine, 15.0, "host-a tcp://a:1")
+    assert leases.claim({"agent-1", "agent-2"}, now=101.0) == set()
+    leases.heard({"agent-1", "agent-2"}, now=101.0)
+    updates = lease_updates(engine)
+    leases.renew_if_due(now=106.0)
+    assert updates == [] and leases.held == {"agent-1": 117.5, "agent-2": 117.5}

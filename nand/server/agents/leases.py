@@ -81,7 +81,7 @@ class Leases:
         """Claim ``agents``' leases; the ones another live server holds."""
         if not agents:
             return set()
-        expires = now + self.lease_s
+        expires = self._expiry(now)
         with self.engine.begin() as conn:
             for chunk in _chunks(sorted(agents)):  # one lock order for every server
                 insert = dialect_insert(conn, AgentLease)
@@ -138,10 +138,9 @@ class Leases:
         for agent in [a for a, t in self.seen.items() if t < horizon]:
             del self.seen[agent]
             self.held.pop(agent, None)
-        step = self.lease_s / 6  # a few statements per renewal, not one per agent
         by_expiry: dict[float, list[str]] = defaultdict(list)
         for agent, heard in self.seen.items():
-            expires = math.ceil(heard / step) * step + self.lease_s
+            expires = self._expiry(heard)
             if self.held.get(agent) != expires:
                 by_expiry[expires].append(agent)
         return [
@@ -149,6 +148,14 @@ class Leases:
             for expires, agents in by_expiry.items()
             for chunk in _chunks(sorted(agents))
         ]
+
+    def _expiry(self, heard: float) -> float:
+        """When the lease of an agent last heard at ``heard`` ends: ``lease_s`` later,
+        rounded up to a sixth of a lease, so that the leases of many agents share a
+        few expiries (a statement each), and a claim's is the one its renewal
+        would write (a lease claimed on a message is not written again for it)."""
+        step = self.lease_s / 6
+        return math.ceil(heard / step) * step + self.lease_s
 
     def _renew(self, agents: list[str], expires: float) -> None:
         with self.engine.begin() as conn:
