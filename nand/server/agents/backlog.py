@@ -162,5 +162,5 @@ class Pace:
         """A batch of ``count`` messages took ``seconds`` to write."""
         if count < MIN_BATCH:
             return
-        rate = seconds / max(1, count)
+        rate = seconds / count
         self._per_message = rate if not self._per_message else 0.7 * self._per_message + 0.3 * rate

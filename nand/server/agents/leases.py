@@ -39,17 +39,15 @@ import logging
 import math
 import time
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from sqlalchemy import Engine, delete, or_, select, update
 
-from nand.server.storage.db import dialect_insert
+from nand.server.storage.db import chunks, dialect_insert
 from nand.server.storage.models import AgentLease
 
 log = logging.getLogger("nand.server.agents.leases")
 
-#: Agent ids per statement (well under SQLite's limit of bound parameters).
-CHUNK = 500
 #: How long one call of ``renew_if_due`` writes before it lets the ingest go on.
 RENEW_SLICE_S = 0.03
 
@@ -69,7 +67,7 @@ class Leases:
         self.seen: dict[str, float] = {}
         self._renewed = 0.0
         #: Renewals planned and not yet written: ``(expires, agents)``.
-        self._due: list[tuple[float, list[str]]] = []
+        self._due: list[tuple[float, Sequence[str]]] = []
 
     def missing(self, agents: Iterable[str], now: float) -> set[str]:
         """The agent ids this server does not hold a lease of that runs a while yet
@@ -83,7 +81,7 @@ class Leases:
             return set()
         expires = self._expiry(now)
         with self.engine.begin() as conn:
-            for chunk in _chunks(sorted(agents)):  # one lock order for every server
+            for chunk in chunks(sorted(agents)):  # one lock order for every server
                 insert = dialect_insert(conn, AgentLease)
                 statement = insert.on_conflict_do_update(
                     index_elements=[AgentLease.agent],
@@ -93,7 +91,7 @@ class Leases:
                 rows = [{"agent": a, "server": self.server, "expires": expires} for a in chunk]
                 conn.execute(statement, rows)
             elsewhere: set[str] = set()
-            for chunk in _chunks(sorted(agents)):
+            for chunk in chunks(sorted(agents)):
                 found = select(AgentLease.agent).where(
                     AgentLease.agent.in_(chunk), AgentLease.server != self.server
                 )
@@ -131,7 +129,7 @@ class Leases:
             self._due.clear()
             log.warning("could not renew agent leases: %s", exc)
 
-    def _plan(self, now: float) -> list[tuple[float, list[str]]]:
+    def _plan(self, now: float) -> list[tuple[float, Sequence[str]]]:
         """The renewals due: ``(expires, agents)`` chunks, leaving out the leases
         already written to that expiry (an agent not heard since the last renewal)."""
         horizon = now - self.lease_s
@@ -146,7 +144,7 @@ class Leases:
         return [
             (expires, chunk)
             for expires, agents in by_expiry.items()
-            for chunk in _chunks(sorted(agents))
+            for chunk in chunks(sorted(agents))
         ]
 
     def _expiry(self, heard: float) -> float:
@@ -182,8 +180,3 @@ class Leases:
                 conn.execute(delete(AgentLease).where(AgentLease.server == self.server))
         except Exception as exc:
             log.warning("could not release agent leases: %s", exc)
-
-
-def _chunks(items: list[str]) -> Iterable[list[str]]:
-    for start in range(0, len(items), CHUNK):
-        yield items[start : start + CHUNK]

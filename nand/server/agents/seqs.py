@@ -5,9 +5,10 @@ sequence number (``writer._claim``). One statement per agent was a third of
 a batch's time when every heartbeat came from another rank (a 100,000-rank
 job: 2,000 ranks a batch), nearly all of it the statement's round through
 SQLAlchemy rather than the index probe. So the probes go up to
-:data:`PER_STATEMENT` to a statement, each a scalar subquery that is one seek
-of the ``messages`` primary key ``(agent, seq)`` on SQLite and PostgreSQL
-alike (a ``GROUP BY agent`` would read every message an agent ever sent):
+:data:`~nand.server.storage.db.PER_STATEMENT` (500) to a statement, each a
+scalar subquery that is one seek of the ``messages`` primary key ``(agent,
+seq)`` on SQLite and PostgreSQL alike (a ``GROUP BY agent`` would read every
+message an agent ever sent):
 
     SELECT (SELECT max(seq) FROM messages WHERE agent = :a0),
            (SELECT max(seq) FROM messages WHERE agent = :a1), ...
@@ -26,15 +27,13 @@ from functools import lru_cache
 
 from sqlalchemy import Connection, TextClause, text
 
-#: Agents per statement (bound parameters well under SQLite's limit of 999).
-PER_STATEMENT = 500
+from nand.server.storage.db import chunks
 
 
 def highest_seqs(conn: Connection, agents: list[str]) -> dict[str, int]:
     """Each agent's highest stored ``seq``; agents with none stored are left out."""
     found: dict[str, int] = {}
-    for start in range(0, len(agents), PER_STATEMENT):
-        chunk = agents[start : start + PER_STATEMENT]
+    for chunk in chunks(agents):
         params = {f"a{i}": agent for i, agent in enumerate(chunk)}
         row = conn.execute(_statement(len(chunk)), params).one()
         found.update((agent, seq) for agent, seq in zip(chunk, row, strict=True) if seq is not None)

@@ -30,7 +30,7 @@ from nand.server.analysis import alerts, losses, outliers, replicas
 from nand.server.analysis import firsts as firsts_mod
 from nand.server.settings import Settings
 from nand.server.storage import runlock
-from nand.server.storage.db import insert_ignoring_conflicts
+from nand.server.storage.db import chunks, insert_ignoring_conflicts
 from nand.server.storage.models import Agent, EventRow, Flight, Heartbeat, Message, Rank, Run
 
 Key = tuple[str, int]
@@ -136,11 +136,9 @@ def _claim(
     seen: set[Key] = set()
     for agent, highest in highest_seqs(conn, list(by_agent)).items():
         old = [seq for seq in by_agent[agent] if seq <= highest]
-        for start in range(0, len(old), _CHUNK):
+        for chunk in chunks(old):
             found = conn.execute(
-                select(Message.seq).where(
-                    Message.agent == agent, Message.seq.in_(old[start : start + _CHUNK])
-                )
+                select(Message.seq).where(Message.agent == agent, Message.seq.in_(chunk))
             )
             seen.update((agent, seq) for (seq,) in found)
     fresh = [m for key, m in unique.items() if key not in seen] if seen else list(unique.values())
@@ -149,10 +147,6 @@ def _claim(
         rows = [(m["agent"], m["seq"], of(m)) for m in fresh]
         insert_rows(conn, Message, ("agent", "seq", "run_id"), rows)
     return fresh
-
-
-#: Keys per lookup query (well under SQLite's limit of bound parameters).
-_CHUNK = 500
 
 
 def insert_rows(

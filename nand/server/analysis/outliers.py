@@ -43,7 +43,7 @@ from sqlalchemy import Connection, bindparam, exists, select, text
 from nand.server.agents import bulk
 from nand.server.agents.attempts import RunIds
 from nand.server.analysis import alerts
-from nand.server.storage.db import insert_ignoring_conflicts
+from nand.server.storage.db import chunks, insert_ignoring_conflicts
 from nand.server.storage.models import LocalGradNorm, WarningRow
 
 #: Fewest ranks whose norms can single one out.
@@ -189,8 +189,8 @@ def _insert_waiting(conn: Connection, rows: list[tuple[int, int, int, float]]) -
 
 def _forget(conn: Connection, run_id: int, steps: list[int]) -> None:
     """Delete the waiting rows of steps now compared."""
-    for at in range(0, len(steps), 500):  # (bounded statements)
-        conn.execute(_FORGET, {"run_id": run_id, "steps": steps[at : at + 500]})
+    for chunk in chunks(steps):
+        conn.execute(_FORGET, {"run_id": run_id, "steps": chunk})
 
 
 _FORGET = text("DELETE FROM local_grad_norms WHERE run_id = :run_id AND step IN :steps").bindparams(

@@ -16,11 +16,16 @@ leaves is cut back to :data:`WAL_LIMIT_BYTES`.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, TypeVar
 
 from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import make_url
+
+#: Values bound in one statement (an ``IN`` list, rows of an insert) at most:
+#: well under SQLite's limit of bound parameters (999 in older builds).
+PER_STATEMENT = 500
 
 #: WAL pages (4 KiB) between checkpoints: about 40 MB.
 CHECKPOINT_PAGES = 10_000
@@ -63,3 +68,12 @@ def dialect_insert(conn: Connection, table: Any) -> postgresql.Insert | sqlite.I
 def insert_ignoring_conflicts(conn: Connection, table: Any) -> Any:
     """``INSERT … ON CONFLICT DO NOTHING`` in the connection's dialect."""
     return dialect_insert(conn, table).on_conflict_do_nothing()
+
+
+T = TypeVar("T")
+
+
+def chunks(items: Sequence[T], size: int = PER_STATEMENT) -> Iterator[Sequence[T]]:
+    """``items`` in slices of at most ``size``: a statement each."""
+    for start in range(0, len(items), size):
+        yield items[start : start + size]

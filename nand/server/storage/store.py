@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from sqlalchemy import Select, delete, func, select, update
 from sqlalchemy.orm import Session
 
+from nand.server.storage.db import chunks
 from nand.server.storage.models import (
     Agent,
     AgentLease,
@@ -197,8 +198,7 @@ def prune(session: Session, older_than: float) -> list[str]:
     """Delete every run last seen before ``older_than`` with all its rows; their names."""
     doomed = session.execute(select(Run.id, Run.name).where(Run.last_seen < older_than)).all()
     ids = [run_id for run_id, _ in doomed]
-    for start in range(0, len(ids), 500):
-        chunk = ids[start : start + 500]
+    for chunk in chunks(ids):
         for table in (EventRow, Heartbeat, Flight, Message, Agent, Drop, Rank):
             session.execute(delete(table).where(table.run_id.in_(chunk)))
         session.execute(delete(Run).where(Run.id.in_(chunk)))
