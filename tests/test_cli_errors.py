@@ -90,6 +90,24 @@ def test_ports_in_use_are_said_for_http_and_zeromq(tmp_path) -> None:
         assert_one_line(zmq, exitcodes.ADDRESS_IN_USE, "ZeroMQ", "already in use", "--zmq")
 
 
+def test_a_zeromq_port_taken_after_the_probe_is_said_in_one_line(tmp_path) -> None:
+    # Two servers started at once on one port: both probes pass, one bind fails.
+    # The probe is made to pass here; the bind in the ingest thread must say why.
+    (tmp_path / "sitecustomize.py").write_text(
+        "import nand.server.preflight as preflight\n"
+        "preflight.probe_zmq_bind = lambda endpoint: None\n"
+    )
+    path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        db = f"sqlite:///{tmp_path / 'n.db'}"
+        zmq_args = ["--http", "127.0.0.1:0", "--zmq", f"tcp://127.0.0.1:{port}"]
+        done = nand("server", "--db", db, *zmq_args, env={"PYTHONPATH": path})
+    assert_one_line(done, exitcodes.ADDRESS_IN_USE, "ZeroMQ", "already in use", "--zmq")
+
+
 def test_prune_refuses_a_bad_database_in_one_line() -> None:
     done = nand("prune", "--older-than", "30d", "--db", "postgres://db/nand")
     assert_one_line(done, exitcodes.BAD_DATABASE_URL, "postgresql+psycopg://")

@@ -174,6 +174,8 @@ def _duration(text: str) -> float:
 
 
 def cmd_server(args: argparse.Namespace) -> int:
+    import zmq
+
     from nand.server import collector, embedded, preflight
     from nand.server.agents import descriptors
     from nand.server.settings import Settings
@@ -203,6 +205,10 @@ def cmd_server(args: argparse.Namespace) -> int:
     except OSError as exc:  # the HTTP socket: bound before uvicorn starts
         raise preflight.bind_failed(
             "HTTP", "--http", f"{host}:{port}", exc.errno, exc.strerror or str(exc)
+        ) from exc
+    except zmq.ZMQError as exc:  # the agents' port, taken since the probe above
+        raise preflight.bind_failed(
+            "ZeroMQ", "--zmq", zmq_endpoint, exc.errno, exc.strerror
         ) from exc
     collector.spare_long_lived()  # (after start-up: what exists now lives as long as the server)
     print(f"nand server: http={server.http_url} zmq={server.zmq_endpoint}", flush=True)

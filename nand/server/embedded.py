@@ -10,6 +10,7 @@ Used by ``nand server``, by the demo and by the tests::
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
@@ -81,12 +82,7 @@ def start(
         target=server.run, kwargs={"sockets": [sock]}, name="nand-http", daemon=True
     )
     thread.start()
-    deadline = time.monotonic() + timeout
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            server.should_exit = True
-            raise RuntimeError("the nand server did not start; see the log above")
-        time.sleep(0.02)
+    _wait_started(server, thread, app, timeout)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     return EmbeddedServer(
@@ -96,3 +92,37 @@ def start(
         _server=server,
         _thread=thread,
     )
+
+
+def _wait_started(
+    server: uvicorn.Server, thread: threading.Thread, app: FastAPI, timeout: float
+) -> None:
+    """Until uvicorn serves. A start-up that failed raises its own error (a ZeroMQ port
+    taken since the preflight probe: EADDRINUSE, which the CLI says in one line),
+    without uvicorn's traceback of it: the caller decides what to show."""
+    quiet = _QuietOnceRaised(app)
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    uvicorn_log.addFilter(quiet)
+    try:
+        deadline = time.monotonic() + timeout
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                server.should_exit = True
+                error = getattr(app.state, "startup_error", None)
+                if error is not None:
+                    raise error
+                raise RuntimeError("the nand server did not start; see the log above")
+            time.sleep(0.02)
+    finally:
+        uvicorn_log.removeFilter(quiet)
+
+
+class _QuietOnceRaised(logging.Filter):
+    """Drops uvicorn's log lines once the app kept a start-up error to raise."""
+
+    def __init__(self, app: FastAPI) -> None:
+        super().__init__()
+        self.app = app
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return getattr(self.app.state, "startup_error", None) is None

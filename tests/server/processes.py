@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -21,12 +22,17 @@ class ServerProcess:
         self.env = {**os.environ, **env}
         self.proc: subprocess.Popen[str] | None = None
         self.http_url = ""
+        self.stderr: Any = None
+        self._kept = False
 
-    def start(self, timeout: float = 30.0, stderr: Any = subprocess.DEVNULL) -> ServerProcess:
+    def start(self, timeout: float = 30.0, stderr: Any = None) -> ServerProcess:
+        """Start it; ``stderr`` defaults to a temporary file whose end a failed start shows."""
+        self._kept = stderr is None  # (open while the server runs: stop() closes it)
+        self.stderr = stderr if stderr is not None else tempfile.TemporaryFile("w+")  # noqa: SIM115
         command = [
             sys.executable,
             "-m",
-            "nand.server",
+            self.module,
             "server",
             "--db",
             self.db_url,
@@ -36,7 +42,7 @@ class ServerProcess:
             self.zmq_endpoint,
         ]
         self.proc = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=stderr, text=True, env=self.env
+            command, stdout=subprocess.PIPE, stderr=self.stderr, text=True, env=self.env
         )
         deadline = time.monotonic() + timeout
         assert self.proc.stdout is not None
@@ -48,7 +54,14 @@ class ServerProcess:
                 return self
             if not line and self.proc.poll() is not None:
                 break
-        raise RuntimeError(f"server did not start (exit {self.proc.poll()})")
+        raise RuntimeError(f"server did not start (exit {self.proc.poll()}): {self._said()}")
+
+    def _said(self) -> str:
+        """The end of what the server wrote on stderr, when it went to our file."""
+        if not hasattr(self.stderr, "seek"):
+            return "(its stderr was not kept)"
+        self.stderr.seek(0)
+        return self.stderr.read()[-2_000:].strip() or "(nothing on stderr)"
 
     def cpu_seconds(self) -> float:
         """User + system CPU time of the server process so far (Linux /proc)."""
@@ -70,3 +83,5 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+        if self._kept:
+            self.stderr.close()

@@ -59,7 +59,12 @@ def create_app(settings: Settings | None = None, *, ingest: bool = True) -> Fast
         metrics = Metrics()
         loop = Ingest(engine, settings, metrics) if ingest else None
         if loop is not None:
-            loop.start()
+            try:
+                loop.start()
+            except Exception as exc:  # kept for embedded.start to raise: why, not "did not start"
+                app.state.startup_error = exc
+                engine.dispose()
+                raise
         notifier = Notifier(engine, settings, metrics) if settings.notify_urls else None
         if notifier is not None:
             notifier.start()
