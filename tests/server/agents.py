@@ -70,6 +70,9 @@ class FakeAgent:
         self.sock.send(frame)
 
     def hello(self, token: str | None = None, **extra: Any) -> int:
+        return self.send("hello", self.hello_body(token, **extra))
+
+    def hello_body(self, token: str | None = None, **extra: Any) -> dict[str, Any]:
         body: dict[str, Any] = {
             "world_size": self.world_size,
             "host": f"host-{self.rank}",
@@ -81,7 +84,7 @@ class FakeAgent:
         }
         if token is not None:
             body["token"] = token
-        return self.send("hello", body)
+        return body
 
     def heartbeat(self, step: int, dropped: Any = None, **fields: Any) -> int:
         """``dropped``: the agent's cumulative losses by reason, as the transport sends them."""

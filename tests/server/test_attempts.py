@@ -189,11 +189,12 @@ def test_a_reconnecting_agent_stays_in_its_attempt(server, connect) -> None:
     first[0].event(step=5, phase="forward", module="fc1", nan=1)
     finish(first)  # every rank ended: the next new process would start attempt 2
     # The same agent on a new connection (after a network blip: the old one is
-    # gone, a second live connection under its id would be refused), saying hello again.
+    # gone), saying hello again. Until the server has seen the old connection go,
+    # the new one is refused as a second live one: it resends, as a real agent does.
     first[0].close()
     again = connect("same", 0, agent=first[0].agent)
     again.seq = first[0].seq
-    again.hello(TOKEN, pid=100)
+    again.send_until_acked("hello", again.hello_body(TOKEN, pid=100))
     again.heartbeat(6)
     again.wait_acked({again.seq - 1, again.seq})
     assert live(server, "same") == (1, "diverged")
