@@ -14,10 +14,15 @@ done, and other jobs on a shared machine inflate it far less than wall time;
 the wall-clock ratio is printed alongside. Detectors:
 
 - ``none``: the bare training step;
-- ``nand``: ``nand.watch(model, opt)`` with every phase on (the default; on
-  CUDA that reads each step one boundary late, without a sync);
-- ``nand-light``: ``mode="light"``: the root module hooked, no probe per
-  module (its replay on a hit is not timed: a healthy run has none);
+- ``nand``: ``nand.watch(model, opt)``, the default: the light mode since
+  issue 32 (dba3ab2), the root module hooked, no probe per module (its replay
+  on a hit is not timed: a healthy run has none); on CUDA it reads each step
+  one boundary late, without a sync, where the optimizer can skip on the device;
+- ``nand-full``: ``mode="full"``, every phase probed in every module, which
+  ``nand`` was before dba3ab2 (the ``nand`` columns of benchmarks/README's
+  sections from before then);
+- ``nand-light``: ``mode="light"`` said explicitly (``nand`` unless ``NAND_MODE``
+  says otherwise);
 - ``nand-sync``: the same with ``read="sync"`` (the one read per step at the
   boundary: a host-device sync on CUDA; on CPU the same as ``nand``);
 - ``nand-deferred``: ``read="deferred"``, what ``nand`` is on CUDA, forced on
@@ -77,8 +82,15 @@ import nand
 
 Step = Callable[[], None]
 KINDS = ["none", "nand", "naive", "anomaly"]
-ALL_KINDS = [*KINDS, "nand-light", "nand-sync", "nand-deferred", "floor"]
-READS = {"nand": None, "nand-light": None, "nand-sync": "sync", "nand-deferred": "deferred"}
+ALL_KINDS = [*KINDS, "nand-full", "nand-light", "nand-sync", "nand-deferred", "floor"]
+READS = {
+    "nand": None,
+    "nand-full": None,
+    "nand-light": None,
+    "nand-sync": "sync",
+    "nand-deferred": "deferred",
+}
+MODES = {"nand-full": "full", "nand-light": "light"}  # (the others: the default)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,7 +167,7 @@ def make_step(
     opt = make_optimizer(optimizer, model)
     _, inputs, loss_fn = case
     if kind in READS:
-        nand.watch(model, opt, read=READS[kind], mode="light" if kind == "nand-light" else None)
+        nand.watch(model, opt, read=READS[kind], mode=MODES.get(kind))
     elif kind == "naive":
         naive_hooks(model)
     device = next(model.parameters()).device.type

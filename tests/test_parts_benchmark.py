@@ -1,6 +1,7 @@
 """Benchmarks that reach into nand: parts.py patches its internals by name (it
 must still find them, and leaving each part out must leave training running);
-replay_cost.py times its replay (it must still replay the step it plants)."""
+replay_cost.py times its replay (it must still replay the step it plants);
+overhead.py runs each detector the README's commands name."""
 
 from __future__ import annotations
 
@@ -41,3 +42,18 @@ def test_the_replay_cost_benchmark_replays_the_planted_step_and_reports_its_figu
     # The NaN it plants is the one the replay names, in the middle Linear.
     assert "NaN in forward of fc2 (Linear)" in done.stdout, done.stdout
     assert "made by aten::index_fill" in done.stdout, done.stdout
+
+
+def test_the_overhead_benchmark_times_each_mode_of_nand_against_the_bare_step() -> None:
+    detectors = ["none", "floor", "nand", "nand-full", "nand-light", "nand-sync"]
+    quick = ["--quick", "--only", "mlp", "--detectors", *detectors]
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "overhead.py"), *quick],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    rows = {line.split()[0] for line in done.stdout.splitlines() if line.startswith("  ")}
+    assert set(detectors) <= rows, done.stdout
+    assert "switched itself off" not in done.stderr, done.stderr
