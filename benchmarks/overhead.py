@@ -83,14 +83,14 @@ import nand
 Step = Callable[[], None]
 KINDS = ["none", "nand", "naive", "anomaly"]
 ALL_KINDS = [*KINDS, "nand-full", "nand-light", "nand-sync", "nand-deferred", "floor"]
-READS = {
-    "nand": None,
-    "nand-full": None,
-    "nand-light": None,
-    "nand-sync": "sync",
-    "nand-deferred": "deferred",
+#: Each nand detector's ``nand.watch(read=, mode=)`` (None: the default).
+WATCH_ARGS: dict[str, tuple[str | None, str | None]] = {
+    "nand": (None, None),
+    "nand-full": (None, "full"),
+    "nand-light": (None, "light"),
+    "nand-sync": ("sync", None),
+    "nand-deferred": ("deferred", None),
 }
-MODES = {"nand-full": "full", "nand-light": "light"}  # (the others: the default)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,8 +166,9 @@ def make_step(
     model = copy.deepcopy(case[0])
     opt = make_optimizer(optimizer, model)
     _, inputs, loss_fn = case
-    if kind in READS:
-        nand.watch(model, opt, read=READS[kind], mode=MODES.get(kind))
+    if kind in WATCH_ARGS:
+        read, mode = WATCH_ARGS[kind]
+        nand.watch(model, opt, read=read, mode=mode)
     elif kind == "naive":
         naive_hooks(model)
     device = next(model.parameters()).device.type

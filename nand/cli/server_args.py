@@ -26,6 +26,7 @@ a kill, use ``nand stop RUN`` (needs ``NAND_TOKEN``).
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import re
 import signal
@@ -206,7 +207,10 @@ def cmd_server(args: argparse.Namespace) -> int:
         raise preflight.bind_failed(
             "HTTP", "--http", f"{host}:{port}", exc.errno, exc.strerror or str(exc)
         ) from exc
-    except zmq.ZMQError as exc:  # the agents' port, taken since the probe above
+    except zmq.ZMQError as exc:
+        if exc.errno != errno.EADDRINUSE:  # (not the address: a bad CURVE key, say)
+            raise
+        # The agents' port, taken since the probe above (two servers started at once).
         raise preflight.bind_failed(
             "ZeroMQ", "--zmq", zmq_endpoint, exc.errno, exc.strerror
         ) from exc
