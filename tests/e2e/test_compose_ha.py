@@ -128,7 +128,11 @@ def _sink(zmq_port: int, rank: int) -> ServerSink:
     me = Identity(run=RUN, rank=rank, local_rank=rank, world_size=2, host="h", pid=os.getpid())
     spool = tempfile.mkdtemp(prefix="nand-ha-")
     endpoint = f"tcp://127.0.0.1:{zmq_port}"
-    return ServerSink(endpoint, me, token=TOKEN, spool_dir=spool, ack_timeout_s=1.0)
+    # No keepalive: one sent on its own while the other sink flushes (over 10 s on a
+    # loaded host) would be counted as submitted before it was stored.
+    return ServerSink(
+        endpoint, me, token=TOKEN, spool_dir=spool, ack_timeout_s=1.0, keepalive_s=3600.0
+    )
 
 
 def test_through_the_ha_balancer_agents_of_a_killed_server_go_on_at_the_other(
