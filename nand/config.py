@@ -201,7 +201,8 @@ NAND_NOTIFY_TIMEOUT_S = "NAND_NOTIFY_TIMEOUT_S"
 retried later. Default 5."""
 
 NAND_URL = "NAND_URL"
-"""Base URL of the REST API for the CLI (``nand runs``...), or a list (``nand.endpoints``).
+"""Base URL of the REST API for the CLI (``nand runs``...), or a list (``nand.endpoints``:
+every command goes on at the next when one is down).
 Default ``http://127.0.0.1:8080``. Set for a training job, rank 0's start line
 links the run's dashboard page there; set for the server, notifications link
 there (default: the address it serves on)."""

@@ -241,3 +241,34 @@ def test_a_runnable_example_of_the_docs_runs(where: str, code: str, tmp_path: Pa
         timeout=240,
     )
     assert run.returncode == 0, f"{where} failed:\n{run.stderr[-3000:]}"
+
+
+def markdown_links(path: Path) -> list[str]:
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)  # (code is not links)
+    return re.findall(r"\]\(([^)\s]+)\)", text)
+
+
+def heading_ids(path: Path) -> set[str]:
+    """The anchors of a Markdown file's headings, as GitHub and mkdocs make them."""
+    ids = set()
+    for line in path.read_text().splitlines():
+        if m := re.match(r"^#{1,6} (.+?)\s*$", line):
+            words = re.sub(r"[^\w\- ]", "", m.group(1).lower())
+            ids.add(words.replace(" ", "-"))
+    return ids
+
+
+@pytest.mark.parametrize("name", ["README.md", "CONTRIBUTING.md"])
+def test_every_link_of_the_landing_pages_resolves(name: str) -> None:
+    source = ROOT / name
+    links = markdown_links(source)
+    assert links
+    broken = []
+    for link in links:
+        if re.match(r"^[a-z]+:", link):
+            continue  # (no absolute URL is checked: no network in CI)
+        target, _, anchor = link.partition("#")
+        path = (source.parent / target).resolve() if target else source
+        if not path.exists() or (anchor and anchor not in heading_ids(path)):
+            broken.append(link)
+    assert broken == []
