@@ -315,7 +315,7 @@ def _type(schema: dict[str, Any]) -> str:
     if "anyOf" in schema:
         return " or ".join(_type(s) for s in schema["anyOf"])
     if "enum" in schema:
-        return " \\| ".join(f"`{json.dumps(v)}`" for v in schema["enum"])
+        return "one of " + ", ".join(f"`{json.dumps(v)}`" for v in schema["enum"])
     kind = schema.get("type", "any")
     if kind == "array":
         return f"array of {_type(schema.get('items', {}))}"

@@ -87,7 +87,7 @@ docs' "Light and full modes")."""
 NAND_REPLAYS = "NAND_REPLAYS"
 """Replays per run and rank: a new incident's step is run again in process to
 name the aten op and the source line that made the value, and whether it
-happens again (``nand.agent.rerun``; the README's "Replay"). Each micro-step
+happens again (``nand.agent.rerun``; docs/concepts/replay.md). Each micro-step
 then holds references to its inputs and its outputs' gradients until the next
 step. ``0`` turns replay off (nothing held). Default 3."""
 
