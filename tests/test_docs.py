@@ -272,3 +272,11 @@ def test_every_link_of_the_landing_pages_resolves(name: str) -> None:
         if not path.exists() or (anchor and anchor not in heading_ids(path)):
             broken.append(link)
     assert broken == []
+
+
+def test_the_readme_is_a_landing_page_with_the_two_commands_first() -> None:
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 250
+    first_block = text.split("```")[1]
+    assert "scripts/demo" in first_block and "scripts/test" in first_block
+    assert "docs/" in text and "CONTRIBUTING.md" in text
