@@ -92,21 +92,32 @@ def test_every_command_of_the_cli_parser_is_on_its_page(site: Path) -> None:
     assert [n for n in names if f'id="{n.replace(" ", "-")}"' not in text] == []
 
 
-def test_every_route_of_the_server_is_on_the_rest_page(site: Path) -> None:
+def server_operations() -> list[str]:
     from fastapi.routing import APIRoute
 
     from nand.server.http.api import ROUTERS
 
-    operations = [
+    return [
         f"{method} {route.path}"
         for router in ROUTERS
         for route in router.routes
         if isinstance(route, APIRoute) and route.include_in_schema
         for method in route.methods
     ]
+
+
+def test_every_route_of_the_server_is_on_the_rest_page(site: Path) -> None:
+    operations = server_operations()
     assert "POST /api/runs/{run}/stop" in operations
     text = page(site, "reference/rest")
     assert [op for op in operations if f"<code>{op}</code>" not in text] == []
+
+
+def test_the_rest_guide_names_only_calls_the_server_has() -> None:
+    text = (DOCS / "rest-guide.md").read_text()
+    named = re.findall(r"`((?:GET|POST|PUT|DELETE) /[^`?\s]*)", text)
+    assert len(named) >= 10
+    assert sorted(set(named) - set(server_operations())) == []
 
 
 def test_every_message_kind_is_on_its_page_and_in_the_wire_grammar(site: Path) -> None:
