@@ -145,6 +145,34 @@ def test_the_exit_codes_the_scheduler_page_lists_are_the_code_s() -> None:
     assert exitcodes.REPLICA_MISMATCH in listed and exitcodes.TIMEOUT in listed
 
 
+def test_every_option_and_member_of_the_python_api_is_on_its_page() -> None:
+    import inspect
+
+    import nand
+    from nand.agent.api import Watch, watch
+
+    text = (DOCS / "python-api.md").read_text()
+    options = list(inspect.signature(watch).parameters)
+    members = [n for n in vars(Watch) if not n.startswith("_")]
+    assert {"on_event", "mode"} <= set(options) and {"first", "close"} <= set(members)
+    assert [o for o in options if f"| `{o}` |" not in text] == []
+    assert [m for m in members if not re.search(rf"^\| `{m}[`(]", text, re.M)] == []
+    assert [n for n in nand.__all__ if f"`{n}`" not in text] == []
+
+
+def test_every_error_nand_raises_is_in_the_hierarchy_its_docstring_draws() -> None:
+    from nand import errors
+
+    classes = [
+        name
+        for name, value in vars(errors).items()
+        if isinstance(value, type) and issubclass(value, errors.NandError)
+    ]
+    assert "EarlyWarning" in classes
+    tree = errors.__doc__ or ""
+    assert [c for c in classes if not re.search(rf"(^\s*|── ){c} ", tree, re.M)] == []
+
+
 #: Variables whose stated default is not a value of the variable itself.
 DEFAULT_FROM_ELSEWHERE = {
     "NAND_RUN": "the launcher's id (TORCHELASTIC_RUN_ID, SLURM_JOB_ID), else one agreed",
