@@ -273,6 +273,7 @@ def wire_page() -> str:
     for kind, direction, grammar in wire_kinds():
         code = str(codes.get(kind, "—"))
         lines.append(f"| `{kind}` | {direction} | {code} | {cell(rst_to_md(grammar))} |")
+    lines += ["", "## What each part does with a kind", "", *kind_handling()]
     lines += [
         "",
         "Commands a server sends (`command`): "
@@ -288,6 +289,44 @@ def wire_page() -> str:
         "```",
     ]
     return "\n".join(lines) + "\n"
+
+
+def kind_handling() -> list[str]:
+    """A table of what the spool and the ingest do with each agent kind: from the
+    table of kinds (``nand.wire.kinds.KINDS``) where the code has one, else from
+    the lists the spool and the backlog keep."""
+    try:
+        from nand.wire.kinds import KINDS  # type: ignore[import-not-found]
+    except ImportError:
+        KINDS = None
+    header = [
+        "| kind | spool code | dropped from a full spool | written before queued heartbeats |",
+        "|---|---|---|---|",
+    ]
+    if KINDS is not None:
+        header[0] += " stored in | what it carries |"
+        header[1] += "---|---|"
+        rows = []
+        for k in KINDS:
+            if k.sender != "agent":
+                continue
+            drop = "never" if k.spool_drop is None else f"{k.spool_drop + 1}."  # (0: first)
+            stored = ", ".join(f"`{t}`" for t in k.stored_in)
+            first = "yes" if k.decides_verdict else ""
+            rows.append(
+                f"| `{k.name}` | {k.code} | {drop} | {first} | {stored} | {cell(k.about)} |"
+            )
+        return header + rows
+    from nand import wire
+    from nand.agent.transport.spool import DROP_ORDER, KIND_CODES
+    from nand.server.agents.backlog import FIRST_KINDS
+
+    rows = []
+    for kind in wire.AGENT_KINDS:
+        drop = f"{DROP_ORDER.index(kind) + 1}." if kind in DROP_ORDER else "never"
+        first = "yes" if kind in FIRST_KINDS else ""
+        rows.append(f"| `{kind}` | {KIND_CODES[kind]} | {drop} | {first} |")
+    return header + rows
 
 
 # --- the REST API (the server's OpenAPI document) -----------------------------
