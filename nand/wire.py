@@ -16,6 +16,9 @@ Every message is one msgpack map (one ZeroMQ frame)::
       flight     body = {"flight": FlightWindow.to_dict(), "reason": str}
       fingerprint body = {"step", "names", "values", "group"?}: see _validate_fingerprint
       bye        body = {"step": int, "reason": str}
+      warning    body = Alert.to_dict(): an early warning, never an incident: "kind" (one
+                 of WARNING_KINDS in nand.events), "step", "module"?, "value"?,
+                 "reference"?, "message"?: see _validate_warning
 
     server → agent:
       ack        {"agent": str?, "seqs": [int, ...]}  committed; the agent may forget them.
