@@ -37,6 +37,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from typing import Any
 
 from nand import config, exitcodes
@@ -45,6 +46,8 @@ from nand.client import ApiError, request_json, run_url
 from nand.errors import CommandError
 from nand.runids import run_id_from, run_problem
 
+#: Seconds a diverged run's verdict may take to name the rank that made the value.
+SETTLE_S = 10.0
 #: The states ``--on`` takes (``mismatch``: ``replica_mismatch``).
 ON_STATES = ("diverged", "mismatch", "lost", "stalled", "crashed")
 EPILOG = """exit code: COMMAND's (128 + N when a signal N ended it); when the watchdog
@@ -85,6 +88,14 @@ def register(subparsers: Any) -> None:
         type=float,
         default=10.0,
         help="outside Slurm: seconds from SIGTERM to SIGKILL of COMMAND's processes (10)",
+    )
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=SETTLE_S,
+        help="on diverged: seconds to wait, at most, for the rank that made the value to "
+        "report it before the job is ended, while the verdict's origin is still a rank that "
+        f"received it through a collective ({SETTLE_S:g})",
     )
     parser.add_argument("--url", help=URL_HELP)
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- the training command")
@@ -180,13 +191,13 @@ def cmd_watchdog(args: argparse.Namespace) -> int:
     while not follower.reached.wait(0.2):
         if child.poll() is not None:
             return _exit_code(child.returncode)
+    _print_verdict(follower.base, run, args.settle if follower.state == "diverged" else 0.0)
     return _end_job(child, follower, args.grace)
 
 
 def _end_job(child: subprocess.Popen[bytes], follower: Follower, grace: float) -> int:
-    """The run reached a state of ``--on``: the verdict, then the job ended."""
+    """The run reached a state of ``--on``: the job ended."""
     run = follower.args.run
-    _print_verdict(follower.base, run)
     job = os.environ.get("SLURM_JOB_ID")
     if job and _scancel(job, run):
         child.wait()  # (Slurm ends it, and this process with it, after KillWait at most)
@@ -215,14 +226,28 @@ def _scancel(job: str, run: str) -> bool:
     return True
 
 
-def _print_verdict(base: str, run: str) -> None:
+def _print_verdict(base: str, run: str, settle: float) -> None:
+    """The verdict on stderr, once it names where the value was made: a rank that
+    got it through a collective reports first; the one that made it reports after
+    its replay (the light mode), and a job cancelled before that loses the answer."""
+    deadline = time.monotonic() + settle
     try:
         verdict = request_json(run_url(base, run, "/verdict"))
+        if _received(verdict) and settle > 0:
+            say(f"waiting up to {settle:g} s for the rank that made it to report")
+        while _received(verdict) and time.monotonic() < deadline:
+            time.sleep(0.1)
+            verdict = request_json(run_url(base, run, "/verdict"))
     except (ApiError, OSError) as exc:
         say(f"no verdict for {run!r} from {base}: {exc}")
         return
     print(f"{verdict['run']}: {verdict['state']}", file=sys.stderr)
     print(verdict["summary"], file=sys.stderr, flush=True)
+
+
+def _received(verdict: dict[str, Any]) -> bool:
+    origin = verdict.get("origin") or {}
+    return bool(origin.get("cause") == "received")
 
 
 def _forward_signals(child: subprocess.Popen[bytes]) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import time_to_cancel
 from nand import exitcodes
 from nand.server.embedded import EmbeddedServer
 from tests.e2e import slurm
@@ -75,17 +76,26 @@ def rank_pid(job: str, rank: int) -> int:
 
 
 def ended(cluster: slurm.Cluster, job: str, out: Path, timeout: float = 240.0) -> dict:
-    """The job's final fields, once Slurm says its processes are gone; nothing of it is left."""
+    """The job's final fields, once Slurm says its processes are gone; then nothing of
+    it may be left on the node."""
     try:
         fields = cluster.wait_for_state(job, slurm.FINAL_STATES, timeout)
     except AssertionError as exc:
-        raise AssertionError(f"{exc}\n{log_of(out)}\n{cluster.logs()}") from None
+        raise AssertionError(f"{exc}\n{tail(log_of(out))}\n{cluster.logs()}") from None
+    # (Slurm may say so a moment before the last of them is reaped)
+    deadline = time.monotonic() + 10.0
+    while job_processes(job) and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert job_processes(job) == {}, f"left on the node after the job: {job_processes(job)}"
     return fields
 
 
 def log_of(out: Path) -> str:
-    return out.read_text(errors="replace")[-5000:] if out.exists() else "(no job output)"
+    return out.read_text(errors="replace") if out.exists() else "(no job output)"
+
+
+def tail(log: str) -> str:
+    return log[-5000:]
 
 
 def reporting(base: str, job: str, step: int, attempt: int = 1) -> None:
@@ -105,7 +115,7 @@ def test_a_diverging_job_is_cancelled_by_its_watchdog_and_nothing_of_it_is_left(
     job = submit(slurm_cluster, server, out, *LONG, "--fault", FAULT)
     fields = ended(slurm_cluster, job, out)
     log = log_of(out)
-    assert fields["JobState"] == "CANCELLED", log
+    assert fields["JobState"] == "CANCELLED", tail(log)
     [completion] = [c for c in slurm_cluster.completions() if c["JobId"] == job]
     assert completion["JobState"] == "CANCELLED"
     verdict = api(server.http_url, job, "/verdict")
@@ -117,8 +127,12 @@ def test_a_diverging_job_is_cancelled_by_its_watchdog_and_nothing_of_it_is_left(
         FAULT_STEP,
         "forward",
     ), verdict["summary"]
-    assert f"cancelling Slurm job {job} (scancel)" in log, log
-    assert verdict["summary"] in log, log  # the verdict, in the job's own output
+    assert f"cancelling Slurm job {job} (scancel)" in log, tail(log)
+    assert verdict["summary"] in log, tail(log)  # the verdict, in the job's own output
+    # (benchmarks/time_to_cancel.py reads the watchdog's timed lines from such a log)
+    marks = time_to_cancel.watchdog_times(log)
+    assert set(marks) == {"t_watchdog", "t_scancel", "t_cancelled"}, tail(log)
+    assert marks["t_watchdog"] <= marks["t_scancel"] <= marks["t_cancelled"], tail(log)
     assert api(server.http_url, job)["latest_step"] < 1000, "the job ran on after diverging"
 
 
@@ -129,8 +143,8 @@ def test_a_healthy_job_completes_untouched_and_its_watchdog_exits_with_it(
     job = submit(slurm_cluster, server, out, "--steps", "20")
     fields = ended(slurm_cluster, job, out)
     log = log_of(out)
-    assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), log
-    assert "cancelling" not in log, log
+    assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), tail(log)
+    assert "cancelling" not in log, tail(log)
     summary = wait_for(
         lambda: (s := api(server.http_url, job))["state"] == "finished" and s, 30, "finished"
     )
@@ -146,7 +160,7 @@ def test_a_rank_killed_mid_run_is_lost_and_the_job_ends(slurm_cluster, server, t
     fields = ended(slurm_cluster, job, out)
     log = log_of(out)
     assert fields["JobState"] == "FAILED", log  # srun --kill-on-bad-exit ended the step
-    assert "cancelling" not in log, log
+    assert "cancelling" not in log, tail(log)
 
     def lost() -> dict | None:
         verdict = api(server.http_url, job, "/verdict")
@@ -171,14 +185,14 @@ def test_nand_stop_ends_the_job_at_one_step_on_every_rank(slurm_cluster, server,
     assert stop.returncode == exitcodes.OK, stop.stderr
     fields = ended(slurm_cluster, job, out)
     log = log_of(out)
-    assert fields["JobState"] != "CANCELLED" and "cancelling" not in log, log
+    assert fields["JobState"] != "CANCELLED" and "cancelling" not in log, tail(log)
     step = api(server.http_url, job, "/verdict")["stop"]["step"]
     assert f"at step {step} or the next" in stop.stdout
     stopped = [line for line in log.splitlines() if "stopping on request" in line]
     assert sorted(stopped) == [
         f"nand.demo.trainer WARNING rank {rank}: stopping on request at step {step}"
         for rank in (0, 1)
-    ], log
+    ], tail(log)
     assert api(server.http_url, job)["latest_step"] < 1000
 
 
@@ -192,7 +206,7 @@ def test_a_requeued_job_is_a_new_attempt_of_the_same_run(slurm_cluster, server, 
     slurm_cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")
     fields = ended(slurm_cluster, job, out)
     log = log_of(out)
-    assert (fields["JobState"], fields["Restarts"]) == ("COMPLETED", "1"), log
+    assert (fields["JobState"], fields["Restarts"]) == ("COMPLETED", "1"), tail(log)
     run = wait_for(
         lambda: (s := api(server.http_url, job))["state"] == "finished" and s, 30, "finished"
     )
@@ -200,7 +214,7 @@ def test_a_requeued_job_is_a_new_attempt_of_the_same_run(slurm_cluster, server, 
     first = api(server.http_url, job, "?attempt=1")
     assert (first["launch"], first["live"]) == (f"{job}.0", False)
     assert first["latest_step"] < 60
-    assert "cancelling" not in log, log
+    assert "cancelling" not in log, tail(log)
 
 
 def test_slurm_job_processes_are_found_by_their_environment(slurm_cluster, tmp_path):

@@ -115,3 +115,30 @@ def test_the_watchdog_refuses_no_command_and_no_run_id(tmp_path):
             timeout=60,
         )
         assert done.returncode == exitcodes.USAGE and said in done.stderr, done.stderr
+
+
+def test_the_watchdog_waits_for_the_rank_that_made_the_value_before_ending_the_job(
+    nand_server, tmp_path
+):
+    """A rank that received the value through the all-reduce reports first; the one
+    that made it reports after its replay. Cancelled in between, the job would
+    lose the answer: the watchdog waits (``--settle``) for it."""
+    ranks = [FakeAgent(nand_server.zmq_endpoint, run="s", rank=r, world_size=2) for r in (0, 1)]
+    try:
+        for agent in ranks:
+            agent.hello(TOKEN, launch="L")
+            agent.heartbeat(3, steps_per_s=1.0)
+            agent.wait_acked()
+        proc = watchdog(nand_server.http_url, tmp_path, "--run", "s", "--launch", "L")
+        started(tmp_path)
+        ranks[0].event(step=5, phase="grad", module="fc1.weight", cause="received", nan=1)
+        said = "waiting up to 10 s for the rank that made it"
+        wait_for(lambda: said in (tmp_path / "stderr").read_text(), 60, "the watchdog to wait")
+        assert proc.poll() is None
+        ranks[1].event(step=5, phase="forward", module="fc2", cause="produced", nan=1)
+        assert proc.wait(60) == exitcodes.DIVERGED
+    finally:
+        for agent in ranks:
+            agent.close()
+    err = (tmp_path / "stderr").read_text()
+    assert "s: diverged\nrank 1 produced" in err, err
