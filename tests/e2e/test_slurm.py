@@ -237,3 +237,32 @@ def test_slurm_job_processes_are_found_by_their_environment(slurm_cluster, tmp_p
     slurm_cluster.run("scancel", job)
     assert slurm_cluster.wait_for_state(job, slurm.FINAL_STATES, 60)["JobState"] == "CANCELLED"
     assert job_processes(job) == {}
+
+
+def test_a_second_cluster_on_the_machine_does_not_meet_the_first(slurm_cluster):
+    """Another test session's cluster (its own ports, directory, munge key) runs
+    steps beside this one, and stopping it leaves this one working."""
+    with slurm.cluster() as other:
+        assert other.conf != slurm_cluster.conf
+        assert other.run("srun", "--ntasks=2", "echo", "other").split() == ["other", "other"]
+        assert slurm_cluster.run("srun", "--ntasks=1", "echo", "this").split() == ["this"]
+    assert slurm.processes_with_env("SLURM_CONF", str(other.conf)) == []
+    assert slurm_cluster.run("srun", "--ntasks=1", "echo", "still").split() == ["still"]
+
+
+def test_the_gpu_example_and_the_readme_run_the_step_as_the_tested_example_does():
+    """train.sbatch (2 nodes x 8 GPUs, never run here) and the README's Slurm
+    section launch the step the way train_cpu.sbatch, which runs above, does."""
+
+    def launch_line(path: Path) -> str:
+        [line] = [w for w in path.read_text().splitlines() if w.startswith("nand watchdog")]
+        return line
+
+    tested = launch_line(SCRIPT)
+    assert tested.startswith("nand watchdog -- srun --kill-on-bad-exit=1 torchrun")
+    assert launch_line(SCRIPT.with_name("train.sbatch")) == tested
+    readme = (REPO / "README.md").read_text()
+    assert "nand watchdog -- srun --kill-on-bad-exit=1 torchrun ... train.py" in readme
+    for name in ("train.sbatch", "train_cpu.sbatch"):
+        text = (SCRIPT.parent / name).read_text()
+        assert "NAND_RUN" not in text and "scancel" not in text.replace("(scancel)", "")
