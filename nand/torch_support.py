@@ -17,6 +17,18 @@ import re
 
 #: The oldest torch nand works on (major, minor).
 TORCH_MIN = (2, 4)
+#: The newest torch release CI tests (raise it when torch releases; the
+#: release steps in CONTRIBUTING.md say so).
+TORCH_NEWEST_TESTED = "2.15.0"
+
+
+def torches_tested() -> tuple[str, str]:
+    """The oldest supported and the newest torch CI runs the agent's tests on.
+
+    >>> torches_tested()
+    ('2.4.0', '2.15.0')
+    """
+    return f"{TORCH_MIN[0]}.{TORCH_MIN[1]}.0", TORCH_NEWEST_TESTED
 
 
 def installed_torch() -> str | None:
