@@ -30,7 +30,7 @@ import pytest
 import nand
 from tests.server.pg import Cluster, start_cluster
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # (the venv's set-up: minutes)
 
 ROOT = Path(__file__).resolve().parent.parent
 WEB = ROOT / "nand" / "web"
