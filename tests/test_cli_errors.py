@@ -71,7 +71,7 @@ def test_postgres_without_the_extra_names_the_extra(tmp_path) -> None:
     (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['psycopg'] = None\n")
     path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
     done = nand(*SERVER_ARGS, "--db", "postgresql+psycopg://u@db/n", env={"PYTHONPATH": path})
-    assert_one_line(done, exitcodes.MISSING_EXTRA, "pip install 'nand[postgres]'")
+    assert_one_line(done, exitcodes.MISSING_EXTRA, "pip install 'nand-torch[postgres]'")
 
 
 def test_ports_in_use_are_said_for_http_and_zeromq(tmp_path) -> None:

@@ -57,7 +57,8 @@ def run_demo(args: argparse.Namespace) -> int:
         from nand.server import embedded
     except ImportError as exc:
         print(
-            f"nand demo needs the agent and server extras: pip install 'nand[agent,server]' ({exc})"
+            "nand demo needs the agent and server extras: "
+            f"pip install 'nand-torch[agent,server]' ({exc})"
         )
         return 2
     # The demo's output is its own story; the server's log would interleave.
