@@ -15,9 +15,9 @@ Its sub-systems, one folder each::
                summary.py (the sentences), origins.py, replicas.py, outliers.py, hosts.py,
                losses.py, alerts.py, stoprule.py, runsummary.py (the one run summary),
                views.py (rows → REST bodies), rankpage.py, bigrun.py + series.py (big runs)
+    schemas/   the REST bodies, one module per resource (runs, verdict, ranks...)
     http/      app.py (create_app + lifespan), api/ (one router per resource),
-               schemas.py (REST bodies), guard.py, bodylimit.py, asgi.py, timing.py,
-               hub.py (event streams)
+               guard.py, bodylimit.py, asgi.py, timing.py, hub.py (event streams)
     notify/    notifier.py → detect.py (which runs changed) → send.py (webhooks)
 
 Beside them: settings.py, embedded.py (a whole server in a thread on free ports),

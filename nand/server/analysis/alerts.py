@@ -25,7 +25,7 @@ from sqlalchemy.orm import Session
 from nand.events import WARNING_KINDS, WarningKind
 from nand.server.agents.attempts import RunIds
 from nand.server.agents.sanitize import clean_str
-from nand.server.http.schemas import WarningOut, WarningsSummary
+from nand.server.schemas.warnings import WarningOut, WarningsSummary
 from nand.server.storage.models import Run, WarningRow
 
 

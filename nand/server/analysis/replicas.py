@@ -36,7 +36,7 @@ from sqlalchemy import update as sql_update
 
 from nand.events import RunState
 from nand.server.agents.attempts import RunIds
-from nand.server.http.schemas import ReplicaCheck
+from nand.server.schemas.verdict import ReplicaCheck
 from nand.server.storage.db import insert_ignoring_conflicts
 from nand.server.storage.models import Fingerprint, Run
 

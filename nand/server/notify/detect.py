@@ -27,7 +27,7 @@ from sqlalchemy.orm import Session
 
 from nand.server.analysis import views
 from nand.server.http.guard import WILDCARD_HOSTS
-from nand.server.http.schemas import Verdict
+from nand.server.schemas.verdict import Verdict
 from nand.server.settings import Settings
 from nand.server.storage import store
 from nand.server.storage.db import insert_ignoring_conflicts

@@ -14,8 +14,8 @@ from sqlalchemy.orm import Session
 from nand.runids import run_problem
 from nand.server.agents.ingest import Ingest
 from nand.server.http.hub import StreamHub
-from nand.server.http.schemas import Problem
 from nand.server.metrics import Metrics
+from nand.server.schemas.problem import Problem
 from nand.server.settings import Settings
 from nand.server.storage import store
 from nand.server.storage.models import Run

@@ -7,19 +7,15 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Query
 
-from nand.server.agents.sanitize import INT32, finite
+from nand.server.agents.sanitize import finite
 from nand.server.analysis import bigrun, rankpage, series, views
 from nand.server.http.api.deps import UNKNOWN_RUN, RunDep, SessionDep, SettingsDep
-from nand.server.http.schemas import (
-    FlightOut,
-    Problem,
-    RankPage,
-    RankSeries,
-    RunDetail,
-    RunSummary,
-    SeriesPoint,
-)
+from nand.server.schemas.flight import FlightOut
+from nand.server.schemas.problem import Problem
+from nand.server.schemas.ranks import RankPage, RankSeries, SeriesPoint
+from nand.server.schemas.runs import RunDetail, RunSummary
 from nand.server.storage import store
+from nand.server.storage.bounds import INT32
 
 router = APIRouter(prefix="/api/runs", tags=["runs"])
 

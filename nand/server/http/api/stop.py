@@ -19,7 +19,8 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from nand.server.analysis import stoprule, views
 from nand.server.http.api.deps import RunDep, SessionDep, SettingsDep
-from nand.server.http.schemas import Problem, StopRequest, StopResponse
+from nand.server.schemas.problem import Problem
+from nand.server.schemas.stop import StopRequest, StopResponse
 from nand.server.storage import store
 from nand.server.storage.models import Rank, Run
 

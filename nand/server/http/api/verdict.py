@@ -8,7 +8,7 @@ from fastapi import APIRouter
 
 from nand.server.analysis import bigrun, views
 from nand.server.http.api.deps import UNKNOWN_RUN, RunDep, SessionDep, SettingsDep
-from nand.server.http.schemas import Verdict
+from nand.server.schemas.verdict import Verdict
 from nand.server.storage import store
 
 router = APIRouter(prefix="/api/runs", tags=["verdict"])
