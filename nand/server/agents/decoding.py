@@ -23,7 +23,7 @@ from nand.runids import MAX_RUN_CHARS
 from nand.server.agents.sanitize import _BODY_LIMITS, out_of_range
 from nand.server.storage.bounds import INT32, INT64
 
-#: The heartbeat's optional figures (``wire._validate_heartbeat``): a number or absent.
+#: The heartbeat's optional figures (``wire.checks.heartbeat``): a number or absent.
 _FIGURES = ("steps_per_s", "loss", "grad_norm", "max_activation", "amp_scale")
 _NUMBER_OR_NONE = (int, float, type(None))
 #: Loss reasons seen valid (``wire.DROP_REASON_PATTERN``), so the pattern runs once each.
@@ -105,7 +105,7 @@ def _plain_dropped(dropped: Any) -> bool:
 
 
 def _plain_norms(pairs: Any) -> bool:
-    """``wire._validate_local_norms`` would pass them: ``[[step, norm], ...]``."""
+    """``wire.checks._validate_local_norms`` would pass them: ``[[step, norm], ...]``."""
     if pairs is None:
         return True
     if type(pairs) is not list or len(pairs) > wire.MAX_LOCAL_NORMS:
