@@ -73,13 +73,22 @@ from nand.wire.checks import (
     validate_dropped,
     validate_event_dict,
 )
-from nand.wire.kinds import AGENT_KINDS, BY_NAME, KINDS, REASONS, SERVER_KINDS, Kind
+from nand.wire.kinds import (
+    AGENT_KINDS,
+    BY_NAME,
+    IDENTITY_REASONS,
+    KINDS,
+    REASONS,
+    SERVER_KINDS,
+    Kind,
+)
 
 __all__ = [
     "AGENT_KINDS",
     "COMMANDS",
     "DEFAULT_MAX_BYTES",
     "DROP_REASON_PATTERN",
+    "IDENTITY_REASONS",
     "KINDS",
     "MAX_DROP_COUNT",
     "MAX_DROP_REASONS",

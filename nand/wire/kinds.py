@@ -147,3 +147,7 @@ REASONS = (
     "bad_field",
     "unauthenticated",
 )
+#: Why a server refuses an agent's identity (a ``reject``'s reason besides
+#: ``unauthenticated``): another process holds its agent id or rank, or its run
+#: id cannot be one (``nand.runids``).
+IDENTITY_REASONS = ("identity_mismatch", "agent_in_use", "bad_run")

@@ -20,8 +20,8 @@ import msgpack
 from nand import wire
 from nand.errors import WireError
 from nand.runids import MAX_RUN_CHARS
-from nand.server.agents.sanitize import _BODY_LIMITS, out_of_range
 from nand.server.storage.bounds import INT32, INT64
+from nand.server.storage.sanitize import _BODY_LIMITS, out_of_range
 
 #: The heartbeat's optional figures (``wire.checks.heartbeat``): a number or absent.
 _FIGURES = ("steps_per_s", "loss", "grad_norm", "max_activation", "amp_scale")

@@ -17,14 +17,14 @@ from typing import Any
 from sqlalchemy import Connection, bindparam, case, insert, select, tuple_
 from sqlalchemy import update as sql_update
 
-from nand.server.agents import bulk
 from nand.server.agents import rows as build
-from nand.server.agents.attempts import RunIds
-from nand.server.agents.sanitize import clean_str
 from nand.server.analysis import alerts, losses, outliers, replicas
 from nand.server.analysis import firsts as firsts_mod
+from nand.server.storage import bulk
 from nand.server.storage.db import insert_ignoring_conflicts
 from nand.server.storage.models import Agent, EventRow, Flight, Heartbeat, Rank, Run
+from nand.server.storage.runids import RunIds
+from nand.server.storage.sanitize import clean_str
 
 
 @dataclass

@@ -21,13 +21,13 @@ from sqlalchemy import Connection, Engine, select
 from sqlalchemy.exc import IntegrityError
 
 from nand.server.agents import attempts, stores
-from nand.server.agents.attempts import RunIds
 from nand.server.agents.seqs import highest_seqs
 from nand.server.analysis import losses
 from nand.server.settings import Settings
 from nand.server.storage import runlock
 from nand.server.storage.db import chunks
 from nand.server.storage.models import Message
+from nand.server.storage.runids import RunIds
 
 Key = tuple[str, int]
 

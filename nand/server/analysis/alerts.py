@@ -23,10 +23,10 @@ from sqlalchemy import update as sql_update
 from sqlalchemy.orm import Session
 
 from nand.events import WARNING_KINDS, WarningKind
-from nand.server.agents.attempts import RunIds
-from nand.server.agents.sanitize import clean_str
 from nand.server.schemas.warnings import WarningOut, WarningsSummary
 from nand.server.storage.models import Run, WarningRow
+from nand.server.storage.runids import RunIds
+from nand.server.storage.sanitize import clean_str
 
 
 def store(conn: Connection, messages: list[dict[str, Any]], run_ids: RunIds) -> None:

@@ -35,10 +35,10 @@ from sqlalchemy import Connection, delete, select
 from sqlalchemy import update as sql_update
 
 from nand.events import RunState
-from nand.server.agents.attempts import RunIds
 from nand.server.schemas.verdict import ReplicaCheck
 from nand.server.storage.db import insert_ignoring_conflicts
 from nand.server.storage.models import Fingerprint, Run
+from nand.server.storage.runids import RunIds
 
 #: Fingerprinted steps kept per run (the comparison needs the latest only).
 KEEP_STEPS = 8
