@@ -66,13 +66,21 @@ def _plain_heartbeat(message: dict[str, Any]) -> bool:
     )
     sent, body = message.get("time"), message.get("body")
     if not (
-        type(agent) is str and 0 < len(agent) <= 128 and "\x00" not in agent
-        and type(run) is str and 0 < len(run) <= MAX_RUN_CHARS and "\x00" not in run
-        and type(seq) is int and 0 <= seq <= INT64
-        and type(rank) is int and 0 <= rank <= INT32
-        and type(sent) is float and math.isfinite(sent)
-        and type(body) is dict and "event" not in body
-    ):  # fmt: skip
+        type(agent) is str
+        and 0 < len(agent) <= 128
+        and "\x00" not in agent
+        and type(run) is str
+        and 0 < len(run) <= MAX_RUN_CHARS
+        and "\x00" not in run
+        and type(seq) is int
+        and 0 <= seq <= INT64
+        and type(rank) is int
+        and 0 <= rank <= INT32
+        and type(sent) is float
+        and math.isfinite(sent)
+        and type(body) is dict
+        and "event" not in body
+    ):
         return False
     step = body.get("step")
     if not (type(step) is int and 0 <= step <= INT32):

@@ -51,8 +51,15 @@ def run_info(body: dict[str, Any]) -> dict[str, Any]:
 
 #: The ``heartbeats`` columns :func:`heartbeat_values` fills, in its order.
 HEARTBEAT_COLUMNS = (
-    "run_id", "rank", "time", "step", "loss", "grad_norm", "steps_per_s", "max_activation",
-)  # fmt: skip
+    "run_id",
+    "rank",
+    "time",
+    "step",
+    "loss",
+    "grad_norm",
+    "steps_per_s",
+    "max_activation",
+)
 
 
 def heartbeat_values(message: dict[str, Any], run_id: int) -> tuple[Any, ...]:

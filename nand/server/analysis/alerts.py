@@ -119,7 +119,12 @@ def warning_kind(value: str) -> WarningKind:
 
 def _out(row: WarningRow) -> WarningOut:
     return WarningOut(
-        rank=row.rank, step=row.step, kind=warning_kind(row.kind), module=row.module,
+        rank=row.rank,
+        step=row.step,
+        kind=warning_kind(row.kind),
+        module=row.module,
         value=row.value,
-        reference=row.reference, message=row.message, time=row.time,
-    )  # fmt: skip
+        reference=row.reference,
+        message=row.message,
+        time=row.time,
+    )

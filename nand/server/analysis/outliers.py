@@ -210,10 +210,16 @@ def _warn(conn: Connection, run_id: int, step: int, outlier: Outlier) -> None:
     if conn.execute(select(recent)).scalar():
         return
     row = {
-        "run_id": run_id, "rank": outlier.rank, "step": step, "kind": KIND, "module": "",
-        "value": outlier.norm, "reference": outlier.median, "message": sentence(outlier, step),
+        "run_id": run_id,
+        "rank": outlier.rank,
+        "step": step,
+        "kind": KIND,
+        "module": "",
+        "value": outlier.norm,
+        "reference": outlier.median,
+        "message": sentence(outlier, step),
         "time": time.time(),
-    }  # fmt: skip
+    }
     alerts.insert_rows(conn, [row])
 
 

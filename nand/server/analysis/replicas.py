@@ -83,12 +83,15 @@ def _compare(conn: Connection, run_id: int, step: int) -> None:
         return
     found = conn.execute(
         select(
-            Fingerprint.rank, Fingerprint.digest, Fingerprint.names, Fingerprint.values,
+            Fingerprint.rank,
+            Fingerprint.digest,
+            Fingerprint.names,
+            Fingerprint.values,
             Fingerprint.replica_group,
         )
         .where(Fingerprint.run_id == run_id, Fingerprint.step == step)
         .order_by(Fingerprint.rank)
-    ).all()  # fmt: skip
+    ).all()
     groups: dict[str, list[Any]] = {}
     for row in found:
         groups.setdefault(row.replica_group, []).append(row)
