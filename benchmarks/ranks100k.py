@@ -167,6 +167,8 @@ def _latency_at(servers: list[ServerProcess], world: int, args: argparse.Namespa
     sender.start()
     seen, origins = _watch_probes(servers[0], plan, sender)
     sender.join()
+    verdict = httpx.get(f"{servers[0].http_url}/api/runs/{plan.run}/verdict", timeout=60).json()
+    final = loadgen.PROBE_STEP - (verdict.get("origin") or {}).get("step", loadgen.PROBE_STEP + 1)
     sent = {int(i): t for tally in tallies for i, t in tally["probes_sent"].items()}
     left = {int(i): t for tally in tallies for i, t in tally["probes_left"].items()}
     waits = sorted(seen[i] - sent[i] for i in sent if i in seen)
@@ -174,10 +176,13 @@ def _latency_at(servers: list[ServerProcess], world: int, args: argparse.Namespa
         return f"{world:,} ranks: no probe seen ({len(sent)}/{plan.probes} sent)"
     # (the same from when each probe left the load generator's shared window)
     after_window = sorted(seen[i] - left[i] for i in left if i in seen)
+    # The last probe has the earliest step: once every probe is in, it is the origin.
+    last = "the last one at the end" if final == plan.probes - 1 else "NOT the last one at the end"
+    named = len(origins & set(seen))
     return (
         f"{world:,} ranks: event -> verdict {_p50_p99(waits)} ({len(waits)}/{plan.probes} "
-        f"probes in it, {len(origins & set(seen))} named as its origin; {len(sent)} sent on "
-        f"schedule); from leaving the shared window {_p50_p99(after_window)}; peak RSS MB "
+        f"probes in it, {named} named as its origin, {last}; {len(sent)} sent on schedule); "
+        f"from leaving the shared window {_p50_p99(after_window)}; peak RSS MB "
         + ", ".join(f"{peak_rss_mb(s):.0f}" for s in servers)
     )
 

@@ -72,6 +72,7 @@ def test_on_event_gets_every_incident_and_warning_the_log_gets_as_event_and_aler
     assert as_given == from_file(tmp_path)
 
 
+@pytest.mark.nand_internal_error_expected  # (the user's callback fails, with its traceback)
 def test_an_on_event_that_raises_is_logged_once_and_training_and_the_others_go_on(tmp_path, caplog):
     def broken(report: object) -> None:
         raise RuntimeError("the pager is down")

@@ -19,6 +19,7 @@ from nand.agent.transport.server_sink import ServerSink
 from nand.config import TransportConfig
 from nand.events import Event, FlightWindow, StepSummary
 from nand.testing import Receiver, free_endpoint
+from tests.server.helpers import eventually
 
 ME = Identity(run="run-t", rank=1, local_rank=1, world_size=2, host="host-a", pid=123)
 FAST = {"ack_timeout_s": 0.3, "connect_grace_s": 0.1, "poll_interval_s": 0.02}
@@ -110,27 +111,17 @@ def test_nothing_listening_keeps_memory_and_disk_within_limits_and_keeps_first_i
     sink.hello({"modules": [{"name": f"layer{i}"} for i in range(20)]})
     sink.event(Event(run="run-t", module="first"), _flight())
     sink.event(Event(run="run-t", module="second"), None)
-    calls: list[float] = []
     peak = 0
     for step in range(5000):
-        t0 = time.perf_counter()
         sink.heartbeat(StepSummary(step=step))
-        calls.append(time.perf_counter() - t0)
         peak = max(peak, sink.stats().get("memory_frames", 0), sink.stats()["queued"])
-        if step % 500 == 0:
-            time.sleep(0.05)  # let the sender spool
-    time.sleep(0.3)
+        if step % 500 == 0:  # the sender spools what it took, with the training going on
+            eventually(lambda: sink.stats()["queued"] == 0)
+    eventually(lambda: sink.stats()["queued"] == 0)
     path = sp.spool_path(sink.settings.spool_dir, "run-t", 1)
     assert path.stat().st_size <= limit
-    t0 = time.monotonic()
-    sink.close(0.5)
-    # close(0.5) never hangs: the join gives up at the deadline + 0.2 s; the rest of
-    # the bound is a loaded machine's scheduling (1.95 s seen beside other tests).
-    assert time.monotonic() - t0 < 3.0
+    sink.close(0.5)  # (bounded in time: the timed test below)
     assert peak <= 50
-    # The training thread only appends: a call is microseconds (the machine is shared,
-    # so single calls can be held up by the scheduler; the median cannot).
-    assert sorted(calls)[len(calls) // 2] < 0.0005 and sum(calls) < 2.0
     lost = sink.dropped()
     assert lost.get("spool_full", 0) + lost.get("queue_full", 0) > 0
     records = sp.read_records(path)
@@ -152,18 +143,13 @@ def test_a_server_that_never_answers_gets_resends_with_backoff_and_limits_hold()
         for step in range(400):
             sink.heartbeat(StepSummary(step=step))
             time.sleep(0.003)
-        time.sleep(1.0)
-        stats = sink.stats()
-        assert stats["resends"] >= 2 and stats["acked"] == 0
+        stats = eventually(lambda: (s := sink.stats())["resends"] >= 2 and s)
+        assert stats["acked"] == 0
         assert rx.ignored > stats["sent"] // 2
         path = sp.spool_path(sink.settings.spool_dir, "run-t", 1)
         assert path.stat().st_size <= 32 * 1024
         assert stats["memory_frames"] <= 20
-        t0 = time.monotonic()
-        sink.close(0.5)
-        # close joins for its timeout + 0.2 s; the rest is a loaded machine's
-        # scheduling (1.52 s seen in a CI run beside a CPU hog): bounded, not hung.
-        assert time.monotonic() - t0 < 3.0
+        sink.close(0.5)  # (bounded in time: the timed test below)
         assert sp.read_records(path)[0][0] & sp.KEEP  # hello still there for a replay
 
 
@@ -264,13 +250,11 @@ def test_a_frame_is_the_message_wire_agent_message_describes_byte_for_byte():
     assert wire.encode(outgoing_message(envelope, out)) == wire.encode(described)
 
 
-def test_close_is_bounded_idempotent_and_later_calls_are_counted_not_raised():
+def test_close_is_idempotent_and_later_calls_are_counted_not_raised():
     sink = ServerSink(free_endpoint(), ME, **FAST)
     sink.hello({})
-    t0 = time.monotonic()
+    sink.close(0.3)  # (bounded in time: the timed test below)
     sink.close(0.3)
-    sink.close(0.3)
-    assert time.monotonic() - t0 < 1.0
     sink.heartbeat(StepSummary(step=1))
     assert sink.dropped() == {"closed": 1}
     assert sink.commands() == []
@@ -360,3 +344,35 @@ def test_the_sender_never_holds_more_frames_than_queue_max_even_mid_batch(tmp_pa
     seqs = [wire.decode(payload)["seq"] for _, payload in sp.read_records(tmp_path / "spool")]
     sender.backlog.close()
     assert seqs == list(range(1, 13))  # every frame on disk, in order
+
+
+@pytest.mark.timed
+def test_a_heartbeat_call_is_microseconds_and_close_is_bounded_whoever_listens():
+    """The training thread only appends: a call is microseconds (the machine
+    is shared, so single calls can be held up by the scheduler; the median
+    cannot). ``close(t)`` never hangs: the join gives up at the deadline +
+    0.2 s, with nothing listening or a server that never answers; the rest of
+    each bound is a loaded machine's scheduling (1.95 s seen beside other tests)."""
+    sink = ServerSink(free_endpoint(), ME, queue_max=50, spool_max_bytes=48 * 1024, **FAST)
+    sink.hello({})
+    calls: list[float] = []
+    for step in range(5000):
+        t0 = time.perf_counter()
+        sink.heartbeat(StepSummary(step=step))
+        calls.append(time.perf_counter() - t0)
+    assert sorted(calls)[len(calls) // 2] < 0.0005 and sum(calls) < 2.0
+    t0 = time.monotonic()
+    sink.close(0.5)
+    assert time.monotonic() - t0 < 3.0
+    t0 = time.monotonic()
+    sink.close(0.3)  # again: at once
+    assert time.monotonic() - t0 < 1.0
+    with Receiver(answer=False) as rx:
+        silent = ServerSink(rx.endpoint, ME, queue_max=20, **FAST)
+        silent.hello({})
+        for step in range(100):
+            silent.heartbeat(StepSummary(step=step))
+        eventually(lambda: silent.stats()["resends"] >= 2)
+        t0 = time.monotonic()
+        silent.close(0.5)
+        assert time.monotonic() - t0 < 3.0

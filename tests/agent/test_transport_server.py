@@ -1,4 +1,4 @@
-"""ServerSink against the real nand server (ingest + SQLite + REST), when it is installed."""
+"""ServerSink against the real nand server (ingest + SQLite + REST)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pytest
 from nand.agent.identity import Identity
 from nand.agent.transport.server_sink import ServerSink
 from nand.events import Event, FlightWindow, StepSummary
+from nand.server import embedded
 from nand.server.settings import Settings
 
-embedded = pytest.importorskip("nand.server.embedded", reason="needs the server extra")
 pytestmark = pytest.mark.slow
 
 

@@ -8,7 +8,7 @@ from typing import Any
 from nand.agent.detect.tiers import CHECKED
 from tests.integrations.faults import PHASE, Fault
 from tests.integrations.loops import Loop, Mode, expected, where, with_nand
-from tests.integrations.truth import Finding
+from tests.integrations.truth import Finding, Truth
 
 
 def same_losses(a: list[float], b: list[float]) -> bool:
@@ -45,14 +45,25 @@ def replayed_armed(mode: Mode, fault: Fault) -> bool:
     return fault.kind not in ("forward", "backward") or fault.micro == mode.accum - 1
 
 
-def assert_said_not_exact(watch: Any, answer: Finding) -> None:
-    """The light mode's first event where no replay can see the fault again:
-    the step (and for a forward, the micro-step and phase) the root's checks
-    saw, what was checked said, and every module probed from then on."""
+def assert_said_not_exact(watch: Any, answer: Finding, truth: Truth, mode: Mode) -> None:
+    """The light mode's first event where no replay can see the fault again,
+    held to the truth in what it says: a forward fault is the root's output
+    (the only module checked) at the truth's micro-step; a backward fault is
+    a parameter's gradient, read at the step's last micro-step, that the
+    truth saw non-finite before the update. The event says what was checked,
+    and every module is probed from then on.
+
+    (Not its cause: it says ``produced`` of a gradient the truth saw made by
+    a module's backward, which light mode did not check.)
+    """
     first = watch.first
     assert first is not None and first.step == answer.step, first
     if answer.phase == "forward":
-        assert (first.micro_step, first.phase) == (answer.micro_step, "forward"), first
+        said = (first.micro_step, first.phase, first.module)
+        assert said == (answer.micro_step, "forward", ""), first  # "": the root
+    else:
+        assert (first.micro_step, first.phase) == (mode.accum - 1, "grad"), first
+        assert first.module in truth.bad_grads.get(answer.step, set()), (first, truth.bad_grads)
     assert not first.reproduced and CHECKED in first.replay, first.replay
     assert not watch._tiers.light
 
@@ -66,7 +77,8 @@ def assert_reported_as_the_truth_says(
     run = with_nand(case_name, mode, fault, steps, prepare, **options)
     assert run.watch is not None
     if run.watch.settings.mode == "light" and not replayed_armed(mode, fault):
-        assert_said_not_exact(run.watch, answer)
+        assert truth_run.truth is not None
+        assert_said_not_exact(run.watch, answer, truth_run.truth, mode)
     else:
         assert where(run.watch.first) == answer
     assert same_losses(run.losses, truth_run.losses)

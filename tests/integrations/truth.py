@@ -92,6 +92,8 @@ class Truth:
         self.findings: list[Finding] = []
         self.step = 0  # iterations ended (end_step calls)
         self.skipped: list[int] = []  # iterations whose update a GradScaler skipped
+        #: Per iteration, the parameters whose ``.grad`` was non-finite before the update.
+        self.bad_grads: dict[int, set[str]] = {}
         self.micro = -1  # root forward calls in this iteration, minus one
         self._model = model
         self._names = {m: name for name, m in model.named_modules()}
@@ -231,8 +233,10 @@ class Truth:
         # with a NaN norm, a hand-written all-reduce); a closure's backward
         # runs later and is seen by the accumulation hooks instead.
         for name, p in self._params:
-            if not self._seen_gradient and non_finite(p.grad):
-                self._on_grad(name, p)
+            if non_finite(p.grad):
+                self.bad_grads.setdefault(self.step, set()).add(name)
+                if not self._seen_gradient:
+                    self._on_grad(name, p)
 
     def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._stepped = True

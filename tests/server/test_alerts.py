@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -14,6 +13,7 @@ import pytest
 
 from nand.testing import free_port
 from tests.server.agents import FakeAgent
+from tests.server.helpers import eventually
 from tests.server.processes import ServerProcess
 
 
@@ -65,12 +65,27 @@ def test_nand_wait_until_warning_returns_on_the_first(server):
     agent.heartbeat(5)
     agent.wait_acked()
     wait = [sys.executable, "-m", "nand", "wait", "waited-warning", "--url", server.http_url]
-    waiting = subprocess.Popen([*wait, "--until", "warning", "--timeout", "60"])
-    time.sleep(1.0)
+    waiting = subprocess.Popen(
+        [*wait, "--until", "warning", "--timeout", "60"], stdout=subprocess.PIPE, text=True
+    )
+    # It follows the run's stream (after checking the run exists): the healthy
+    # summary is its first, and a poll of the stream's after it.
+    eventually(lambda: metric(server, "nand_stream_clients") >= 1, timeout=60)
+    polls = metric(server, "nand_stream_polls_total")
+    eventually(lambda: metric(server, "nand_stream_polls_total") >= polls + 2, timeout=30)
     assert waiting.poll() is None  # healthy, no warning yet
     agent.send("warning", warning(7))
     agent.wait_acked()
-    assert waiting.wait(60) == 0
+    out, _ = waiting.communicate(timeout=60)
+    assert (waiting.returncode, out) == (0, "waited-warning: warning\n")  # (not a healthy state)
+
+
+def metric(server: ServerProcess, name: str) -> float:
+    """A sample of the server's /metrics without labels."""
+    for line in httpx.get(f"{server.http_url}/metrics").text.splitlines():
+        if line.startswith(f"{name} "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not in /metrics")
 
 
 def test_a_warning_of_an_unknown_kind_is_rejected(server):

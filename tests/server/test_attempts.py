@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -81,6 +81,33 @@ def nand_wait(server: ServerProcess, run: str, *flags: str) -> subprocess.Popen[
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def metric(server: ServerProcess, name: str) -> float:
+    """A sample of the server's /metrics without labels."""
+    for line in httpx.get(f"{server.http_url}/metrics").text.splitlines():
+        if line.startswith(f"{name} "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def stream_turns(server: ServerProcess, turns: int, alive: list[FakeAgent]) -> None:
+    """Wait until the server's stream poller took ``turns`` more turns: what
+    was stored before is on every open stream. The ``alive`` ranks beat
+    meanwhile (silent for ``LOST_AFTER_S``, they would be lost)."""
+    start = metric(server, "nand_stream_polls_total")
+    beating(alive, lambda: metric(server, "nand_stream_polls_total") >= start + turns)
+
+
+def beating(alive: list[FakeAgent], check: Callable[[], bool], timeout: float = 60) -> None:
+    """Wait for ``check``, the ``alive`` ranks beating at their step meanwhile."""
+
+    def beat_and_check() -> bool:
+        for agent in alive:
+            agent.heartbeat(3, steps_per_s=1.0)
+        return check()
+
+    eventually(beat_and_check, timeout=timeout, interval=0.2)
+
+
 def finish(agents: list[FakeAgent], step: int = 4) -> None:
     for agent in agents:
         agent.bye(step)
@@ -99,20 +126,21 @@ def test_a_new_launch_after_a_diverged_one_is_a_new_attempt_and_wait_waits_for_i
     watchdog = nand_wait(server, "train", "--until", "diverged", "--launch", "uid-2")
     plain = nand_wait(server, "train", "--until", "any", "--timeout", "60")
     assert plain.wait(30) == exitcodes.DIVERGED  # without --launch: last time's state
-    time.sleep(1.0)
+    assert watchdog.stderr is not None
+    said = watchdog.stderr.readline()  # it saw attempt 1, diverged, and said why it waits on
+    assert "another launch" in said and "waiting for launch uid-2" in said, said
     assert watchdog.poll() is None, watchdog.communicate()
 
     second = launch_job(connect, "train", pid_base=200, launch="uid-2")
     assert live(server, "train") == (2, "healthy")
-    time.sleep(1.0)
+    stream_turns(server, 2, second)  # the watchdog's stream has carried attempt 2, healthy
     assert watchdog.poll() is None, watchdog.communicate()  # did not act on attempt 1
 
     second[0].event(step=9, phase="loss", module="", nan=1)
     settle(second)
     out, err = watchdog.communicate(timeout=30)
-    assert watchdog.returncode == exitcodes.OK, err
+    assert watchdog.returncode == exitcodes.OK, said + err
     assert out.strip() == "train: diverged"
-    assert "another launch" in err
 
 
 def test_a_rerun_without_launch_id_is_a_new_attempt_once_the_old_ranks_ended(
@@ -126,7 +154,8 @@ def test_a_rerun_without_launch_id_is_a_new_attempt_once_the_old_ranks_ended(
     second = launch_job(connect, "rerun", pid_base=200)
     assert live(server, "rerun") == (2, "healthy")
     waiting = nand_wait(server, "rerun", "--until", "any", "--timeout", "60")
-    time.sleep(1.0)
+    beating(second, lambda: metric(server, "nand_stream_clients") >= 1)  # (it starts)
+    stream_turns(server, 2, second)  # its stream has carried attempt 2, healthy
     assert waiting.poll() is None, waiting.communicate()
     finish(second, step=10)
     out, err = waiting.communicate(timeout=30)
@@ -135,7 +164,7 @@ def test_a_rerun_without_launch_id_is_a_new_attempt_once_the_old_ranks_ended(
 
 def test_a_rerun_after_the_old_ranks_went_silent_is_a_new_attempt(server, connect) -> None:
     launch_job(connect, "killed", pid_base=100)  # killed: no bye, just silence
-    time.sleep(LOST_AFTER_S + 0.5)
+    eventually(lambda: live(server, "killed") == (1, "lost"), timeout=LOST_AFTER_S + 30)
     launch_job(connect, "killed", pid_base=200)
     assert live(server, "killed") == (2, "healthy")
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from nand import wire
 from nand.errors import WireError
-from nand.events import PHASES
+from nand.events import CAUSES, PHASES
 from nand.server.agents.writer import write_batch
 from nand.server.http.app import create_app
 from nand.server.settings import Settings
@@ -25,6 +25,18 @@ from nand.server.storage.migrate import upgrade
 from nand.server.storage.sanitize import out_of_range
 from tests.server import pg
 from tests.server.agents import FakeAgent
+from tests.server.test_fuzz_store import valid_messages
+
+
+#: Frames of valid messages of every kind (``test_fuzz_store.py``).
+def _frame(drawn: tuple[tuple[str, dict[str, Any], int], int]) -> bytes:
+    (kind, body, rank), seq = drawn
+    return wire.encode(
+        wire.agent_message(kind, agent="fz-valid", seq=seq, run="fz", rank=rank, body=body)
+    )
+
+
+valid_frames = st.tuples(valid_messages, st.integers(1, 2**40)).map(_frame)
 
 anything = st.recursive(
     st.none()
@@ -56,7 +68,7 @@ events = st.fixed_dictionaries(
         "micro_step": ints,
         "order": ints,
         "module": texts,
-        "cause": texts,
+        "cause": st.sampled_from(CAUSES) | texts,  # (mostly valid: test_fuzz_store.py has all)
     },
     optional={
         "nan": maybe(ints),
@@ -125,9 +137,7 @@ def engine_url(request: pytest.FixtureRequest, tmp_path_factory) -> Iterator[str
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path_factory.mktemp('fuzz') / 'fuzz.db'}"
         return
-    if pg.find_bin() is None:
-        pytest.skip("PostgreSQL binaries not installed")
-    cluster: pg.Cluster = request.getfixturevalue("postgres")
+    cluster: pg.Cluster = request.getfixturevalue("postgres")  # (fails on CI without it)
     with cluster.database() as url:
         yield url
 
@@ -165,8 +175,10 @@ def fuzz_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     server.stop()
 
 
-@settings(max_examples=5, deadline=None)
-@given(batch=st.lists(st.binary(max_size=200) | messages.map(wire.encode), max_size=300))
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    batch=st.lists(st.binary(max_size=200) | messages.map(wire.encode) | valid_frames, max_size=60)
+)
 def test_random_frames_never_stop_the_ingest_loop(fuzz_server: Any, batch: list[bytes]) -> None:
     agent = FakeAgent(fuzz_server.zmq_endpoint, run="fuzz")
     try:

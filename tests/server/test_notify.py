@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from nand.server import embedded
-from nand.server.notify.notifier import NOTIFY_STATES
+from nand.server.notify.notifier import NOTIFY_STATES, Notifier
 from nand.server.settings import Settings
 from tests.server.agents import FakeAgent
 from tests.server.helpers import eventually
@@ -59,6 +59,26 @@ def states_of(hook: WebhookProcess) -> Counter[tuple[str, str]]:
     )
 
 
+@pytest.fixture
+def turns(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """The notifier turns (sweep, then deliveries) the servers of this test finished."""
+    done: Counter[str] = Counter()
+    turn = Notifier.turn
+
+    def counted(self: Notifier, since: float, now: float) -> None:
+        turn(self, since, now)
+        done["turns"] += 1
+
+    monkeypatch.setattr(Notifier, "turn", counted)
+    return done
+
+
+def more_turns(turns: Counter[str], n: int) -> None:
+    """Wait until the notifiers took ``n`` more turns (each sees what was stored)."""
+    start = turns["turns"]
+    eventually(lambda: turns["turns"] >= start + n, timeout=30)
+
+
 def received_all(hook: WebhookProcess, expected: set[tuple[str, str]]) -> bool:
     missing = expected - set(states_of(hook))
     assert not missing, f"not received: {sorted(missing)}; received: {states_of(hook)}"
@@ -66,7 +86,7 @@ def received_all(hook: WebhookProcess, expected: set[tuple[str, str]]) -> bool:
 
 
 def test_every_state_is_posted_once_with_the_documented_fields_and_a_valid_signature(
-    start_server, webhook
+    start_server, webhook, turns
 ):
     server = notifying(start_server, webhook.url, lost_after_s=4.0, stalled_after_s=6.0)
     [diverged] = ranks(server, "n-diverged")
@@ -111,7 +131,7 @@ def test_every_state_is_posted_once_with_the_documented_fields_and_a_valid_signa
     }  # fmt: skip
     assert {state.partition(":")[0] for _, state in expected} == set(NOTIFY_STATES)
     eventually(lambda: received_all(webhook, expected), timeout=20)
-    time.sleep(1.5)  # several more sweeps: nothing is sent twice, nothing else is sent
+    more_turns(turns, 3)  # several more sweeps: nothing is sent twice, nothing else is sent
     assert states_of(webhook) == Counter(dict.fromkeys(expected, 1))
 
     for request in webhook.requests():
@@ -147,7 +167,7 @@ def failures(server, reason: str) -> float:
 
 
 def test_a_receiver_that_is_down_gets_the_notification_once_when_it_is_back(
-    start_server, tmp_path, caplog
+    start_server, tmp_path, caplog, turns
 ):
     hook = WebhookProcess(tmp_path)  # not started: its port refuses connections
     server = notifying(start_server, hook.url)
@@ -160,7 +180,7 @@ def test_a_receiver_that_is_down_gets_the_notification_once_when_it_is_back(
     hook.start()
     try:
         eventually(lambda: len(hook.requests()) == 1, timeout=20)
-        time.sleep(2.0)
+        more_turns(turns, 3)  # nothing sent again
         assert [p["state"] for p in hook.payloads()] == ["diverged"]
         assert signed_correctly(hook.requests()[0], SECRET)
     finally:
@@ -210,7 +230,7 @@ def test_a_slow_receiver_does_not_slow_ingest(start_server, tmp_path):
 
 
 @pytest.mark.postgres
-def test_two_servers_on_one_postgresql_send_each_notification_once(postgres, webhook):
+def test_two_servers_on_one_postgresql_send_each_notification_once(postgres, webhook, turns):
     with postgres.database() as db_url:
         settings = Settings(
             db_url=db_url, notify_urls=(webhook.url,), notify_secret=SECRET, notify_poll_s=0.1
@@ -224,7 +244,7 @@ def test_two_servers_on_one_postgresql_send_each_notification_once(postgres, web
                 agent.wait_acked()
                 agent.close()
             eventually(lambda: len(webhook.requests()) >= 12, timeout=30)
-            time.sleep(2.0)
+            more_turns(turns, 6)  # three more of each server: nothing sent twice
             assert sorted(p["run"] for p in webhook.payloads()) == sorted(
                 f"n-shared-{n}" for n in range(12)
             )

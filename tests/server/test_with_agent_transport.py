@@ -6,14 +6,12 @@ from __future__ import annotations
 import time
 
 import httpx
-import pytest
 
+from nand.agent import identity
+from nand.agent.transport import server_sink as transport
 from nand.events import Event, FlightWindow, StepSummary
 from nand.server import embedded
 from nand.server.settings import Settings
-
-transport = pytest.importorskip("nand.agent.transport.server_sink")
-identity = pytest.importorskip("nand.agent.identity")
 
 
 def test_server_sink_reports_a_fault_and_hears_the_stop(tmp_path) -> None:
