@@ -60,11 +60,11 @@ def test_the_origin_is_the_likeliest_cause_in_the_window_not_the_earliest_of_it(
 
 
 def test_a_non_finite_value_in_the_window_wins_over_a_silent_rank() -> None:
-    facts = [lost(1, at=100.0)]
+    facts = [lost(1, at=100.0, step=6)]
     nonfinite = NonFinite(ranks=(3,), at=100.8, step=5)
-    assert order(facts, {1: "lost", 3: "diverged"}, nonfinite) == [
-        ("diverged", (3,)),
-        ("lost", (1,)),
+    assert ordered(facts, {1: "lost", 3: "diverged"}, nonfinite, 1.0) == [  # type: ignore[arg-type]
+        Failure("diverged", (3,), 100.8, 5),
+        Failure("lost", (1,), 100.0, 6),
     ]
     late = NonFinite(ranks=(3,), at=101.5, step=5)
     assert order(facts, {1: "lost", 3: "diverged"}, late) == [("lost", (1,)), ("diverged", (3,))]
