@@ -304,3 +304,24 @@ def test_a_later_backward_or_loss_on_another_rank_is_its_own() -> None:
     origin_event = ev(0, 5, "forward", "fc2")
     for phase in ("backward", "loss", "input", "param"):
         assert correlate.relation(ev(1, 7, phase, "fc1"), origin_event) == "produced", phase
+
+
+def test_a_run_without_a_first_event_has_no_origin_relations_or_first_ranks() -> None:
+    assert correlate.origin([]) is None
+    assert correlate.relations([]) == {}
+    assert correlate.first_ranks([]) == []
+
+
+def test_a_parameter_is_said_written_only_when_few_elements_went_and_the_rest_stayed_small() -> (
+    None
+):
+    fp16_limit = 65504.0
+    few = dict(phase="param", posinf=1, shape=[64, 64], dtype="float16")
+    assert correlate.written_not_updated(Event(**few, max_abs=0.3))  # type: ignore[arg-type]
+    # The rest at a tenth of the limit (OVERFLOW_SHARE) or above: an update could overflow it.
+    assert not correlate.written_not_updated(Event(**few, max_abs=0.1 * fp16_limit))  # type: ignore[arg-type]
+    # Every element non-finite, small or not: nothing says it was written.
+    every = dict(phase="param", posinf=4096, shape=[64, 64], max_abs=0.3, dtype="float16")
+    assert not correlate.written_not_updated(Event(**every))  # type: ignore[arg-type]
+    # A dtype with no known limit: no evidence either way.
+    assert not correlate.written_not_updated(Event(**{**few, "dtype": "mystery"}, max_abs=0.3))  # type: ignore[arg-type]

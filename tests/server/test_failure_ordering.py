@@ -98,6 +98,8 @@ def test_a_stalled_rank_failed_when_its_next_step_was_due() -> None:
     stalled = RankFacts(rank=0, step=3, last_seen=500.0, step_changed_at=100.0, steps_per_s=4.0)
     [failure] = ordered([stalled], {0: "stalled"}, None, tolerance=1.0)
     assert failure == Failure("stalled", (0,), 100.25, 3)
+    slow = RankFacts(rank=0, step=3, last_seen=500.0, step_changed_at=100.0, steps_per_s=0.5)
+    assert ordered([slow], {0: "stalled"}, None, 1.0)[0].at == 102.0  # a step every 2 s
     for rate in (None, 0.0):  # no rate known: its last step change
         unknown = RankFacts(rank=0, step=3, last_seen=500.0, step_changed_at=100.0,
                             steps_per_s=rate)  # fmt: skip
