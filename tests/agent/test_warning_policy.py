@@ -9,6 +9,7 @@ update was applied.
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -103,3 +104,26 @@ def test_on_warning_skip_read_one_step_late_applies_the_update_and_says_so(caplo
     assert not torch.equal(before[BAD], before[BAD + 1])  # too late to drop it
     said = [r.getMessage() for r in caplog.records if "warned" in r.getMessage()]
     assert said == [f"nand: step {BAD} warned, read one step late: not skipped"]
+
+
+def test_the_growth_warning_names_the_step_whose_gradient_norm_the_loop_saw_jump(tmp_path) -> None:
+    model, opt = setup()
+    norms: list[float] = []
+    params = list(model.parameters())
+    real_step = opt.step
+
+    def step_measuring(*args, **kwargs):  # the loop's own gradient norm, before the update
+        norms.append(float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))))
+        return real_step(*args, **kwargs)
+
+    opt.step = step_measuring  # type: ignore[method-assign]
+    events = tmp_path / "e.jsonl"
+    with nand.watch(model, opt, events_file=str(events), log_events=False) as w:
+        train(w, model, opt)
+    jumps = [s for s in range(10, len(norms)) if norms[s] > 10 * sorted(norms[:s])[s // 2]]
+    assert jumps == [BAD]
+    lines = [json.loads(line) for line in events.read_text().splitlines()]
+    warned = sorted(
+        (x["warning"]["kind"], x["warning"]["step"]) for x in lines if x["type"] == "warning"
+    )
+    assert ("grad_growth", BAD) in warned and ("loss_spike", BAD) in warned
