@@ -261,3 +261,67 @@ def test_rank_states_in_priority_order() -> None:
 def test_calm_summaries_say_finished_or_running() -> None:
     assert summary.calm_summary("finished", [9, 8]).startswith("Finished at step 9 on 2 ranks")
     assert summary.calm_summary("healthy", [3]).startswith("1 rank running, latest step 3")
+
+
+def test_no_origin_gives_no_hint() -> None:
+    assert correlate.hint(None) == ""
+
+
+def test_bad_input_is_input_data_by_its_phase_or_by_the_agents_cause_alone() -> None:
+    # An entry point's input (phase input, no cause given) and a forward the agent
+    # traced to the data (cause data) are both the data's fault, not a layer's.
+    assert correlate.hint(ev(0, 3, "input", "")) == "input_data"
+    assert correlate.hint(ev(0, 3, "forward", "embed", cause="data")) == "input_data"
+    assert correlate.hint(ev(0, 3, "forward", "embed")) == "produced_in_layer"
+
+
+def test_an_optimizer_state_going_non_finite_is_the_optimizer_update() -> None:
+    assert correlate.hint(ev(0, 3, "optimizer_state", "fc.weight", nan=2)) == "optimizer_update"
+
+
+def test_a_rank_is_lost_or_stalled_only_after_more_than_the_limit() -> None:
+    at_limit = dict(last_seen=100.0, step_changed_at=100.0, now=160.0, diverged=False,
+                    finished=False, lost_after_s=60.0, stalled_after_s=60.0)  # fmt: skip
+    assert correlate.rank_state(**at_limit) == "running"  # type: ignore[arg-type]
+    assert correlate.rank_state(**{**at_limit, "now": 160.5}) == "lost"  # type: ignore[arg-type]
+    progressing = {**at_limit, "last_seen": 160.0, "stalled_after_s": 60.0}
+    assert correlate.rank_state(**progressing) == "running"  # type: ignore[arg-type]
+    assert correlate.rank_state(**{**progressing, "now": 160.5, "last_seen": 160.5}) == "stalled"  # type: ignore[arg-type]
+
+
+def test_only_the_origins_own_steps_gradient_came_through_its_all_reduce() -> None:
+    origin_event = ev(0, 5, "forward", "fc2", order=3)
+    # Same step, after it: the all-reduce of that step's gradients brought it.
+    assert correlate.relation(ev(1, 5, "grad", "fc1.weight"), origin_event) == "received"
+    # A later step's gradient: that rank made it (the origin's went out at step 5).
+    assert correlate.relation(ev(1, 6, "grad", "fc1.weight"), origin_event) == "produced"
+    # Neither before nor after the origin: the same point, another parameter.
+    head = ev(0, 5, "grad", "fc1.weight")
+    assert correlate.relation(ev(1, 5, "grad", "fc2.weight"), head) == "produced"
+
+
+def test_a_later_backward_or_loss_on_another_rank_is_its_own() -> None:
+    origin_event = ev(0, 5, "forward", "fc2")
+    for phase in ("backward", "loss", "input", "param"):
+        assert correlate.relation(ev(1, 7, phase, "fc1"), origin_event) == "produced", phase
+
+
+def test_a_run_without_a_first_event_has_no_origin_relations_or_first_ranks() -> None:
+    assert correlate.origin([]) is None
+    assert correlate.relations([]) == {}
+    assert correlate.first_ranks([]) == []
+
+
+def test_a_parameter_is_said_written_only_when_few_elements_went_and_the_rest_stayed_small() -> (
+    None
+):
+    fp16_limit = 65504.0
+    few = dict(phase="param", posinf=1, shape=[64, 64], dtype="float16")
+    assert correlate.written_not_updated(Event(**few, max_abs=0.3))  # type: ignore[arg-type]
+    # The rest at a tenth of the limit (OVERFLOW_SHARE) or above: an update could overflow it.
+    assert not correlate.written_not_updated(Event(**few, max_abs=0.1 * fp16_limit))  # type: ignore[arg-type]
+    # Every element non-finite, small or not: nothing says it was written.
+    every = dict(phase="param", posinf=4096, shape=[64, 64], max_abs=0.3, dtype="float16")
+    assert not correlate.written_not_updated(Event(**every))  # type: ignore[arg-type]
+    # A dtype with no known limit: no evidence either way.
+    assert not correlate.written_not_updated(Event(**{**few, "dtype": "mystery"}, max_abs=0.3))  # type: ignore[arg-type]

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from nand.events import PHASE_RANK, Event, RankState, Relation
+from nand.events import Event, RankState, Relation
 from nand.server.analysis.evidence import OVERFLOW_SHARE, FlightEvidence, dtype_limit
 
 
@@ -200,7 +200,3 @@ def crashed_bye(reason: str) -> bool:
 
 def stopped_bye(reason: str) -> bool:
     return reason.startswith("exception:") and "StopRequested" in reason
-
-
-def phase_rank(phase: str) -> int:
-    return PHASE_RANK.get(phase, len(PHASE_RANK))
