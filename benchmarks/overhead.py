@@ -5,6 +5,8 @@
     python benchmarks/overhead.py --only transformer --detectors none nand --repeats 9
     python benchmarks/overhead.py --only gpt resnet18 custom-mlp --detectors none nand
     python benchmarks/overhead.py --device cuda --detectors none nand nand-sync naive anomaly
+    python benchmarks/overhead.py --only hf-gpt2-aot_eager hf-gpt2-inductor \
+        resnet18-aot_eager resnet18-inductor --detectors none floor nand
 
 One process, one CPU thread, interleaved repeats (the machine is shared):
 each repeat times a few steps of every detector in turn, and the figure is the
@@ -49,6 +51,13 @@ same repeat: drift on a shared machine cancels) and its 95% interval
 interval's top is. The last line counts nand's host
 reads per optimizer step (and, with ``--device cuda``, the synchronising CUDA
 calls per step, counted with CUDA's sync debug mode).
+
+Compiled shapes (``--only`` them; compiling takes minutes): an HF GPT-2
+(``GPT2LMHeadModel`` from a config, random init; 4 layers, d256, seq 128,
+batch 8, AdamW; ``hf-gpt2`` eager) and the ResNet-18, each compiled after
+the detector's hooks with ``aot_eager`` and with ``inductor``
+(``hf-gpt2-aot_eager``, ``resnet18-inductor``...), every detector's copy
+compiled on its own.
 
 ``--device cuda`` builds every model and input on the GPU (``torch.device``
 as the default device), times wall clock between two ``torch.cuda.synchronize``
@@ -102,6 +111,8 @@ class Bench:
     steps: int  # timed steps per repeat
     autocast: torch.dtype | None = None  # the forward's autocast dtype, if any
     gpu_shape: bool = False  # run by default with --device cuda only
+    #: A torch.compile backend: the model is compiled after nand.watch (None: eager).
+    compile: str | None = None
 
 
 MLP = "MLP 64-256-256-10"
@@ -117,6 +128,17 @@ BENCHES = {
     "resnet18": Bench(
         "ResNet-18 (32x32), batch 8, SGD momentum", shapes.resnet18, "momentum", 9, 3
     ),
+    "hf-gpt2": Bench("HF GPT-2 d256 x4, seq 128, batch 8, AdamW", shapes.hf_gpt2, "adamw", 9, 3),
+    **{
+        f"{name}-{backend}": Bench(
+            f"{title}, compiled ({backend})", make, optimizer, 9, 3, compile=backend
+        )
+        for name, title, make, optimizer in (
+            ("hf-gpt2", "HF GPT-2 d256 x4, seq 128, batch 8, AdamW", shapes.hf_gpt2, "adamw"),
+            ("resnet18", "ResNet-18 (32x32), batch 8, SGD momentum", shapes.resnet18, "momentum"),
+        )
+        for backend in ("aot_eager", "inductor")
+    },
     "gpt2-124m": Bench(
         "GPT-2 124M (d768 x12), seq 1024, batch 8, bf16 autocast, AdamW",
         shapes.gpt2_124m,
@@ -161,8 +183,14 @@ def make_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
 
 
 def make_step(
-    kind: str, case: shapes.Case, optimizer: str, autocast: torch.dtype | None = None
+    kind: str,
+    case: shapes.Case,
+    optimizer: str,
+    autocast: torch.dtype | None = None,
+    backend: str | None = None,
 ) -> Step:
+    """One training step of ``case`` under detector ``kind``; ``backend``: the
+    model compiled with it after the detector's hooks (as a user would)."""
     model = copy.deepcopy(case[0])
     opt = make_optimizer(optimizer, model)
     _, inputs, loss_fn = case
@@ -171,6 +199,7 @@ def make_step(
         nand.watch(model, opt, read=read, mode=mode)
     elif kind == "naive":
         naive_hooks(model)
+    run = torch.compile(model, backend=backend) if backend else model
     device = next(model.parameters()).device.type
     params = list(model.parameters())
     mixed = torch.autocast(device, dtype=autocast or torch.float32, enabled=autocast is not None)
@@ -178,7 +207,7 @@ def make_step(
     def step() -> None:
         with torch.autograd.set_detect_anomaly(kind == "anomaly", check_nan=True):
             with mixed:
-                out = model(inputs())
+                out = run(inputs())
             loss = loss_fn(out)
             loss.backward()
         if kind == "floor":
@@ -207,7 +236,7 @@ def bench(b: Bench, reps: int, steps: int, kinds: list[str], device: str = "cpu"
         case = b.make()
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     kinds = ["none"] + [k for k in kinds if k != "none"]
-    fns = {k: make_step(k, case, b.optimizer, b.autocast) for k in kinds}
+    fns = {k: make_step(k, case, b.optimizer, b.autocast, b.compile) for k in kinds}
     for fn in fns.values():  # warm up
         for _ in range(3):
             fn()
@@ -335,7 +364,12 @@ def main() -> None:
     torch.set_num_threads(1)
     logging.getLogger("nand").setLevel(logging.ERROR)
     print(f"torch {torch.__version__}, 1 thread")
-    default = [name for name, b in BENCHES.items() if args.device == "cuda" or not b.gpu_shape]
+    # Compiled shapes on request (--only): compiling is minutes of a run.
+    default = [
+        name
+        for name, b in BENCHES.items()
+        if (args.device == "cuda" or not b.gpu_shape) and b.compile is None
+    ]
     for name in args.only or default:
         b = BENCHES[name]
         reps = args.repeats or (min(b.repeats, 3) if args.quick else b.repeats)

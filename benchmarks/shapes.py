@@ -167,3 +167,18 @@ def resnet18_b256() -> Case:
     """The same ResNet-18, batch 256 of 3x32x32: CIFAR training on a GPU."""
     x, y = torch.randn(256, 3, 32, 32), torch.randint(0, 10, (256,))
     return ResNet18(), lambda: x, lambda out: F.cross_entropy(out.float(), y)
+
+
+def hf_gpt2() -> Case:
+    """HF ``GPT2LMHeadModel`` from a config (random init): 4 layers, d256, 8
+    heads, vocab 2048; seq 128, batch 8 (transformers, imported on use)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=2048, n_positions=128, n_embd=256, n_layer=4, n_head=8)
+    ids = torch.randint(0, 2048, (8, 129))
+    x, y = ids[:, :-1], ids[:, 1:]
+
+    def loss(out: Any) -> Tensor:
+        return F.cross_entropy(out.logits.flatten(0, 1), y.flatten())
+
+    return GPT2LMHeadModel(config), lambda: x, loss

@@ -91,6 +91,12 @@ happens again (``nand.agent.rerun``; docs/concepts/replay.md). Each micro-step
 then holds references to its inputs and its outputs' gradients until the next
 step. ``0`` turns replay off (nothing held). Default 3."""
 
+NAND_FULL_STEPS = "NAND_FULL_STEPS"
+"""In the light mode, after an incident that its replay could not make exact:
+steps during which every module is probed (the full mode), so that the next
+incident is exact; then the light mode again (``nand.agent.detect.tiers``).
+``0``: stay light. Default 100."""
+
 NAND_READ_PARAMS_EVERY_STEP = "NAND_READ_PARAMS_EVERY_STEP"
 """``1`` (or ``read_params_every_step=True``) reads the parameters and optimizer
 state after every update, also where finite gradients imply them finite
@@ -310,6 +316,7 @@ class AgentConfig:
     flight_steps: int = 64
     max_events: int = 1000
     replays: int = 3
+    full_steps: int = 100
     ddp_local_check: bool = True
     read_params_every_step: bool = False
     heartbeat_s: float = 5.0
@@ -340,6 +347,7 @@ class AgentConfig:
             "flight_steps": get_int(NAND_FLIGHT_STEPS, cls.flight_steps),
             "max_events": get_int(NAND_MAX_EVENTS, cls.max_events),
             "replays": get_int(NAND_REPLAYS, cls.replays),
+            "full_steps": get_int(NAND_FULL_STEPS, cls.full_steps),
             "ddp_local_check": get_bool(NAND_DDP_LOCAL_CHECK, cls.ddp_local_check),
             "read_params_every_step": get_bool(
                 NAND_READ_PARAMS_EVERY_STEP, cls.read_params_every_step
@@ -374,9 +382,11 @@ class AgentConfig:
             )
         if self.flight_steps < 1 or self.max_events < 1:
             raise ConfigError("flight_steps and max_events must be at least 1")
-        if min(self.heartbeat_s, self.close_timeout_s, self.fingerprint_steps, self.replays) < 0:
+        counts = (self.fingerprint_steps, self.replays, self.full_steps)
+        if min(self.heartbeat_s, self.close_timeout_s, *counts) < 0:
             raise ConfigError(
-                "heartbeat_s, close_timeout_s, fingerprint_steps and replays must not be negative"
+                "heartbeat_s, close_timeout_s, fingerprint_steps, replays and full_steps "
+                "must not be negative"
             )
         problem = run_problem(self.run) if self.run else None  # ("": not given)
         if problem is not None:  # the server would refuse every message of the run

@@ -120,7 +120,7 @@ class Watch:
         if self.deferred:
             flush_at_exit(self._exit)
         self._boundary.wrapped_in(model, self.settings.ddp_local_check)  # (DDP: its check)
-        self._tiers.install(self.settings.mode, model, proxies=not self._boundary.grads_reduced)
+        self._tiers.install(self.settings, model, proxies=not self._boundary.grads_reduced)
         self._boundary.tp = self._tiers.tp  # (tensor parallelism: its layers' own parts)
         if optimizer is not None and cache is not None:
             self._opt = self._hook_optimizer(optimizer, cache)

@@ -13,13 +13,17 @@ import nand
 from nand.agent.detect.names import clean_name, unwrap
 from tests.agent.models import VALUES, BackwardPlant, Plant, mlp, train
 
+# The light mode sees what reaches the root's output: a -inf that the next
+# ReLU zeroes is the full mode's to find (as in eager code).
+MODES_AND_VALUES = [("full", kind) for kind in VALUES] + [("light", "nan"), ("light", "+inf")]
 
-@pytest.mark.parametrize("kind", list(VALUES))
-def test_a_model_compiled_after_watch_keeps_forward_checks(kind):
+
+@pytest.mark.parametrize("mode,kind", MODES_AND_VALUES)
+def test_a_model_compiled_after_watch_keeps_forward_checks(mode, kind):
     torch._dynamo.reset()
     model = mlp(plant_after=2)
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    with nand.watch(model, opt) as w:
+    with nand.watch(model, opt, mode=mode) as w:
         compiled = torch.compile(model, backend="aot_eager")
 
         def before(step, micro):
@@ -29,23 +33,43 @@ def test_a_model_compiled_after_watch_keeps_forward_checks(kind):
     assert (w.first.step, w.first.phase, w.first.module) == (3, "forward", "3")
 
 
-def test_a_compiled_model_s_backward_fault_is_bracketed_by_its_parameters_gradients():
-    # Inside a compiled graph no gradient is probed: the parameters' gradients
-    # show where backward went non-finite, between module 0 (its gradients
-    # non-finite) and module 3 (finite); the culprit, 1, lies between.
+def compiled_backward_fault(mode: str, backend: str | None = "aot_eager") -> nand.Event:
+    """Module 1's backward writes a NaN at step 2 of a compiled model
+    (``backend=None``: the same model, not compiled)."""
     torch._dynamo.reset()
     model = nn.Sequential(nn.Linear(8, 16), BackwardPlant(), nn.ReLU(), nn.Linear(16, 4))
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    with nand.watch(model, opt) as w:
-        compiled = torch.compile(model, backend="aot_eager")
+    with nand.watch(model, opt, mode=mode) as w:
+        compiled = torch.compile(model, backend=backend) if backend else model
 
         def before(step, micro):
             model[1].value = float("nan") if step == 2 else None
 
         train(compiled, opt, 4, before=before)
-    assert (w.first.step, w.first.phase, w.first.module) == (2, "backward", "3")
-    assert "made between 0, the last module" in w.first.message
-    assert "torch.compile" in w.first.message
+    assert w.first is not None
+    return w.first
+
+
+def test_a_compiled_model_s_backward_fault_is_bracketed_by_its_parameters_gradients_in_full():
+    # Inside a compiled graph no gradient is probed: the parameters' gradients
+    # show where backward went non-finite, between module 0 (its gradients
+    # non-finite) and module 3 (finite); the culprit, 1, lies between.
+    first = compiled_backward_fault("full")
+    assert (first.step, first.phase, first.module) == (2, "backward", "3")
+    assert "made between 0, the last module" in first.message
+    assert "torch.compile" in first.message
+
+
+def test_a_compiled_model_s_backward_fault_is_exact_in_the_light_mode_by_an_eager_replay():
+    # The light mode holds the step from the root's hooks, which compiled
+    # code calls outside its graph, and replays it under force_eager with
+    # every module probed: the backward node that made the NaN is module 1's.
+    # Before: module 3 (the parameters' gradients), not replayed.
+    first = compiled_backward_fault("light")
+    assert (first.step, first.phase, first.module, first.cause) == (2, "backward", "1", "produced")
+    assert first.reproduced is True
+    eager = compiled_backward_fault("light", backend=None)  # what an eager model's replay says
+    assert (first.op, first.source, first.replay) == (eager.op, eager.source, eager.replay)
 
 
 @pytest.mark.parametrize("whole", [True, False], ids=["model", "one-layer"])
@@ -167,7 +191,7 @@ def test_a_fault_found_under_compile_says_what_was_checked():
     torch._dynamo.reset()
     model = mlp(plant_after=2)
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    with nand.watch(model, opt) as w:
+    with nand.watch(model, opt, mode="full") as w:  # (the full mode's slots)
         compiled = torch.compile(model, backend="aot_eager")
 
         def before(step, micro):

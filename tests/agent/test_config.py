@@ -46,6 +46,7 @@ def test_arguments_win_over_the_environment_and_the_environment_over_defaults(mo
         ("NAND_ON_NONFINITE", "explode", "on_nonfinite='explode'"),
         ("NAND_MODE", "lite", "mode='lite': use one of full, light"),
         ("NAND_MAX_EVENTS", "0", "max_events must be at least 1"),
+        ("NAND_FULL_STEPS", "-1", "replays and full_steps must not be negative"),
         ("NAND_RUN", "team/exp3", "contains '/'; use another character, e.g. 'team-exp3'"),
         ("NAND_RUN", "..", "is a path step"),
     ],

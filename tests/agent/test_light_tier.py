@@ -3,6 +3,7 @@ as such, and every module is probed from then on (``detect/tiers.py``)."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -12,6 +13,7 @@ import nand
 from tests.agent.models import arm_at, mlp
 from tests.agent.models import train as train_loop
 from tests.agent.test_rerun import Log, Streamed, batch, model_with, train
+from tests.integrations.test_compile import recorded
 
 
 def test_a_light_replay_that_raises_says_what_was_checked_and_the_next_incident_is_exact():
@@ -52,6 +54,52 @@ def test_a_light_incident_with_replays_off_is_not_exact_and_switches_to_the_full
     assert (first.step, first.module) == (1, "")
     assert first.replay.startswith("not replayed: NAND_REPLAYS=0")
     assert (second.step, second.module, second.replay) == (3, "log", "")
+
+
+def streamed_run(steps: int, bad: tuple[int, ...]) -> tuple[list[Any], list[str]]:
+    """A light watch of :class:`Streamed`, log(0) at the ``bad`` steps (a
+    replay of it raises: never exact); its events and nand's warnings."""
+    model = Streamed()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    options: dict[str, Any] = {"on_nonfinite": "skip", "mode": "light", "log_events": False}
+    with recorded("nand") as log, nand.watch(model, opt, **options) as w:
+        for step in range(steps):
+            model.extra = iter([0.0 if step in bad else 1.0])
+            model(batch(step)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert w.step == steps
+    said = [r.getMessage() for r in log.records if r.levelno >= logging.WARNING]
+    return w.events, [m for m in said if "skipped optimizer step" not in m]  # (the policy's)
+
+
+def test_after_an_incident_not_made_exact_every_module_is_probed_for_full_steps_then_light(
+    monkeypatch,
+):
+    # NAND_FULL_STEPS=2: the inexact incident at step 1 turns the watch full
+    # for steps 2 and 3 (step 3's incident is the full mode's: exact), then
+    # light again (step 6's is the root's, not made exact, and turns it full
+    # again). Before: full for the rest of the run, step 6's event exact.
+    monkeypatch.setenv("NAND_FULL_STEPS", "2")
+    events, warnings = streamed_run(8, bad=(1, 3, 6))
+    assert [(e.step, e.module) for e in events] == [(1, ""), (3, "log"), (6, "")]
+    for light in (events[0], events[2]):
+        assert "light mode checked" in light.replay
+        assert "probed for the next 2 steps (mode='full'), then light again" in light.replay
+    assert events[1].cause == "produced"
+    assert [m.split("; ")[-1] for m in warnings] == [
+        "every module is probed for the next 2 steps (mode='full'), then light again",
+        "back to the light mode",
+        "every module is probed for the next 2 steps (mode='full'), then light again",
+    ]
+
+
+def test_with_full_steps_zero_an_incident_not_made_exact_leaves_the_light_mode_on(monkeypatch):
+    monkeypatch.setenv("NAND_FULL_STEPS", "0")
+    events, warnings = streamed_run(5, bad=(1, 3))
+    assert [(e.step, e.module) for e in events] == [(1, ""), (3, "")]
+    assert events[0].replay.endswith("the light mode goes on (NAND_FULL_STEPS=0)")
+    assert warnings == []
 
 
 def test_a_model_with_sync_batchnorm_is_probed_in_full_from_the_start():
@@ -98,15 +146,16 @@ def first_of_compiled_run(mode: str) -> tuple[object, ...]:
             opt.zero_grad()
     first = watch.first
     assert first is not None
+    assert watch._tiers.light == (mode == "light")  # (light: no switch at trace time)
     return first.step, first.micro_step, first.phase, first.module, first.cause
 
 
-def test_a_model_compiled_after_a_light_watch_is_probed_as_in_the_full_mode_from_its_first_call():
-    # Compiled code ignores hooks added after dynamo traced it: the light
-    # mode hooks every module while the first compiled call is traced
-    # (compile_switch.py). Before: the light event was the root's output,
-    # not replayed (nothing is held from compiled code), and the switch to
-    # the full mode came too late for the compiled graph.
+def test_a_model_compiled_after_a_light_watch_stays_light_and_its_replay_names_the_layer():
+    # Compiled code calls the root's hooks outside its graph, so the step is
+    # held, and its replay runs under force_eager with every module probed
+    # (detect/eager.py): the full mode's answer, without its probes on every
+    # step. Before: the light mode turned full while the first compiled call
+    # was traced (compile_switch.py, now for torch < 2.6 only).
     light = first_of_compiled_run("light")
     assert light == first_of_compiled_run("full") == (2, 0, "forward", "mid", "produced")
 

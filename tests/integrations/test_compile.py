@@ -73,7 +73,11 @@ class Compiled:
 
 
 def compiled_run(
-    model: str, mode: Mode, observer: str, fault: Fault | None = None, steps: int = STEPS
+    model: str,
+    mode: Mode,
+    observer: str,
+    fault: Fault | None = None,
+    steps: int = STEPS,
 ) -> Compiled:
     torch._dynamo.reset()  # a fresh cache: the twin runs compile from scratch alike
     torch._logging.set_logs(recompiles=True)
@@ -138,14 +142,17 @@ BRACKET = re.compile(r"made between (\S+), the last module in forward order")
 
 
 @pytest.mark.parametrize("model", MODELS)
-def test_a_backward_fault_in_a_compiled_model_is_bracketed_around_the_eager_truth(model):
+def test_a_backward_fault_in_a_compiled_model_is_bracketed_around_the_eager_truth_in_full(
+    model, monkeypatch
+):
     # Inside a compiled graph no gradient is probed, only the parameters'
-    # gradients: nand names the step and phase exactly and brackets the module
-    # (the last module whose parameters got a non-finite gradient, and the
-    # first after it whose stayed finite). The eager truth's module must lie
-    # in that bracket, in the model's module order.
+    # gradients: the full mode names the step and phase exactly and brackets
+    # the module (the last module whose parameters got a non-finite gradient,
+    # and the first after it whose stayed finite). The eager truth's module
+    # must lie in that bracket, in the model's module order.
     fault = last_step_fault(model, "backward")
     answer = planted_answer(expected(model, FP32, fault, STEPS), fault)
+    monkeypatch.setenv("NAND_MODE", "full")
     run = compiled_run(model, AOT_EAGER, "nand", fault)
     first = run.loop.watch.first if run.loop.watch is not None else None
     assert first is not None and (first.step, first.phase) == (answer.step, answer.phase)
@@ -156,6 +163,17 @@ def test_a_backward_fault_in_a_compiled_model_is_bracketed_around_the_eager_trut
     lower, upper = order.index(last_bad), order.index(first.module)
     inside = last_bad.startswith(answer.module + ".")  # a block whose last layer is last_bad
     assert inside or lower <= order.index(answer.module) < upper, (answer.module, first.message)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_a_backward_fault_in_a_compiled_model_is_found_where_the_eager_truth_saw_it(model):
+    # The default (light) mode replays the step eagerly (force_eager) with
+    # every module probed: the module itself, not a bracket. Before: the
+    # light mode turned full at trace time and gave the full mode's bracket.
+    fault = last_step_fault(model, "backward")
+    answer = planted_answer(expected(model, FP32, fault, STEPS), fault)
+    run = compiled_run(model, AOT_EAGER, "nand", fault)
+    assert run.loop.watch is not None and where(run.loop.watch.first) == answer
 
 
 @pytest.mark.slow

@@ -1,6 +1,8 @@
-"""The light mode meets ``torch.compile``: every module hooked while dynamo traces.
+"""The light mode meets ``torch.compile`` on a torch without ``set_stance``.
 
-Compiled code runs the hooks it saw when dynamo traced the model; hooks
+From torch 2.6 a compiled model stays light and its replay runs eagerly
+(``eager.py``); this module is for the torches before it. Compiled code
+runs the hooks it saw when dynamo traced the model; hooks
 added later are ignored (dynamo does not guard on them), so a replay with
 probes added after the fact could not name a layer of a compiled model, and
 nor could a switch to the full mode after an incident. The light mode

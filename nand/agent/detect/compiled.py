@@ -26,12 +26,14 @@ from __future__ import annotations
 import itertools
 import weakref
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from nand.agent.detect.entry import input_slot
 from nand.agent.detect.modules import ModuleInfo
-from nand.agent.detect.probes import MICRO, Site
+from nand.agent.detect.probes import MICRO, Site, iter_tensors
 
 #: Pairs of slots a watch can give out; a model with more sites shares the
 #: last pair among the rest (detection holds, blame is coarser).
@@ -100,6 +102,17 @@ class CompiledSlots:
             lo = hi  # -inf is on purpose there: only the max is watched
         pair = self.slab[k : k + 2]
         pair.copy_(torch.stack([torch.minimum(pair[0], lo), torch.maximum(pair[1], hi)]))
+
+    def record_outputs(self, info: ModuleInfo, output: Any) -> None:
+        """Probe every float tensor of a module's ``output`` into its slot
+        (forward only)."""
+        for name, t in iter_tensors(output):
+            self.record(t, info, False, name)
+
+    def record_inputs(self, info: ModuleInfo, args: Any, kwargs: Any) -> None:
+        """Probe every float tensor of a module's inputs into its slot."""
+        for path, t in iter_tensors((args, kwargs)):
+            self.record(t, info, True, input_slot(path))
 
     def take(self) -> tuple[list[Site | None], Tensor]:
         """This window's sites (one micro-step, in first-run order) and their

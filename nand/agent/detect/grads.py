@@ -40,8 +40,10 @@ class GradHooks:
     def __init__(self, state: HookState, site: Site) -> None:
         probe, guard = state.buf.probe, state.guard
 
-        def tensor_hook(grad: Tensor) -> None:
-            if guard.off:
+        def tensor_hook(grad: Tensor | None) -> None:
+            # None: an output of a compiled graph that the loss did not use
+            # (aot_autograd calls its hook with no gradient; eager code does not).
+            if grad is None or guard.off:
                 return
             try:
                 # The gradient of a probed float output: float and non-empty

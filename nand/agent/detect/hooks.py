@@ -23,7 +23,8 @@ Per module call:
   inputs are probed as data too (``entry.py``; the root and containers keep the
   count). The root's two hooks also hold what a replay needs (``rerun/held.py``).
 
-Under ``torch.compile`` every probe goes to a fixed slot (``compiled.py``). Torch
+Under ``torch.compile`` every probe goes to a fixed slot (``compiled.py``);
+in the light mode the root's hooks run outside the graph (``eager.py``). Torch
 keeps module hooks in the modules' ``__dict__``, so ``copy.deepcopy`` and
 ``torch.save`` take them along: each is handed to torch as a :class:`SavableHook`,
 which copies as a no-op, and returns at once when called for a module other
@@ -40,7 +41,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from nand.agent.detect.entry import input_slot, outside_backward, probe_inputs
+from nand.agent.detect import eager
+from nand.agent.detect.eager import OutsideGraph
+from nand.agent.detect.entry import outside_backward, probe_inputs
 from nand.agent.detect.grads import BiasProxy, GradHooks, loss_probe
 from nand.agent.detect.inline import NEGINF_SAFE_NODES, PROBED, InlineCheck
 from nand.agent.detect.modules import CONTAINERS, Chains, ModuleInfo, proxy_bias
@@ -62,6 +65,8 @@ class Hooks:
     def __init__(self, state: HookState) -> None:
         self.state = state
         self.handles: list[RemovableHandle] = []
+        #: The root's hooks, where compiled code calls them outside its graph.
+        self.outside: tuple[OutsideGraph, OutsideGraph] | None = None
         self._grad_hooks: dict[int, GradHooks] = {}
         self._inline = InlineCheck(state, self._probe_output, self._grad_hook)
 
@@ -72,12 +77,17 @@ class Hooks:
         *,
         proxies: bool = True,
         modules: bool = True,
+        outside_graph: bool = False,
     ) -> None:
         """Hook the root, and every other module unless ``modules`` is False
-        (the light mode: see ``tiers.py``)."""
+        (the light mode: see ``tiers.py``); ``outside_graph``: the root's
+        hooks run outside compiled graphs (``eager.py``)."""
         info = infos[root]
-        self._hook(root.register_forward_pre_hook, self._root_pre(root, info), with_kwargs=True)
-        self._hook(root.register_forward_hook, self._root_hook(root, info), always_call=True)
+        pre, post = self._root_pre(root, info), self._root_hook(root, info)
+        if outside_graph:  # (compiled code calls them as plain Python: eager.py)
+            pre, post = self.outside = eager.outside_graph(pre, post)
+        self._hook(root.register_forward_pre_hook, pre, with_kwargs=True)
+        self._hook(root.register_forward_hook, post, always_call=True)
         if modules:
             self.install_modules(root, infos, proxies=proxies)
 
@@ -149,7 +159,7 @@ class Hooks:
                 return
             try:
                 if _is_compiling() or state.slots.active:  # (first: no guard on active)
-                    self._slotted(info, output)
+                    self.state.slots.record_outputs(info, output)
                     return
                 if state.pending is not None:
                     self._inline.settle(info, args)
@@ -240,7 +250,7 @@ class Hooks:
                 state.depth -= 1
             try:
                 if _is_compiling() or state.slots.active:
-                    self._slotted(info, output)
+                    self.state.slots.record_outputs(info, output)
                     return
                 if isinstance(output, Tensor):
                     if output is not state.last:
@@ -261,13 +271,13 @@ class Hooks:
                 return
             try:
                 if _is_compiling():  # slot mode, and no step boundary from compiled code
-                    self._slotted_inputs(info, args, kwargs)
+                    self.state.slots.record_inputs(info, args, kwargs)
                     return
                 state.depth = 1  # the model is running: no entry point inside it
                 if not state.external_batches:
                     self._new_micro_step()
                 if state.slots.active:
-                    self._slotted_inputs(info, args, kwargs)
+                    self.state.slots.record_inputs(info, args, kwargs)
                 else:
                     probe_inputs(self._probe_input, info, args, kwargs)
             except Exception as exc:
@@ -290,7 +300,7 @@ class Hooks:
                     taken = state.held.hold_gradients(output, loss_probes)
             try:
                 if _is_compiling() or state.slots.active:
-                    self._slotted(info, output)
+                    self.state.slots.record_outputs(info, output)
                     return
                 if state.pending is not None:  # consumed by the loss: unknown code
                     self._inline.settle(None, ())
@@ -312,17 +322,6 @@ class Hooks:
                 state.guard.failed(exc, "forward hook of the root module")
 
         return root_hook
-
-    # --- slot mode (a hook ran under torch.compile: see compiled.py) ------------
-
-    def _slotted(self, info: ModuleInfo, output: Any) -> None:
-        """Probe every float tensor of ``output`` into its slot (forward only)."""
-        for name, t in iter_tensors(output):
-            self.state.slots.record(t, info, False, name)
-
-    def _slotted_inputs(self, info: ModuleInfo, args: Any, kwargs: Any) -> None:
-        for path, t in iter_tensors((args, kwargs)):
-            self.state.slots.record(t, info, True, input_slot(path))
 
     # --- micro-steps -----------------------------------------------------------
 

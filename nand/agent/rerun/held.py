@@ -101,8 +101,9 @@ class HeldStep:
         else:
             then = probe.tensor_hook if probe is not None else None
 
-            def kept(grad: Tensor) -> None:
-                grads.setdefault(path, grad)  # the first backward's (see the module)
+            def kept(grad: Tensor | None) -> None:
+                if grad is not None:  # (None: a compiled graph's unused output)
+                    grads.setdefault(path, grad)  # the first backward's (see the module)
                 if then is not None:
                     then(grad)
 

@@ -127,7 +127,7 @@ class Rerun:
 
     def explain(self, event: Event, lagged: bool) -> None:
         """Replay ``event``'s micro-step; fill its replay fields and message."""
-        tiers = self.tiers if self.tiers is not None and self.tiers.light else None
+        tiers = self.tiers if self.tiers is not None and self.tiers.read_light else None
         light = tiers is not None and needs_probes(event)
         if self.held is None and not light:
             return
@@ -142,7 +142,8 @@ class Rerun:
             log.warning("nand: the replay of step %d failed: %r", event.step, exc)
             event.replay = f"replay failed: {type(exc).__name__}: {exc}"[:300]
         if light and tiers is not None and not event.reproduced:  # not exact: said, then full
-            said = tiers.go_full(f"the incident at step {event.step} could not be made exact")
+            why = f"the incident at step {event.step} could not be made exact"
+            said = tiers.go_full(why, bounded=True)
             event.replay = f"{event.replay}; {CHECKED}; {said}"
         words = replay_words(event)
         if words:

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.graph import Node
 
+from nand.agent.detect.eager import eager_stance
 from nand.agent.detect.probes import iter_tensors
 from nand.agent.rerun.held import HeldStep
 from nand.agent.rerun.opwatch import OpRecord, OpWatch
@@ -54,6 +55,7 @@ def replay(
         saved.start(held)
         with ExitStack() as stack:
             stack.enter_context(watch)
+            stack.enter_context(eager_stance())  # (a compiled model: eagerly, probes seen)
             stack.enter_context(torch.enable_grad())
             for kind, dtype in held.autocast.items():
                 stack.enter_context(torch.autocast(kind, dtype=dtype))
