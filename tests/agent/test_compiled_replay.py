@@ -184,6 +184,7 @@ def compile_as(model: Blocks, how: str, backend: Any) -> nn.Module:
     return model
 
 
+@pytest.mark.nand_mode("light")
 @pytest.mark.parametrize("how", ["model", "blocks in place", "blocks wrapped"])
 def test_a_compiled_model_probed_after_an_inexact_incident_names_the_next_one_s_module(
     monkeypatch, how
