@@ -16,6 +16,16 @@ ignores the hooks a replay adds after dynamo traced the model.
 - :func:`eager_stance` runs a replay under
   ``torch.compiler.set_stance("force_eager")`` (torch >= 2.6), where compiled
   code runs eagerly and every hook added after its trace fires.
+- :class:`EagerForwards` runs one model's compiled parts eagerly for a
+  while: the steps probed in full after an incident not made exact
+  (``tiers.py``), whose probes compiled code would ignore. The stance is
+  global (it would run the rest of your compiled code eagerly too, and it
+  is a context, not a span of steps); instead the ``forward`` of each
+  compiled part gets an instance attribute that calls it through
+  ``torch._dynamo.disable``. Dynamo guards on that attribute, so the
+  compiled call is traced once more (a graph break where ``forward`` was)
+  and the body runs as plain Python, every hook firing; deleted again, the
+  first graph's guards hold and the compiled code runs as before.
 
 Without the stance (torch < 2.6) neither is used: the light mode turns full
 while the first compiled call is traced (``compile_switch.py``), said once
@@ -29,6 +39,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch import nn
 
 _is_compiling = torch.compiler.is_dynamo_compiling
 _disable: Callable[[Callable[..., Any]], Callable[..., Any]] = torch._dynamo.disable
@@ -110,3 +121,58 @@ def eager_stance() -> Iterator[None]:
         return
     with torch.compiler.set_stance("force_eager"):
         yield
+
+
+_MISSING = object()
+_OptimizedModule = torch._dynamo.eval_frame.OptimizedModule
+
+
+class EagerForwards:
+    """A model's compiled parts, run eagerly from :meth:`start` to
+    :meth:`remove` (see the module); a handle among the watch's hooks,
+    removed with them. Each module is changed through its own attributes:
+
+    - compiled in place (``module.compile()``): its ``_compiled_call_impl``
+      is None meanwhile, so ``module(...)`` calls the plain ``_call_impl``;
+    - a ``torch.compile`` wrapper inside the model (a block compiled alone):
+      the wrapper's ``forward`` is the module's own ``__call__`` meanwhile;
+    - the root, when it ran from compiled code that nand does not hold
+      (``torch.compile(model)`` returned a wrapper to your loop): its
+      ``forward`` calls the model's through ``torch._dynamo.disable``. Dynamo
+      guards on that attribute: the wrapper's code is traced once more, its
+      graph breaks there, and the body runs as plain Python. That callable is
+      made once and reused, so a later span finds that trace (no recompile)."""
+
+    def __init__(self) -> None:
+        self._disabled: tuple[Any, Any] | None = None  # (the root's forward, its wrapper)
+        self._set: list[tuple[dict[str, Any], str, Any, Any]] = []  # (vars, name, before, ours)
+
+    def start(self, root: nn.Module, root_compiled: bool) -> bool:
+        """Run ``root``'s compiled parts eagerly (``root_compiled``: root ran
+        from compiled code). Whether any part does."""
+        self.remove()
+        for module in root.modules():
+            if isinstance(module, _OptimizedModule):
+                self._put(vars(module), "forward", module._orig_mod.__call__)
+            elif getattr(module, "_compiled_call_impl", None) is not None:
+                self._put(vars(module), "_compiled_call_impl", None)
+        if root_compiled and getattr(root, "_compiled_call_impl", None) is None:
+            forward = root.forward
+            if self._disabled is None or self._disabled[0] != forward:
+                self._disabled = (forward, _disable(forward))
+            self._put(vars(root), "forward", self._disabled[1])
+        return bool(self._set)
+
+    def _put(self, namespace: dict[str, Any], name: str, value: Any) -> None:
+        self._set.append((namespace, name, namespace.get(name, _MISSING), value))
+        namespace[name] = value
+
+    def remove(self) -> None:
+        for namespace, name, before, ours in reversed(self._set):
+            if namespace.get(name, _MISSING) is not ours:  # (changed by you since: left)
+                continue
+            if before is _MISSING:
+                del namespace[name]
+            else:
+                namespace[name] = before
+        self._set = []

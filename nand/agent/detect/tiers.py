@@ -34,7 +34,10 @@ would wait in their collectives.
 A compiled model stays light: compiled code calls the root's hooks outside
 its graph, so a compiled step is held as an eager one is, and its replay
 runs the model eagerly under ``torch.compiler.set_stance("force_eager")``,
-where the probes added for the replay fire (``eager.py``). On a torch
+where the probes added for the replay fire (``eager.py``). Its bounded
+full mode runs its compiled parts eagerly (``EagerForwards``: the model
+compiled whole, in place, or block by block), so every probe fires, at the
+eager step's cost for those steps, and compiled again after them. On a torch
 without that stance (< 2.6) compiled code ignores hooks added after dynamo
 traced it: a model compiled before ``nand.watch`` runs full from the start,
 and one compiled after it turns full while its first compiled call is
@@ -55,7 +58,7 @@ from torch.utils.hooks import RemovableHandle
 from nand.agent.detect import pipeline
 from nand.agent.detect.compile_switch import CompileSwitch
 from nand.agent.detect.compiled import CompiledSlots
-from nand.agent.detect.eager import HAS_STANCE, NO_STANCE
+from nand.agent.detect.eager import HAS_STANCE, NO_STANCE, EagerForwards
 from nand.agent.detect.hooks import Hooks
 from nand.agent.detect.modules import ModuleInfo
 from nand.agent.detect.probes import ProbeBuffer
@@ -78,6 +81,11 @@ CHECKED = (
 SWITCHED = "every module is probed from now on (mode='full')"
 #: Said instead when it does for a bounded number of steps.
 BOUNDED = "every module is probed for the next {steps} steps (mode='full'), then light again"
+#: Said instead where the model (or a part of it) runs compiled (``eager.py``).
+BOUNDED_EAGER = (
+    "every module is probed for the next {steps} steps (mode='full'), "
+    "the compiled model running eagerly meanwhile, then light again"
+)
 #: Said where NAND_FULL_STEPS=0.
 STAYS_LIGHT = "the light mode goes on (NAND_FULL_STEPS=0)"
 #: Said instead when the model runs compiled: hooks added now are not seen.
@@ -108,6 +116,8 @@ class Tiers:
         #: Full for a bounded time: the steps left, and the module hooks to remove.
         self._left = 0
         self._bounded: list[RemovableHandle] = []
+        #: The compiled parts run eagerly while the bounded full mode lasts.
+        self._eager = EagerForwards()
 
     def install(self, settings: AgentConfig, model: nn.Module, proxies: bool) -> None:
         """Hook the root (light) or every module (full); see the module."""
@@ -153,8 +163,9 @@ class Tiers:
         made exact) for :attr:`full_steps` steps; said in the log, and returned."""
         if bounded and not self.full_steps and self.light:
             return STAYS_LIGHT
+        compiled = self.compiled and not _is_compiling()
         said = SWITCHED if not bounded else BOUNDED.format(steps=self.full_steps)
-        said = COMPILED if self.compiled and not _is_compiling() else said
+        said = COMPILED if compiled and not bounded else said
         if bounded and self._left:  # full for a while already: the count starts again
             self._left = self.full_steps
         elif not bounded:  # full for good: the hooks of a bounded switch stay
@@ -165,6 +176,10 @@ class Tiers:
                 self.sampler.remove()
             first = len(self.hooks.handles)
             self.hooks.install_modules(self.root, self.infos, proxies=self._proxies)
+            # Compiled code would not call the hooks just added: run it eagerly (eager.py).
+            if bounded and self._eager.start(self.root, compiled):
+                self.hooks.handles.append(cast(RemovableHandle, self._eager))
+                said = BOUNDED_EAGER.format(steps=self.full_steps)
             if bounded:
                 self._left, self._bounded = self.full_steps, self.hooks.handles[first:]
             log.warning("nand: %s; %s", why, said)
