@@ -176,7 +176,7 @@ class Watch:
 
     def loss(self, loss: Tensor) -> Tensor:
         """Record the loss of this step for telemetry, without a sync; returns it."""
-        self._boundary.loss_tensor = loss
+        self._boundary.losses.given = loss
         return loss
 
     def new_batch(self, batch: Any, step: Callable[[Any], Tensor] | None = None) -> None:
