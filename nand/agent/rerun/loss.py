@@ -32,6 +32,7 @@ from nand.agent.rerun.recorder import CallRecorder, LossPlan
 from nand.agent.safety import Guard
 from nand.agent.step.boundary import Boundary
 
+_compiling = torch.compiler.is_dynamo_compiling
 #: Why a loss event of a step whose loss computation was not recorded is not replayed.
 NOT_RECORDED = (
     "not replayed: the loss computation was not recorded (another torch-function mode "
@@ -73,12 +74,14 @@ class LossSteps:
 
     def _called(self, module: nn.Module, args: Any) -> None:
         """A root call starts: what ran since the last one's return is no loss of it."""
-        if self.recorder.on:
+        if self.recorder.on and not _compiling():
             self._stop()
 
     def _returned(self, module: nn.Module, args: Any, output: Any) -> None:
         held = self.held
         if held is None or held.paused or held.off or self.guard.off or not held.steps:
+            return
+        if _compiling():  # (a compiled root: nothing is held of it, see held.py)
             return
         if held._state.external_batches or not torch.is_grad_enabled():
             return  # (a framework's step runs its loss itself; no backward without grad)

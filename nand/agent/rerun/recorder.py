@@ -107,7 +107,8 @@ class CallRecorder(TorchFunctionMode):
     def start(self, output: Any) -> None:
         """The root returned ``output``: record from here (where the mode stack allows)."""
         self.stop()
-        if not all(isinstance(_stack_at(i), DeviceContext) for i in range(_stack_len())):
+        depth = _stack_len()  # (0 mostly: no mode of anyone's)
+        if depth and not all(isinstance(_stack_at(i), DeviceContext) for i in range(depth)):
             return
         leaves, self._spec = _flatten(output)
         for i, leaf in enumerate(leaves):

@@ -16,8 +16,10 @@ What is replayed, and when (``replay`` says why not, otherwise):
   in the light mode: ``step.deferred.read_mode``) or there is no optimizer:
   then the step's micro-steps are replayed at the next boundary, before
   that step's update, with the weights they ran with;
-- not a ``loss`` event (the loss computation runs outside the model, and
-  nand re-runs the model), nor ``param``/``optimizer_state`` (made by the
+- a ``loss`` event with its loss computation: the calls recorded between
+  the root's return and the backward (``loss.py``, ``recorder.py``), a
+  framework's step, or the model's own output; not where none was recorded;
+- not ``param``/``optimizer_state`` (made by the
   update), nor a value ``received`` through a collective (the rank that
   made it replays its own), nor a GradScaler's overflow (no incident), nor
   under FSDP (a sharded forward all-gathers: the other ranks would have to

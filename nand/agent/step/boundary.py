@@ -43,7 +43,7 @@ from nand.agent.step.blowup import BlowUpWatch, global_norm
 from nand.agent.step.deferred import DeferredRead
 from nand.agent.step.finding import Finding
 from nand.agent.step.fingerprint import Fingerprints
-from nand.agent.step.losses import StepLosses, loss_finding, losses_finite
+from nand.agent.step.losses import StepLosses, loss_finding, losses_bad
 from nand.agent.step.recorder import FlightRecorder
 from nand.agent.step.report import build_event
 from nand.agent.step.window import HEALTHY, SCALED_PHASES, Outcome, Window
@@ -225,7 +225,7 @@ class Boundary:
         n_main = len(values) - len(extras)
         # A float64 sum overflows only for float64 figures near their
         # limit: then the slow path finds nothing, a false alarm.
-        loss_bad = not losses_finite(values, extras)  # (0/0: every gradient may be 0)
+        loss_bad = losses_bad(values, extras, overflow)  # (0/0: every gradient may be 0)
         self.clean = math.isfinite(sum(values[:n_main])) and not loss_bad
         settle = not self.clean or any_bad  # (most steps: nothing to settle)
         event = self._settled_event(values, extras, scale, w, any_bad) if settle else None

@@ -130,12 +130,21 @@ def _value(t: Tensor) -> Tensor:
     return t.detach().reshape(())
 
 
-def losses_finite(values: list[float], extras: list[str]) -> bool:
-    """Whether every loss among the window's extras (last in ``values``) is finite."""
+def losses_bad(values: list[float], extras: list[str], overflow: bool = False) -> bool:
+    """Whether a loss among the window's extras (last in ``values``) is
+    non-finite. In a window the GradScaler skipped (``overflow``), an infinite
+    loss a backward started from is the scaled one (``scaler.scale(loss)``
+    overflowing, as its gradients do): not one, unless a NaN (0/0 is NaN
+    scaled or not) or the loss handed to ``Watch.loss`` says otherwise."""
     start = len(values) - len(extras)
-    return all(
-        math.isfinite(values[start + i]) for i, name in enumerate(extras) if name in LOSS_EXTRAS
-    )
+    bad = [
+        (name, values[start + i])
+        for i, name in enumerate(extras)
+        if name in LOSS_EXTRAS and not math.isfinite(values[start + i])
+    ]
+    if overflow:
+        return any(name == "loss" or math.isnan(value) for name, value in bad)
+    return bool(bad)
 
 
 def loss_finding(
