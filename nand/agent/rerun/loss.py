@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
 from nand.agent import patches
+from nand.agent.detect.savable import SavableHook
 from nand.agent.rerun.held import Held
 from nand.agent.rerun.opwatch import LOSS, OpWatch
 from nand.agent.rerun.recorder import CallRecorder, LossPlan
@@ -57,9 +58,9 @@ class LossSteps:
         self._unlisten = patches.listen_to_backward(self._backward)
         self.held = held
         if held is not None:
-            self._handles = [
-                root.register_forward_pre_hook(self._called, prepend=True),
-                root.register_forward_hook(self._returned),
+            self._handles = [  # (a saved or copied model takes them as no-ops: savable.py)
+                root.register_forward_pre_hook(SavableHook(self._called), prepend=True),
+                root.register_forward_hook(SavableHook(self._returned)),
             ]
         self.boundary.losses.on_take = self._stop
 
