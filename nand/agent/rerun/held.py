@@ -182,6 +182,7 @@ class Held:
         self._keep_earlier = keep_earlier
         self._earlier: tuple[int, list[HeldStep]] = (-1, [])
         self._state = state
+        self.recorder: Any = None  # the loss recorder (``loss.py``), if any
         state.held = self
 
     def remove(self) -> None:
@@ -198,7 +199,10 @@ class Held:
         return steps if window == number else []
 
     def hold_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """A root call starts (not under torch.compile): keep what re-runs it."""
+        """A root call starts (not under torch.compile): keep what re-runs it;
+        what ran since the last call's return was no loss of that call."""
+        if self.recorder is not None and self.recorder.on:
+            self.recorder.stop()
         if not self._state.external_batches:  # (else a batch is the micro-step)
             self._hold(args, kwargs, None)
 

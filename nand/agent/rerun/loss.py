@@ -58,11 +58,11 @@ class LossSteps:
         self._unlisten = patches.listen_to_backward(self._backward)
         self.held = held
         if held is not None:
-            self._handles = [  # (a saved or copied model takes them as no-ops: savable.py)
-                root.register_forward_pre_hook(SavableHook(self._called), prepend=True),
+            held.recorder = self.recorder  # (stopped when the root is called again)
+            self._handles = [  # (a saved or copied model takes it as a no-op: savable.py)
                 root.register_forward_hook(SavableHook(self._returned)),
             ]
-        self.boundary.losses.on_take = self._stop
+        self.boundary.losses.recorder = self.recorder  # (stopped when a window is read)
 
     def remove(self) -> None:
         self._stop()
@@ -72,11 +72,6 @@ class LossSteps:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-
-    def _called(self, module: nn.Module, args: Any) -> None:
-        """A root call starts: what ran since the last one's return is no loss of it."""
-        if self.recorder.on and not _compiling():
-            self._stop()
 
     def _returned(self, module: nn.Module, args: Any, output: Any) -> None:
         held = self.held

@@ -106,11 +106,13 @@ class CallRecorder(TorchFunctionMode):
 
     def start(self, output: Any) -> None:
         """The root returned ``output``: record from here (where the mode stack allows)."""
-        self.stop()
+        if self.on:
+            self.stop()
         depth = _stack_len()  # (0 mostly: no mode of anyone's)
-        if depth and not all(isinstance(_stack_at(i), DeviceContext) for i in range(depth)):
-            return
-        leaves, self._spec = _flatten(output)
+        for i in range(depth):
+            if not isinstance(_stack_at(i), DeviceContext):
+                return
+        leaves, self._spec = ([output], None) if isinstance(output, Tensor) else _flatten(output)
         for i, leaf in enumerate(leaves):
             if isinstance(leaf, Tensor):
                 self._made[id(leaf)] = (weakref.ref(leaf), Made(-1, i))
@@ -142,33 +144,46 @@ class CallRecorder(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if _compiling() or self.full:
+        if self.full or _compiling():
             return out
-        try:
-            self._note(func, args, kwargs, out)
+        try:  # (one Python frame per call recorded: this is paid on every healthy step)
+            if isinstance(out, Tensor):
+                outs: list[Any] = [out]
+            else:
+                outs = tree_flatten(out)[0]
+                if not _has_tensor(outs) and func.__name__ not in _IN_PLACE:
+                    return out  # (a size, a dtype, a float: its value is in the calls using it)
+            if len(self.calls) >= MAX_CALLS:
+                self.full = True
+                return out
+            leaves = [*args, *kwargs.values()]
+            spec: Any = (_FLAT, len(args), tuple(kwargs))
+            for leaf in leaves:  # (inline, not a call: this runs on every healthy step)
+                if isinstance(leaf, _CONTAINERS):
+                    leaves, spec = tree_flatten((args, kwargs))
+                    break
+            made = self._made
+            for i, leaf in enumerate(leaves):
+                if isinstance(leaf, Tensor):
+                    found = made.get(id(leaf))
+                    if found is not None and found[0]() is leaf:
+                        leaves[i] = found[1]
+            index = len(self.calls)
+            self.calls.append(Call(func, spec, leaves, calling_line(sys._getframe(1))))
+            for j, t in enumerate(outs):
+                if isinstance(t, Tensor):
+                    made[id(t)] = (weakref.ref(t), Made(index, j))
         except Exception:  # (a value pytree cannot flatten: this step is not replayed)
             self.full = True
         return out
 
-    def _note(self, func: Any, args: tuple[Any, ...], kwargs: Any, out: Any) -> None:
-        outs = _flatten(out)[0]
-        if not any(isinstance(t, Tensor) for t in outs) and func.__name__ not in _IN_PLACE:
-            return  # (a size, a dtype, a float: its value is in the calls that use it)
-        if len(self.calls) >= MAX_CALLS:
-            self.full = True
-            return
-        leaves, spec = _flatten_call(args, kwargs)
-        made = self._made
-        for i, leaf in enumerate(leaves):
-            if isinstance(leaf, Tensor):
-                found = made.get(id(leaf))
-                if found is not None and found[0]() is leaf:
-                    leaves[i] = found[1]
-        index = len(self.calls)
-        self.calls.append(Call(func, spec, leaves, calling_line(sys._getframe(2))))
-        for j, t in enumerate(outs):
-            if isinstance(t, Tensor):
-                made[id(t)] = (weakref.ref(t), Made(index, j))
+
+def _has_tensor(values: list[Any]) -> bool:
+    # (a loop, not any() of a generator: a frame less, on every step)
+    for value in values:  # noqa: SIM110
+        if isinstance(value, Tensor):
+            return True
+    return False
 
 
 #: The spec of a call whose arguments hold no container (most: tensors and numbers).
@@ -181,16 +196,6 @@ def _flatten(value: Any) -> tuple[list[Any], Any]:
     if isinstance(value, Tensor):
         return [value], None
     return tree_flatten(value)
-
-
-def _flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], Any]:
-    """The leaves of ``(args, kwargs)`` and how to put them back (see :func:`_unflatten`)."""
-    values = kwargs.values()
-    if any(isinstance(x, _CONTAINERS) for x in args) or any(
-        isinstance(x, _CONTAINERS) for x in values
-    ):
-        return tree_flatten((args, kwargs))
-    return [*args, *values], (_FLAT, len(args), tuple(kwargs))
 
 
 def _unflatten(leaves: list[Any], spec: Any) -> Any:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -44,7 +44,8 @@ class StepLosses:
     def __init__(self, live: object) -> None:
         self.given: Tensor | None = None
         self.started: list[Tensor] = []
-        self.on_take: Callable[[], None] | None = None  # (the loss recorder's stop)
+        #: The loss recorder (``rerun/recorder.py``): stopped when the window is taken.
+        self.recorder: Any = None
         self._live = live  # the probe buffer: a window with sites is live
 
     def backward_from(self, loss: Tensor) -> None:
@@ -62,7 +63,10 @@ class StepLosses:
         """The window's loss values (0-d, detached) and their extras' names,
         ``"loss"`` (the value handed to ``Watch.loss``) last."""
         given = self.given
-        values = [_value(t) for t in self.started if t is not given]
+        values = []
+        for t in self.started:  # (a loop, not a comprehension: no frame of its own)
+            if t is not given:
+                values.append(t.detach().reshape(()))
         names = ["backward_loss"] * len(values)
         if given is not None:
             values.append(given.detach() if given.dim() == 0 else given.detach().float().mean())
@@ -73,9 +77,10 @@ class StepLosses:
         """The window's losses in backward order (the given one where it is
         not one of them, last); the window starts afresh."""
         given, started = self.given, self.started
-        if self.on_take is not None:
-            self.on_take()
-        if given is not None and all(t is not given for t in started):
+        recorder = self.recorder
+        if recorder is not None and recorder.on:
+            recorder.stop()
+        if given is not None and not _among(given, started):
             started = [*started, given]
         losses = started
         self.given, self.started = None, []
@@ -126,6 +131,14 @@ def _only_the_loss(sites: list[Site | None], values: list[float]) -> bool:
     return True
 
 
+def _among(t: Tensor, tensors: list[Tensor]) -> bool:
+    # (a loop, not any() of a generator: a frame less, on every step)
+    for other in tensors:  # noqa: SIM110
+        if other is t:
+            return True
+    return False
+
+
 def _value(t: Tensor) -> Tensor:
     return t.detach().reshape(())
 
@@ -137,11 +150,12 @@ def losses_bad(values: list[float], extras: list[str], overflow: bool = False) -
     overflowing, as its gradients do): not one, unless a NaN (0/0 is NaN
     scaled or not) or the loss handed to ``Watch.loss`` says otherwise."""
     start = len(values) - len(extras)
-    bad = [
-        (name, values[start + i])
-        for i, name in enumerate(extras)
-        if name in LOSS_EXTRAS and not math.isfinite(values[start + i])
-    ]
+    bad = []
+    for i, name in enumerate(extras):  # (a loop: this runs every step)
+        if name in LOSS_EXTRAS and not math.isfinite(values[start + i]):
+            bad.append((name, values[start + i]))
+    if not bad:
+        return False
     if overflow:
         return any(name == "loss" or math.isnan(value) for name, value in bad)
     return bool(bad)
