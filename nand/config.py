@@ -80,27 +80,33 @@ NAND_MAX_EVENTS = "NAND_MAX_EVENTS"
 Default 1000."""
 
 NAND_MODE = "NAND_MODE"
-"""``full`` (default): a probe on every module; ``light``: only the step's own
-figures, and a probed replay on a hit (``nand.agent.detect.tiers``; README)."""
+"""``light`` (default): only the step's own figures, and a probed replay on a hit;
+``full``: a probe on every module on every step (``nand.agent.detect.tiers``; the
+docs' "Light and full modes")."""
 
 NAND_REPLAYS = "NAND_REPLAYS"
 """Replays per run and rank: a new incident's step is run again in process to
 name the aten op and the source line that made the value, and whether it
-happens again (``nand.agent.rerun``; the README's "Replay"). Each micro-step
+happens again (``nand.agent.rerun``; docs/concepts/replay.md). Each micro-step
 then holds references to its inputs and its outputs' gradients until the next
 step. ``0`` turns replay off (nothing held). Default 3."""
 
 NAND_READ_PARAMS_EVERY_STEP = "NAND_READ_PARAMS_EVERY_STEP"
-"""``1`` reads the parameters and optimizer state after every update, also
-where finite gradients imply them finite (``SGD``/``Adam``/``AdamW``; see
-``nand.agent.detect.update_rules``): rules that reasoning out. Default off."""
+"""``1`` (or ``read_params_every_step=True``) reads the parameters and optimizer
+state after every update, also where finite gradients imply them finite
+(``SGD``/``Adam``/``AdamW``; see ``nand.agent.detect.update_rules``): rules out
+that reasoning. Default off."""
 
 NAND_DDP_LOCAL_CHECK = "NAND_DDP_LOCAL_CHECK"
 """``0`` turns off the check of each rank's own gradients before DDP's all-reduce
 (a communication hook; see ``nand.agent.detect.ddp``). Default on."""
 
 NAND_HEARTBEAT_S = "NAND_HEARTBEAT_S"
-"""Seconds between heartbeats sent to the server. Default 5."""
+"""Seconds between heartbeats sent to the server. Default 5, in a job of up to 10,000
+ranks; a bigger job's ranks beat every world size / 2,000 s (10 s at 20,000 ranks, 50 s
+at 100,000: the job sends at most 2,000 heartbeats a second), and the server stretches
+``NAND_LOST_AFTER_S`` and ``NAND_STALLED_AFTER_S`` by the same factor
+(``nand.cadence``): set it alike on agents and servers."""
 
 NAND_FINGERPRINT_STEPS = "NAND_FINGERPRINT_STEPS"
 """Every this many optimizer steps, and once more at a clean close, each DDP
@@ -125,7 +131,8 @@ NAND_CLOSE_TIMEOUT_S = "NAND_CLOSE_TIMEOUT_S"
 
 NAND_SILENCE_WARN_S = "NAND_SILENCE_WARN_S"
 """Seconds with messages waiting and nothing acknowledged before the agent says
-that nothing reaches the server (once; again at exit). Default 10."""
+that nothing reaches the server, with its spool's path and the replay command
+(once; again at exit). Default 10."""
 
 NAND_TOKEN = "NAND_TOKEN"
 """Shared secret: agents send it in ``hello``; the server requires it from agents
@@ -194,7 +201,8 @@ NAND_NOTIFY_TIMEOUT_S = "NAND_NOTIFY_TIMEOUT_S"
 retried later. Default 5."""
 
 NAND_URL = "NAND_URL"
-"""Base URL of the REST API for the CLI (``nand runs``...), or a list (``nand.endpoints``).
+"""Base URL of the REST API for the CLI (``nand runs``...), or a list (``nand.endpoints``:
+every command goes on at the next when one is down).
 Default ``http://127.0.0.1:8080``. Set for a training job, rank 0's start line
 links the run's dashboard page there; set for the server, notifications link
 there (default: the address it serves on)."""

@@ -2,6 +2,7 @@
 
     NandError                     anything nand raises on purpose
     ├── NonFiniteError            a watched run went non-finite (on_nonfinite="raise"/"stop")
+    ├── EarlyWarning              on_warning="raise": heading for a blow-up, still finite (.alert)
     ├── StopRequested             the server or the ranks agreed to stop at a step boundary
     ├── WireError                 a message that does not decode or validate (has .reason)
     ├── SpoolCorruptError         a spool file whose bytes are not what its format says

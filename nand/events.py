@@ -343,6 +343,9 @@ def finite_or_none(value: float | None) -> float | None:
 class Alert:
     """An early warning on one rank: still finite, but heading for trouble.
 
+    "Warning" is the one name users see (``on_warning``, ``nand.EarlyWarning``,
+    the wire kind ``warning``, ``GET /api/runs/{run}/warnings``); this class is
+    the record of one, named ``Alert`` so as not to shadow Python's ``Warning``.
     Never an incident: it does not make a run diverged. ``value`` is what was
     seen (the loss, the gradient norm, the activation's max|x|) and
     ``reference`` what it was compared with (the recent maximum or median, the

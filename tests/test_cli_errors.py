@@ -71,7 +71,7 @@ def test_postgres_without_the_extra_names_the_extra(tmp_path) -> None:
     (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['psycopg'] = None\n")
     path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
     done = nand(*SERVER_ARGS, "--db", "postgresql+psycopg://u@db/n", env={"PYTHONPATH": path})
-    assert_one_line(done, exitcodes.MISSING_EXTRA, "pip install 'nand[postgres]'")
+    assert_one_line(done, exitcodes.MISSING_EXTRA, "pip install 'nand-torch[postgres]'")
 
 
 def test_ports_in_use_are_said_for_http_and_zeromq(tmp_path) -> None:
@@ -177,9 +177,9 @@ def commands_taking_a_run() -> list[str]:
     ]
 
 
-def test_verbs_that_take_a_run_id_are_verdict_stop_and_wait() -> None:
+def test_verbs_that_take_a_run_id_are_verdict_stop_wait_and_watchdog() -> None:
     # (the test below covers each; a new verb taking a run joins it here)
-    assert sorted(commands_taking_a_run()) == ["stop", "verdict", "wait"]
+    assert sorted(commands_taking_a_run()) == ["stop", "verdict", "wait", "watchdog"]
 
 
 @pytest.mark.parametrize("command", commands_taking_a_run())
@@ -195,11 +195,14 @@ def test_a_run_id_no_run_can_have_is_said_in_one_line_before_any_request(
     server, command, run, words
 ) -> None:
     extra = ["--timeout", "5"] if command == "wait" else []  # (only wait has --timeout)
-    done = nand(command, run, "--url", server.http_url, *extra)
+    given = [run]
+    if command == "watchdog":  # (the run is an option there; a command follows)
+        given, extra = ["--run", run], ["--", "true"]
+    done = nand(command, *given, "--url", server.http_url, *extra)
     assert_one_line(done, exitcodes.USAGE, "no run can have the id", *words)
     assert "no nand API" not in done.stderr
     # A request would have met no server here: the id was refused before any.
-    nowhere = nand(command, run, "--url", f"http://127.0.0.1:{free_port()}", *extra)
+    nowhere = nand(command, *given, "--url", f"http://127.0.0.1:{free_port()}", *extra)
     assert_one_line(nowhere, exitcodes.USAGE, "no run can have the id")
 
 

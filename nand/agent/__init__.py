@@ -11,3 +11,9 @@ The data path, one package per stage, each importing only those before it:
 ``identity`` (who this rank is), ``sink`` (what a sink does) and ``safety``
 (nand's own errors never reach training) are shared by all.
 """
+
+from nand import torch_support
+
+_too_old = torch_support.too_old(torch_support.installed_torch())
+if _too_old is not None:
+    raise ImportError(_too_old)

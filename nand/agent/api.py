@@ -59,7 +59,7 @@ def watch(
     on_stop: Callable[[], None] | None = None,
     on_event: OnEvent | Iterable[OnEvent] | None = None,
 ) -> Watch:
-    """Hook nand into ``model`` (and ``optimizer``); see the README for each option.
+    """Hook nand into ``model`` (and ``optimizer``); each option: docs/python-api.md.
 
     Every option left ``None`` comes from its ``NAND_*`` variable
     (``nand.config``), else its default. ``on_event``: a callable (or a list)

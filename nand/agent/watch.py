@@ -175,7 +175,7 @@ class Watch:
         return self._boundary.deferred.waits if self._boundary.deferred is not None else 0
 
     def loss(self, loss: Tensor) -> Tensor:
-        """Record the loss of this step for telemetry, without a sync; returns it."""
+        """Record the loss of this step (checked, in the heartbeats), no sync; returns it."""
         self._boundary.losses.given = loss
         return loss
 

@@ -1,5 +1,5 @@
 """The ``nand`` command line: ``nand server | demo | runs | hosts | verdict | stop | wait |
-prune | spool``.
+watchdog | prune | spool``.
 
 Each group of subcommands lives next to the code it drives and exposes
 ``register(subparsers)``; it must import only light modules at import time
@@ -29,6 +29,7 @@ from nand.runids import RULE, run_flaw, run_id_from, shown_id
 #: Modules that add subcommands, in the order their commands are listed.
 COMMAND_GROUPS = (
     "nand.cli.server_args",  # server, runs, hosts, verdict, stop, wait, prune
+    "nand.cli.watchdog",  # watchdog
     "nand.cli.spool",  # spool replay
     "nand.demo",  # demo
 )

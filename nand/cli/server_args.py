@@ -56,8 +56,8 @@ used again is a new attempt: the live (latest) attempt's state counts.
 
 URL_HELP = (
     "the server's base URL, e.g. http://head-node:8080 (default: NAND_URL or "
-    "http://127.0.0.1:8080); several servers on one database, comma-separated: wait tries "
-    "the next when one is down, the other commands ask the first"
+    "http://127.0.0.1:8080); several servers on one database, comma-separated: every "
+    "command goes on at the next when one is down"
 )
 RUN_HELP = "the run id (NAND_RUN, TORCHELASTIC_RUN_ID or SLURM_JOB_ID of the job)"
 

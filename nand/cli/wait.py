@@ -134,7 +134,7 @@ class Waiter:
                 state = str(summary["state"])
                 if self.args.until == "warning" and summary.get("warnings"):
                     state = "warning"  # an early warning: what was asked
-                code = wait_exit_code(self.args.until, state)
+                code = self.exit_code(state)
                 if code is not None:
                     print(f"{self.args.run}: {state}", flush=True)
                     return code
@@ -147,6 +147,10 @@ class Waiter:
                 return self._timed_out()
             raise
         return None
+
+    def exit_code(self, state: str) -> int | None:
+        """The exit code once the live attempt is in ``state``; None: keep following."""
+        return wait_exit_code(self.args.until, state)
 
     def _counts(self, summary: dict[str, Any]) -> bool:
         """Whether this attempt's state is the one to act on (``--launch``)."""

@@ -40,9 +40,16 @@ import torch
 from torch import nn
 
 KINDS = (
-    "overflow", "nan_forward", "nan_backward", "bad_data", "lr_explosion", "bad_shard", "drift",
-    "bitflip", "state_drift",
-)  # fmt: skip
+    "overflow",
+    "nan_forward",
+    "nan_backward",
+    "bad_data",
+    "lr_explosion",
+    "bad_shard",
+    "drift",
+    "bitflip",
+    "state_drift",
+)
 #: Kinds planted by a step post-hook on the optimizer (``plant_in_optimizer``).
 WRITTEN_AFTER_STEP = ("bad_shard", "drift", "bitflip", "state_drift")
 BUILD_UP_STEPS = 8

@@ -57,7 +57,8 @@ def run_demo(args: argparse.Namespace) -> int:
         from nand.server import embedded
     except ImportError as exc:
         print(
-            f"nand demo needs the agent and server extras: pip install 'nand[agent,server]' ({exc})"
+            "nand demo needs the agent and server extras: "
+            f"pip install 'nand-torch[agent,server]' ({exc})"
         )
         return 2
     # The demo's output is its own story; the server's log would interleave.
@@ -117,12 +118,23 @@ def _launch_job(
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("NAND_HEARTBEAT_S", "0.5")  # a short job: progress twice a second
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        "--nproc-per-node", str(args.ranks),
-        "-m", "nand.demo.trainer",
-        "--steps", str(args.steps), "--step-time", str(args.step_time),
-        "--fault", args.fault, "--policy", "raise",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(args.ranks),
+        "-m",
+        "nand.demo.trainer",
+        "--steps",
+        str(args.steps),
+        "--step-time",
+        str(args.step_time),
+        "--fault",
+        args.fault,
+        "--policy",
+        "raise",
+    ]
     with open(log_path, "wb") as log:
         return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
 

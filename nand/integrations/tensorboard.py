@@ -16,7 +16,7 @@ loss curve and the incident are on one page:
 The writer is ``writer`` (a ``torch.utils.tensorboard`` or ``tensorboardX``
 ``SummaryWriter``: your own, or your trainer's), else a ``SummaryWriter`` on
 ``log_dir`` made at the first report. It is flushed after each report: an
-incident is often the last thing a job says. ``pip install 'nand[tensorboard]'``.
+incident is often the last thing a job says. ``pip install 'nand-torch[tensorboard]'``.
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ class TensorBoardBridge:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as exc:
                 raise ImportError(
-                    f"to_tensorboard needs TensorBoard: pip install 'nand[tensorboard]' ({exc})"
+                    "to_tensorboard needs TensorBoard: "
+                    f"pip install 'nand-torch[tensorboard]' ({exc})"
                 ) from exc
             self.writer = SummaryWriter(log_dir=self.log_dir)
         return self.writer

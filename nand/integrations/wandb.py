@@ -24,7 +24,7 @@ Each incident and early warning of this rank (see ``nand.integrations.tracking``
 The run is ``run``, else the active ``wandb.run`` when a report comes (so
 ``to_wandb()`` can be made before ``wandb.init``); with neither, it says so
 once and writes nothing. W&B is imported only by this module: ``pip install
-'nand[wandb]'``.
+'nand-torch[wandb]'``.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ try:
     import wandb  # (absolute: the real package, not this module)
 except ImportError as exc:  # pragma: no cover - the integration is optional
     raise ImportError(
-        f"nand.integrations.wandb needs W&B: pip install 'nand[wandb]' ({exc})"
+        f"nand.integrations.wandb needs W&B: pip install 'nand-torch[wandb]' ({exc})"
     ) from exc
 
 from nand.integrations.tracking import Report, TrackerState, is_incident, kind, text, title

@@ -41,10 +41,9 @@ from prometheus_client import (
 )
 
 from nand.events import RUN_STATES, WARNING_KINDS
-from nand.server.agents.admission import IDENTITY_REASONS
 from nand.server.analysis import losses
 from nand.server.observe import observe_all
-from nand.wire import REASONS
+from nand.wire import IDENTITY_REASONS, REASONS
 
 __all__ = ["CONTENT_TYPE", "Metrics"]
 

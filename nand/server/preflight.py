@@ -148,7 +148,7 @@ def open_database(text: str) -> Engine:
     except ModuleNotFoundError as exc:
         raise CommandError(
             f"the driver for {url.drivername} ({exc.name}) is not installed; "
-            "pip install 'nand[postgres]'",
+            "pip install 'nand-torch[postgres]'",
             exitcodes.MISSING_EXTRA,
         ) from exc
     try:

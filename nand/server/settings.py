@@ -13,6 +13,9 @@ from urllib.parse import urlsplit
 from nand import cadence, config
 from nand.errors import ConfigError
 
+#: Where all interfaces are bound: the machine may be reached by its name.
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
+
 
 @dataclass(frozen=True)
 class Settings:

@@ -305,8 +305,12 @@ def _ddp_rank(rank: int, port: int, results: dict, fsdp: bool = False) -> None:
     import os
 
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
+
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch < 2.6: FSDP2 under its first, private name
+        from torch.distributed._composable.fsdp import fully_shard
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NAND_RUN="ddp-replay")
     # A replay that waited on a collective would time out here instead of hanging.

@@ -220,8 +220,9 @@ def test_compaction_drops_heartbeats_first_events_last_and_never_marked_records(
     s.close()
 
 
-def test_the_readme_tells_the_drop_order_of_a_full_spool():
-    readme = " ".join((Path(__file__).parents[2] / "README.md").read_text().split())
+def test_the_docs_tell_the_drop_order_of_a_full_spool():
+    page = Path(__file__).parents[2] / "docs" / "distributed.md"
+    readme = " ".join(page.read_text().split())
     kinds = [f"{kind}s" for kind in sp.DROP_ORDER]
     said = f"a full spool drops {kinds[0]} first, then {', '.join(kinds[1:-1])} and {kinds[-1]}"
     assert said in readme

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 from nand.server import embedded
 from nand.server.embedded import EmbeddedServer
 from nand.server.settings import Settings
+from tests.e2e import slurm
 
 TOKEN = "e2e-token"
 
@@ -35,3 +37,16 @@ def embedded_test_server(
 def nand_server(tmp_path: Path) -> Iterator[EmbeddedServer]:
     with embedded_test_server(tmp_path) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> Iterator[slurm.Cluster]:
+    """A one-node Slurm for the session (tests/e2e/slurm.py), stopped at its end."""
+    absent = slurm.missing()
+    if absent:
+        message = f"Slurm cannot start here, missing: {', '.join(absent)} (scripts/install-slurm)"
+        if os.environ.get("CI"):  # installed by scripts/test: never skipped there
+            pytest.fail(message)
+        pytest.skip(message)
+    with slurm.cluster() as cluster:
+        yield cluster

@@ -17,12 +17,12 @@ from hypothesis import strategies as st
 from nand import wire
 from nand.errors import WireError
 from nand.events import PHASES
-from nand.server.agents.sanitize import out_of_range
 from nand.server.agents.writer import write_batch
 from nand.server.http.app import create_app
 from nand.server.settings import Settings
 from nand.server.storage.db import make_engine
 from nand.server.storage.migrate import upgrade
+from nand.server.storage.sanitize import out_of_range
 from tests.server import pg
 from tests.server.agents import FakeAgent
 

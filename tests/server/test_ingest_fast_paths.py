@@ -1,7 +1,7 @@
 """The ingest thread's shortcuts give what the long way gives: the heartbeat
 decoder (``nand.server.agents.decoding``), the lag histogram filled a batch at a time
 (``nand.server.observe``), the gradient-outlier test's plain steps
-(``nand.server.analysis.outliers``) and many rows a statement (``nand.server.agents.bulk``)."""
+(``nand.server.analysis.outliers``) and many rows a statement (``nand.server.storage.bulk``)."""
 
 from __future__ import annotations
 
@@ -18,10 +18,11 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from nand import wire
 from nand.errors import WireError
 from nand.events import StepSummary
-from nand.server.agents import bulk, decoding
+from nand.server.agents import decoding
 from nand.server.analysis import outliers
 from nand.server.metrics import LAG_BUCKETS
 from nand.server.observe import observe_all
+from nand.server.storage import bulk
 
 MAX_BYTES = 4 * 1024 * 1024
 

@@ -12,7 +12,7 @@ agent's sender thread. Its grammar (integers big-endian)::
     crc     = crc32(tag || payload)
     tag     = kind-code (low 4 bits) | 0x80 when the record must survive compaction
     kind-code = 1 hello | 2 event | 3 heartbeat | 4 flight | 5 bye | 6 fingerprint | 7 warning
-                ; the position in nand.wire.AGENT_KINDS, from 1
+                ; nand.wire.kinds.KINDS' Kind.code
     payload = one nand.wire frame, byte for byte as it is (re)sent, so a replay
               keeps the original (agent, seq) and the server drops duplicates
 
@@ -52,7 +52,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from nand.errors import SpoolCorruptError
-from nand.wire import AGENT_KINDS
+from nand.wire.kinds import KINDS, SPOOL_DROP_ORDER
 
 MAGIC = b"NANDSPOL"
 VERSION = 1
@@ -64,11 +64,11 @@ RECORD_OVERHEAD = _RECORD.size
 MAX_RECORD = 64 * 1024 * 1024
 KEEP = 0x80
 #: Every kind of message an agent sends has a code (the tag's low 4 bits): the
-#: wire's list is the one list, so a new kind is spooled like the others.
-KIND_CODES = {kind: code for code, kind in enumerate(AGENT_KINDS, start=1)}
+#: wire's table of kinds is the one list, so a new kind is spooled like the others.
+KIND_CODES = {kind.name: kind.code for kind in KINDS if kind.sender == "agent"}
 KIND_NAMES = {code: name for name, code in KIND_CODES.items()}
 #: Which unmarked records go first when the spool is full; kinds not named go last.
-DROP_ORDER = ("heartbeat", "fingerprint", "flight", "warning", "event")
+DROP_ORDER = SPOOL_DROP_ORDER
 _DROP_RANK = {KIND_CODES[kind]: rank for rank, kind in enumerate(DROP_ORDER)}
 
 

@@ -54,14 +54,15 @@ from typing import Any
 from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
 
+from nand import wire
 from nand.runids import run_problem
 from nand.server.agents.leases import Leases
 from nand.server.storage.models import Agent, Run
 
 log = logging.getLogger("nand.server.agents.admission")
 
-#: Reasons this module refuses a message for (besides "unauthenticated").
-IDENTITY_REASONS = ("identity_mismatch", "agent_in_use", "bad_run")
+#: Reasons this module refuses a message for (besides "unauthenticated"): the wire's.
+IDENTITY_REASONS = wire.IDENTITY_REASONS
 
 #: Is the connection with this routing id still up? (asked with the agent id).
 StillConnected = Callable[[bytes, str], bool]

@@ -29,38 +29,15 @@ act on the live attempt; ``?attempt=N`` reads an earlier one.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import Connection, func, select
 from sqlalchemy import update as sql_update
 
-from nand.server.agents.sanitize import clean_str
 from nand.server.storage.db import insert_ignoring_conflicts
 from nand.server.storage.models import Agent, Rank, Run
-
-
-@dataclass
-class RunIds:
-    """Which ``runs`` row (attempt) each message of a batch goes to."""
-
-    live: dict[str, int] = field(default_factory=dict)  # run name -> live attempt's id
-    by_agent: dict[str, int] = field(default_factory=dict)  # agent -> its attempt's id
-
-    def of(self, message: dict[str, Any]) -> int:
-        # Called several times a message: the live attempt is looked up only for
-        # an agent without one (its hello is not stored), not for every message.
-        run_id = self.by_agent.get(message["agent"])
-        return self.live[message["run"]] if run_id is None else run_id
-
-    def rank_keys(self, messages: Iterable[dict[str, Any]]) -> set[tuple[int, int]]:
-        """The ``(run id, rank)`` of every rank ``messages`` came from."""
-        senders = {(m["agent"], m["run"], m["rank"]) for m in messages}  # (one per agent)
-        return {(self._id(agent, run), rank) for agent, run, rank in senders}
-
-    def _id(self, agent: str, run: str) -> int:
-        run_id = self.by_agent.get(agent)
-        return self.live[run] if run_id is None else run_id
+from nand.server.storage.runids import RunIds
+from nand.server.storage.sanitize import clean_str
 
 
 def resolve(

@@ -50,8 +50,11 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-#: Kinds written before the others queued with them (see the module doc).
-FIRST_KINDS = frozenset({"event", "bye", "flight", "warning"})
+from nand.wire.kinds import VERDICT_FIRST
+
+#: Kinds written before the others queued with them (see the module doc): the
+#: wire's table says which (``Kind.decides_verdict``).
+FIRST_KINDS = VERDICT_FIRST
 
 #: A message with the routing id of the connection it came on.
 Entry = tuple[bytes, dict[str, Any]]

@@ -20,9 +20,10 @@ import msgpack
 from nand import wire
 from nand.errors import WireError
 from nand.runids import MAX_RUN_CHARS
-from nand.server.agents.sanitize import _BODY_LIMITS, INT32, INT64, out_of_range
+from nand.server.storage.bounds import INT32, INT64
+from nand.server.storage.sanitize import _BODY_LIMITS, out_of_range
 
-#: The heartbeat's optional figures (``wire._validate_heartbeat``): a number or absent.
+#: The heartbeat's optional figures (``wire.checks.heartbeat``): a number or absent.
 _FIGURES = ("steps_per_s", "loss", "grad_norm", "max_activation", "amp_scale")
 _NUMBER_OR_NONE = (int, float, type(None))
 #: Loss reasons seen valid (``wire.DROP_REASON_PATTERN``), so the pattern runs once each.
@@ -65,13 +66,21 @@ def _plain_heartbeat(message: dict[str, Any]) -> bool:
     )
     sent, body = message.get("time"), message.get("body")
     if not (
-        type(agent) is str and 0 < len(agent) <= 128 and "\x00" not in agent
-        and type(run) is str and 0 < len(run) <= MAX_RUN_CHARS and "\x00" not in run
-        and type(seq) is int and 0 <= seq <= INT64
-        and type(rank) is int and 0 <= rank <= INT32
-        and type(sent) is float and math.isfinite(sent)
-        and type(body) is dict and "event" not in body
-    ):  # fmt: skip
+        type(agent) is str
+        and 0 < len(agent) <= 128
+        and "\x00" not in agent
+        and type(run) is str
+        and 0 < len(run) <= MAX_RUN_CHARS
+        and "\x00" not in run
+        and type(seq) is int
+        and 0 <= seq <= INT64
+        and type(rank) is int
+        and 0 <= rank <= INT32
+        and type(sent) is float
+        and math.isfinite(sent)
+        and type(body) is dict
+        and "event" not in body
+    ):
         return False
     step = body.get("step")
     if not (type(step) is int and 0 <= step <= INT32):
@@ -104,7 +113,7 @@ def _plain_dropped(dropped: Any) -> bool:
 
 
 def _plain_norms(pairs: Any) -> bool:
-    """``wire._validate_local_norms`` would pass them: ``[[step, norm], ...]``."""
+    """``wire.checks._validate_local_norms`` would pass them: ``[[step, norm], ...]``."""
     if pairs is None:
         return True
     if type(pairs) is not list or len(pairs) > wire.MAX_LOCAL_NORMS:

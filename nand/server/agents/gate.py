@@ -205,8 +205,10 @@ class Gate:
                 "%d of %d file descriptors free: new agent connections wait, the rest are kept "
                 "for HTTP (paused %d time(s) in the last minute); agents retry and lose nothing. "
                 "Raise the limit (ulimit -n, LimitNOFILE=) to admit them all",
-                free, descriptor_limit(), self._pauses,
-            )  # fmt: skip
+                free,
+                descriptor_limit(),
+                self._pauses,
+            )
             self._last_warning, self._pauses = now, 0
 
     def _resume(self) -> None:

@@ -1,6 +1,6 @@
 """Table rows from validated wire messages: pure functions, no database.
 
-Values are made storable here (:mod:`nand.server.agents.sanitize`): strings cut to
+Values are made storable here (:mod:`nand.server.storage.sanitize`): strings cut to
 their column and without NUL, non-finite floats as None (the counts say what
 they were), odd types as defaults.
 """
@@ -11,9 +11,9 @@ import math
 from typing import Any
 
 from nand.events import PHASE_RANK, Event, value_kinds
-from nand.server.agents.attempts import RunIds
-from nand.server.agents.sanitize import clean_str, finite, jsonable, number
 from nand.server.analysis.evidence import flight_evidence
+from nand.server.storage.runids import RunIds
+from nand.server.storage.sanitize import clean_str, finite, jsonable, number
 
 
 def logical_key(row: dict[str, Any]) -> tuple[int, int, int, int]:
@@ -51,8 +51,15 @@ def run_info(body: dict[str, Any]) -> dict[str, Any]:
 
 #: The ``heartbeats`` columns :func:`heartbeat_values` fills, in its order.
 HEARTBEAT_COLUMNS = (
-    "run_id", "rank", "time", "step", "loss", "grad_norm", "steps_per_s", "max_activation",
-)  # fmt: skip
+    "run_id",
+    "rank",
+    "time",
+    "step",
+    "loss",
+    "grad_norm",
+    "steps_per_s",
+    "max_activation",
+)
 
 
 def heartbeat_values(message: dict[str, Any], run_id: int) -> tuple[Any, ...]:

@@ -23,10 +23,10 @@ from sqlalchemy import update as sql_update
 from sqlalchemy.orm import Session
 
 from nand.events import WARNING_KINDS, WarningKind
-from nand.server.agents.attempts import RunIds
-from nand.server.agents.sanitize import clean_str
-from nand.server.http.schemas import WarningOut, WarningsSummary
+from nand.server.schemas.warnings import WarningOut, WarningsSummary
 from nand.server.storage.models import Run, WarningRow
+from nand.server.storage.runids import RunIds
+from nand.server.storage.sanitize import clean_str
 
 
 def store(conn: Connection, messages: list[dict[str, Any]], run_ids: RunIds) -> None:
@@ -119,7 +119,12 @@ def warning_kind(value: str) -> WarningKind:
 
 def _out(row: WarningRow) -> WarningOut:
     return WarningOut(
-        rank=row.rank, step=row.step, kind=warning_kind(row.kind), module=row.module,
+        rank=row.rank,
+        step=row.step,
+        kind=warning_kind(row.kind),
+        module=row.module,
         value=row.value,
-        reference=row.reference, message=row.message, time=row.time,
-    )  # fmt: skip
+        reference=row.reference,
+        message=row.message,
+        time=row.time,
+    )

@@ -39,7 +39,8 @@ from nand.server.analysis import (
 from nand.server.analysis.evidence import FlightEvidence
 from nand.server.analysis.failures import RankFacts
 from nand.server.analysis.origins import origin_out, to_event
-from nand.server.http.schemas import RunDetail, RunSummary, Verdict
+from nand.server.schemas.runs import RunDetail, RunSummary
+from nand.server.schemas.verdict import Verdict
 from nand.server.settings import Settings
 from nand.server.storage.models import EventRow, Rank, Run
 

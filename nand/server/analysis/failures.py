@@ -39,12 +39,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
 from nand.events import RankState, RunState
 from nand.server.analysis import correlate
+from nand.server.schemas.verdict import FailureState
 
-FailureState = Literal["diverged", "lost", "crashed", "stalled"]
 #: Among failures close in time, the likelier cause first (see the module doc).
 PRECEDENCE: tuple[FailureState, ...] = ("diverged", "lost", "crashed", "stalled")
 

@@ -20,7 +20,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 
 from nand.server.analysis import correlate, views
-from nand.server.http.schemas import GpuTally, HostTally
+from nand.server.schemas.hosts import GpuTally, HostTally
 from nand.server.storage.models import Rank, Run
 
 

@@ -39,9 +39,9 @@ from sqlalchemy import Connection, bindparam, func, select, tuple_
 from sqlalchemy import update as sql_update
 
 from nand.events import DROP_REASONS
-from nand.server.agents.attempts import RunIds
 from nand.server.storage.db import dialect_insert
 from nand.server.storage.models import Drop, Rank
+from nand.server.storage.runids import RunIds
 
 #: The ``/metrics`` label of a reason the vocabulary does not have (a newer agent's).
 OTHER = "other"

@@ -1,5 +1,5 @@
 """A run's non-finite origin and its events as REST bodies: stored rows to
-``nand.events.Event`` and to the ``schemas.py`` shapes, with correlation."""
+``nand.events.Event`` and to the ``nand.server.schemas`` shapes, with correlation."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 from nand.events import Event, cause_of, phase_of, value_kinds
 from nand.server.analysis import correlate
-from nand.server.http.schemas import EventOut, Origin
+from nand.server.schemas.events import EventOut, Origin
 from nand.server.storage.models import EventRow, Rank
 from nand.wire import json_safe
 

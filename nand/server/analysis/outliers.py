@@ -40,11 +40,11 @@ from typing import Any
 
 from sqlalchemy import Connection, bindparam, exists, select, text
 
-from nand.server.agents import bulk
-from nand.server.agents.attempts import RunIds
 from nand.server.analysis import alerts
+from nand.server.storage import bulk
 from nand.server.storage.db import chunks, insert_ignoring_conflicts
 from nand.server.storage.models import LocalGradNorm, WarningRow
+from nand.server.storage.runids import RunIds
 
 #: Fewest ranks whose norms can single one out.
 MIN_RANKS = 3
@@ -210,10 +210,16 @@ def _warn(conn: Connection, run_id: int, step: int, outlier: Outlier) -> None:
     if conn.execute(select(recent)).scalar():
         return
     row = {
-        "run_id": run_id, "rank": outlier.rank, "step": step, "kind": KIND, "module": "",
-        "value": outlier.norm, "reference": outlier.median, "message": sentence(outlier, step),
+        "run_id": run_id,
+        "rank": outlier.rank,
+        "step": step,
+        "kind": KIND,
+        "module": "",
+        "value": outlier.norm,
+        "reference": outlier.median,
+        "message": sentence(outlier, step),
         "time": time.time(),
-    }  # fmt: skip
+    }
     alerts.insert_rows(conn, [row])
 
 

@@ -24,7 +24,8 @@ from sqlalchemy.orm import Session
 from nand.events import Event, Relation
 from nand.server.analysis import bigrun, correlate, counts, losses, runsummary, views
 from nand.server.analysis.runsummary import RunFacts
-from nand.server.http.schemas import RankPage, RunSummary
+from nand.server.schemas.ranks import RankPage
+from nand.server.schemas.runs import RunSummary
 from nand.server.settings import Settings
 from nand.server.storage import store
 from nand.server.storage.models import EventRow, Rank, Run

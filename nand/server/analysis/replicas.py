@@ -35,10 +35,10 @@ from sqlalchemy import Connection, delete, select
 from sqlalchemy import update as sql_update
 
 from nand.events import RunState
-from nand.server.agents.attempts import RunIds
-from nand.server.http.schemas import ReplicaCheck
+from nand.server.schemas.verdict import ReplicaCheck
 from nand.server.storage.db import insert_ignoring_conflicts
 from nand.server.storage.models import Fingerprint, Run
+from nand.server.storage.runids import RunIds
 
 #: Fingerprinted steps kept per run (the comparison needs the latest only).
 KEEP_STEPS = 8
@@ -83,12 +83,15 @@ def _compare(conn: Connection, run_id: int, step: int) -> None:
         return
     found = conn.execute(
         select(
-            Fingerprint.rank, Fingerprint.digest, Fingerprint.names, Fingerprint.values,
+            Fingerprint.rank,
+            Fingerprint.digest,
+            Fingerprint.names,
+            Fingerprint.values,
             Fingerprint.replica_group,
         )
         .where(Fingerprint.run_id == run_id, Fingerprint.step == step)
         .order_by(Fingerprint.rank)
-    ).all()  # fmt: skip
+    ).all()
     groups: dict[str, list[Any]] = {}
     for row in found:
         groups.setdefault(row.replica_group, []).append(row)

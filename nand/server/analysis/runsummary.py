@@ -18,7 +18,7 @@ from nand.events import RankState, RunState
 from nand.server.analysis import correlate, failures, losses, replicas
 from nand.server.analysis.failures import Failure, NonFinite, RankFacts
 from nand.server.analysis.origins import RankRows, origin_out, origin_row, to_event
-from nand.server.http.schemas import RunSummary
+from nand.server.schemas.runs import RunSummary
 from nand.server.settings import Settings
 from nand.server.storage.models import EventRow, Rank, Run
 

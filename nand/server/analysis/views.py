@@ -1,4 +1,4 @@
-"""Turn stored rows into the REST bodies of ``schemas.py``, with correlation.
+"""Turn stored rows into the REST bodies of ``nand.server.schemas``, with correlation.
 
 Rank and run states depend on the clock (``lost``, ``stalled``), so they are
 computed at read time from the rank rows and ``now``; nothing here writes.
@@ -16,17 +16,9 @@ from nand.server.analysis import alerts, correlate, losses, replicas, runsummary
 from nand.server.analysis.evidence import FlightEvidence, heartbeat_evidence
 from nand.server.analysis.failures import Failure
 from nand.server.analysis.origins import RankRows, event_out, origin_out, to_event
-from nand.server.http.schemas import (
-    AttemptInfo,
-    FailureOut,
-    ModuleInfo,
-    RankGap,
-    RankStatus,
-    RunDetail,
-    RunSummary,
-    StopInfo,
-    Verdict,
-)
+from nand.server.schemas.ranks import RankStatus
+from nand.server.schemas.runs import AttemptInfo, ModuleInfo, RankGap, RunDetail, RunSummary
+from nand.server.schemas.verdict import FailureOut, StopInfo, Verdict
 from nand.server.settings import Settings
 from nand.server.storage import store
 from nand.server.storage.models import Rank, Run

@@ -33,9 +33,7 @@ from collections.abc import Iterable
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from nand.server.http.asgi import send_json_error
-
-#: Where all interfaces are bound: the machine may be reached by its name.
-WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
+from nand.server.settings import WILDCARD_HOSTS
 
 DASHBOARD_CSP = (
     "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "

@@ -40,7 +40,7 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from nand.server.analysis import rankpage, views
+from nand.server.analysis import reads
 from nand.server.settings import Settings
 from nand.server.storage import store
 from nand.server.storage.models import Run
@@ -192,14 +192,8 @@ class StreamHub:
     def _updates(self, session: Session, runs: Sequence[Run], now: float) -> list[Update]:
         """Small runs' summaries from one query of all their ranks; a big run's
         from queries that do not load every rank (a 20,000-rank run: ~1 s less)."""
-        small = [r for r in runs if r.world_size <= self.settings.big_run_ranks]
-        ranks = store.ranks_of(session, [r.id for r in small])
         updates = []
-        for run in runs:
-            if run.id in ranks:
-                summary = views.run_summary(run, ranks[run.id], self.settings, now)
-            else:
-                summary = rankpage.run_summary(session, run, self.settings, now)
+        for summary in reads.summaries(session, self.settings, runs, now):
             key = summary.model_dump_json(exclude={"last_seen"})
             updates.append(Update(summary.run, key, summary.model_dump_json()))
         return updates

@@ -25,11 +25,9 @@ from urllib.parse import quote
 from sqlalchemy import Engine, or_, select
 from sqlalchemy.orm import Session
 
-from nand.server.analysis import views
-from nand.server.http.guard import WILDCARD_HOSTS
-from nand.server.http.schemas import Verdict
-from nand.server.settings import Settings
-from nand.server.storage import store
+from nand.server.analysis import reads
+from nand.server.schemas.verdict import Verdict
+from nand.server.settings import WILDCARD_HOSTS, Settings
 from nand.server.storage.db import insert_ignoring_conflicts
 from nand.server.storage.models import Notification, Run, WarningRow
 
@@ -62,12 +60,12 @@ def sweep(engine: Engine, settings: Settings, since: float, now: float) -> int:
         if not runs:
             return 0
         ids = [run.id for run in runs]
-        ranks = store.ranks_of(session, ids)
+        found = reads.Reads(session, settings, runs)
         kinds = _warning_kinds(session, [run.id for run in runs if run.warning_count])
         known = _known(session, ids)
         rows: list[dict[str, Any]] = []
         for run in runs:
-            facts = (ranks[run.id], kinds[run.id], known[run.id])
+            facts = (found, kinds[run.id], known[run.id])
             rows += _new_rows(session, run, *facts, settings, now)
         if rows:
             session.execute(insert_ignoring_conflicts(session.connection(), Notification), rows)
@@ -78,7 +76,7 @@ def sweep(engine: Engine, settings: Settings, since: float, now: float) -> int:
 def _new_rows(
     session: Session,
     run: Run,
-    ranks: views.RankRows,
+    found: reads.Reads,
     warning_kinds: list[str],
     known: set[tuple[str, str]],
     settings: Settings,
@@ -86,7 +84,7 @@ def _new_rows(
 ) -> list[dict[str, Any]]:
     """The outbox rows of ``run``'s states not notified yet to each URL."""
     at = min(now, run.superseded_at or now)  # an old attempt's clock stopped then
-    state = views.run_summary(run, ranks, settings, at).state
+    state = found.summary(run, at).state
     missing = [
         (key, url)
         for key in _keys(state, run.stop_step is not None, warning_kinds)
@@ -95,7 +93,7 @@ def _new_rows(
     ]
     if not missing:
         return []
-    verdict = views.verdict(session, run, ranks, settings, at)
+    verdict = found.verdict(run, at)
     return [_row(session, run, verdict, key, url, settings, now) for key, url in missing]
 
 

@@ -1,4 +1,4 @@
-"""The database tables (SQLAlchemy 2.0). The REST bodies are in ``schemas.py``.
+"""The database tables (SQLAlchemy 2.0). The REST bodies are in ``schemas/``.
 
 Times are Unix seconds (float). Hot paths keep small cached rows so the
 verdict never scans events: per rank, ``ranks.first_event_id`` with its

@@ -23,8 +23,8 @@ from typing import Any
 
 from sqlalchemy import Connection, select
 
-from nand.server.agents.attempts import RunIds
 from nand.server.storage.models import Run
+from nand.server.storage.runids import RunIds
 
 
 def hold(conn: Connection, messages: list[dict[str, Any]], run_ids: RunIds) -> None:

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Query
 
 from nand.server.analysis import alerts
 from nand.server.http.api.deps import UNKNOWN_RUN, RunDep, SessionDep
-from nand.server.http.schemas import WarningOut
+from nand.server.schemas.warnings import WarningOut
 
 router = APIRouter(prefix="/api/runs", tags=["warnings"])
 

@@ -5,20 +5,27 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Annotated, Any, Protocol
 
 from fastapi import Depends, HTTPException, Path, Query, Request
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
 from nand.runids import run_problem
-from nand.server.agents.ingest import Ingest
 from nand.server.http.hub import StreamHub
-from nand.server.http.schemas import Problem
 from nand.server.metrics import Metrics
+from nand.server.schemas.problem import Problem
 from nand.server.settings import Settings
 from nand.server.storage import store
 from nand.server.storage.models import Run
+
+
+class IngestLoop(Protocol):
+    """What the API reads of the ingest loop (``nand.server.agents.ingest.Ingest``,
+    started by ``app.create_app``): the endpoint it is bound to, "" when it is not."""
+
+    @property
+    def endpoint(self) -> str: ...
 
 
 @dataclass
@@ -28,7 +35,7 @@ class ServerState:
     metrics: Metrics
     #: The event streams' one poller.
     hub: StreamHub
-    ingest: Ingest | None = None
+    ingest: IngestLoop | None = None
     #: Set when the server is shutting down: long-lived responses (the stream) end.
     closing: threading.Event = field(default_factory=threading.Event)
 

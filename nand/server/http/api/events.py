@@ -7,11 +7,11 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 
 from nand.events import Phase
-from nand.server.agents.sanitize import INT32
 from nand.server.analysis import views
 from nand.server.http.api.deps import UNKNOWN_RUN, RunDep, SessionDep
-from nand.server.http.schemas import EventPage
+from nand.server.schemas.events import EventPage
 from nand.server.storage import store
+from nand.server.storage.bounds import INT32
 
 router = APIRouter(prefix="/api/runs", tags=["events"])
 

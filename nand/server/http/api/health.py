@@ -12,7 +12,7 @@ from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 
 from nand import __version__
-from nand.server.analysis import alerts, losses, views
+from nand.server.analysis import alerts, losses, reads
 from nand.server.http.api.deps import SessionDep, StateDep
 from nand.server.metrics import CONTENT_TYPE
 from nand.server.storage import store
@@ -62,9 +62,7 @@ def healthz(state: StateDep, session: SessionDep) -> Health | JSONResponse:
 )
 def metrics(state: StateDep, session: SessionDep) -> PlainTextResponse:
     runs = store.recent_runs(session, limit=10_000)
-    ranks = store.ranks_of(session, [r.id for r in runs])
-    now = time.time()
-    summaries = [views.run_summary(r, ranks[r.id], state.settings, now) for r in runs]
+    summaries = reads.summaries(session, state.settings, runs, time.time())
     by_state: Counter[str] = Counter(s.state for s in summaries)
     dropped = losses.summed(s.dropped for s in summaries)
     gappy = sum(1 for s in summaries if s.messages_dropped)

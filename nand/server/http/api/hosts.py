@@ -8,7 +8,7 @@ from fastapi import APIRouter, Query
 
 from nand.server.analysis import hosts
 from nand.server.http.api.deps import SessionDep
-from nand.server.http.schemas import HostPage
+from nand.server.schemas.hosts import HostPage
 from nand.server.storage import store
 
 router = APIRouter(prefix="/api/hosts", tags=["hosts"])

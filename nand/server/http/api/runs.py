@@ -7,19 +7,15 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Query
 
-from nand.server.agents.sanitize import INT32, finite
-from nand.server.analysis import bigrun, rankpage, series, views
+from nand.server.analysis import rankpage, reads, series
 from nand.server.http.api.deps import UNKNOWN_RUN, RunDep, SessionDep, SettingsDep
-from nand.server.http.schemas import (
-    FlightOut,
-    Problem,
-    RankPage,
-    RankSeries,
-    RunDetail,
-    RunSummary,
-    SeriesPoint,
-)
+from nand.server.schemas.flight import FlightOut
+from nand.server.schemas.problem import Problem
+from nand.server.schemas.ranks import RankPage, RankSeries, SeriesPoint
+from nand.server.schemas.runs import RunDetail, RunSummary
 from nand.server.storage import store
+from nand.server.storage.bounds import INT32
+from nand.server.storage.sanitize import finite
 
 router = APIRouter(prefix="/api/runs", tags=["runs"])
 
@@ -32,20 +28,14 @@ def list_runs(
     offset: Annotated[int, Query(ge=0, le=INT32)] = 0,
 ) -> list[RunSummary]:
     runs = store.recent_runs(session, limit, offset)
-    ranks = store.ranks_of(session, [r.id for r in runs])
-    now = time.time()
-    return [views.run_summary(run, ranks[run.id], settings, now) for run in runs]
+    return reads.summaries(session, settings, runs, time.time())
 
 
 @router.get(
     "/{run}", responses=UNKNOWN_RUN, response_model=RunDetail, summary="One run, with its verdict"
 )
 def get_run(run: RunDep, session: SessionDep, settings: SettingsDep) -> RunDetail:
-    # A big run is counted by the database (nand.server.analysis.bigrun).
-    if run.world_size > settings.big_run_ranks:
-        return bigrun.run_detail(session, run, settings, time.time())
-    ranks = store.ranks_of(session, [run.id])[run.id]
-    return views.run_detail(session, run, ranks, settings, time.time())
+    return reads.Reads(session, settings, [run]).run_detail(run, time.time())
 
 
 @router.get(
@@ -116,7 +106,7 @@ def get_flight(
     rank: Annotated[int | None, Query(ge=0, le=INT32)] = None,
 ) -> FlightOut:
     if rank is None:
-        summary = rankpage.run_summary(session, run, settings, 0.0)
+        summary = reads.Reads(session, settings, [run]).summary(run, 0.0)
         if summary.origin is None:
             raise HTTPException(404, f"run {run.name!r} has no origin yet: pass ?rank=")
         # Simultaneous ranks have no first one: show the lowest of them.

@@ -17,9 +17,10 @@ from typing import Annotated
 from fastapi import APIRouter, Body, Depends, HTTPException
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from nand.server.analysis import stoprule, views
+from nand.server.analysis import reads, stoprule, views
 from nand.server.http.api.deps import RunDep, SessionDep, SettingsDep
-from nand.server.http.schemas import Problem, StopRequest, StopResponse
+from nand.server.schemas.problem import Problem
+from nand.server.schemas.stop import StopRequest, StopResponse
 from nand.server.storage import store
 from nand.server.storage.models import Rank, Run
 
@@ -78,7 +79,7 @@ def stop_run(
         raise HTTPException(409, f"attempt {run.attempt} of {run.name!r} is over: a newer one runs")
     ranks = store.ranks_of(session, [run.id])[run.id]
     if run.stop_step is None:
-        _check_stoppable(run, ranks, settings)
+        _check_stoppable(session, run, ranks, settings)
         step = _choose_step(run, [r for r, _ in ranks], request, settings)
         store.request_stop(session, run.id, step, request.reason, time.time())
         session.commit()
@@ -87,11 +88,13 @@ def stop_run(
     return StopResponse(run=run.name, step=int(run.stop_step or 0), ranks=running)
 
 
-def _check_stoppable(run: Run, ranks: views.RankRows, settings: SettingsDep) -> None:
+def _check_stoppable(
+    session: SessionDep, run: Run, ranks: views.RankRows, settings: SettingsDep
+) -> None:
     """Refuse a stop that no rank would ever receive."""
     if views.live_ranks(ranks, settings, time.time()):
         return
-    summary = views.run_summary(run, ranks, settings, time.time())
+    summary = reads.Reads(session, settings, [run]).summary(run, time.time())
     raise HTTPException(
         409,
         f"run {run.name!r} has no rank left to stop: every rank has exited or is lost "

@@ -6,10 +6,9 @@ import time
 
 from fastapi import APIRouter
 
-from nand.server.analysis import bigrun, views
+from nand.server.analysis import reads
 from nand.server.http.api.deps import UNKNOWN_RUN, RunDep, SessionDep, SettingsDep
-from nand.server.http.schemas import Verdict
-from nand.server.storage import store
+from nand.server.schemas.verdict import Verdict
 
 router = APIRouter(prefix="/api/runs", tags=["verdict"])
 
@@ -26,8 +25,4 @@ router = APIRouter(prefix="/api/runs", tags=["verdict"])
     ),
 )
 def get_verdict(run: RunDep, session: SessionDep, settings: SettingsDep) -> Verdict:
-    # A big run is counted by the database (nand.server.analysis.bigrun).
-    if run.world_size > settings.big_run_ranks:
-        return bigrun.verdict(session, run, settings, time.time())
-    ranks = store.ranks_of(session, [run.id])[run.id]
-    return views.verdict(session, run, ranks, settings, time.time())
+    return reads.Reads(session, settings, [run]).verdict(run, time.time())

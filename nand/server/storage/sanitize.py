@@ -11,8 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-INT32 = 2**31 - 1
-INT64 = 2**63 - 1
+from nand.server.storage.bounds import INT32, INT64
 
 #: Integer fields (envelope, body or event) and the largest value stored.
 _ENVELOPE_LIMITS = {"seq": INT64, "rank": INT32}
