@@ -56,7 +56,7 @@ from nand.agent.detect.state import HookState
 from nand.agent.detect.tiers import CHECKED, Tiers
 from nand.agent.rerun.attrs import own_dicts
 from nand.agent.rerun.held import MAX_HELD, Held, HeldStep
-from nand.agent.rerun.light import make_exact, needs_probes, probed_finding
+from nand.agent.rerun.light import before_the_loss, make_exact, needs_probes, probed_finding
 from nand.agent.rerun.loss import NOT_RECORDED, LossRun, LossSteps
 from nand.agent.rerun.opwatch import OpRecord
 from nand.agent.rerun.run import Replayed, replay
@@ -133,7 +133,7 @@ class Rerun:
     def explain(self, event: Event, lagged: bool) -> None:
         """Replay ``event``'s micro-step; fill its replay fields and message."""
         tiers = self.tiers if self.tiers is not None and self.tiers.light else None
-        light = tiers is not None and needs_probes(event)
+        light = tiers is not None and needs_probes(event, self.state.external_batches)
         if self.held is None and not light:
             return
         try:
@@ -183,13 +183,14 @@ class Rerun:
 
     def _replay(self, event: Event, light: bool) -> None:
         assert self.held is not None
-        backward = _backward(event)
+        backward, loss = _backward(event), _loss(event)
         # A gradient read in light mode sums every micro-step's: the first that makes it.
         micros = range(len(self._steps())) if light and backward else [event.micro_step]
         was_off, self.guard.off, self.held.paused = self.guard.off, True, True
         try:
             for micro in micros:
-                replayed, finding = self._run(micro, backward, light, _loss(event))
+                replayed, finding = self._run(micro, backward, light, loss)
+                finding = before_the_loss(finding) if loss else finding  # (else: the loss's)
                 if finding is not None:
                     break
         except Exception as exc:  # the user's code raised, run again: said in the event
@@ -198,7 +199,7 @@ class Rerun:
         finally:
             self.guard.off, self.held.paused = was_off, False
         what = "forward and backward" if replayed.backward else "forward"
-        what += " and the loss computation" if _loss(event) else ""
+        what += " and the loss computation" if loss else ""
         which = f"micro-step {micro if finding is not None else event.micro_step}"
         if finding is None and len(micros) > 1:
             which = f"micro-steps 0 to {len(micros) - 1}"
@@ -210,7 +211,12 @@ class Rerun:
             event.reproduced = True
             return
         chosen, event.reproduced = conclude(event, replayed)
-        if light and finding is None and not _seen_without_probes(event, replayed, backward):
+        if (
+            light
+            and not loss
+            and finding is None
+            and not _seen_without_probes(event, replayed, backward)
+        ):
             return
         event.reproduced = event.reproduced or finding is not None  # (the probes saw it)
         if chosen is not None:
@@ -239,11 +245,11 @@ class Rerun:
         with ``loss``, its loss computation too (``loss.py``)."""
         assert self.held is not None
         held, device = self._steps()[micro], self.held.device
+        then = LossRun(held.loss) if loss else None
         if not light or self.tiers is None:
-            then = LossRun(held.loss) if loss else None
             return replay(self.root, held, self._names, device, backward, then), None
         with self.tiers.probed() as buf:
-            replayed = replay(self.root, held, self._names, device, backward)
+            replayed = replay(self.root, held, self._names, device, backward, then)
         return replayed, probed_finding(buf, micro)
 
 

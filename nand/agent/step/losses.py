@@ -44,6 +44,9 @@ class StepLosses:
     def __init__(self, live: object) -> None:
         self.given: Tensor | None = None
         self.started: list[Tensor] = []
+        #: The window's probe entries when each backward started (``started``'s):
+        #: what came before one was seen before its loss was made (see loss_finding).
+        self.marks: list[int] = []
         #: The loss recorder (``rerun/recorder.py``): stopped when the window is taken.
         self.recorder: Any = None
         self._live = live  # the probe buffer: a window with sites is live
@@ -56,6 +59,7 @@ class StepLosses:
         started = self.started
         if len(started) < MAX_LOSSES:
             started.append(loss)
+            self.marks.append(len(self._live.sites))  # type: ignore[attr-defined]
         else:  # (NaN propagates through maximum: still non-finite exactly when one is)
             started[-1] = torch.maximum(_value(started[-1]).abs(), _value(loss).abs())
 
@@ -73,18 +77,18 @@ class StepLosses:
             names.append("loss")
         return values, names
 
-    def take(self) -> list[Tensor]:
+    def take(self) -> tuple[list[Tensor], list[int]]:
         """The window's losses in backward order (the given one where it is
-        not one of them, last); the window starts afresh."""
-        given, started = self.given, self.started
+        not one of them, last) and their marks (the given one's: 0, as no
+        backward started from it); the window starts afresh."""
+        given, started, marks = self.given, self.started, self.marks
         recorder = self.recorder
         if recorder is not None and recorder.on:
             recorder.stop()
         if given is not None and not _among(given, started):
-            started = [*started, given]
-        losses = started
-        self.given, self.started = None, []
-        return losses
+            started, marks = [*started, given], [*marks, 0]
+        self.given, self.started, self.marks = None, [], []
+        return started, marks
 
 
 def nonfinite_flag(gathered: Tensor, n_extras: int, n_losses: int) -> Tensor:
@@ -163,7 +167,7 @@ def losses_bad(values: list[float], extras: list[str], overflow: bool = False) -
 
 def loss_finding(
     first: Finding | None,
-    losses: list[Tensor],
+    taken: tuple[list[Tensor], list[int]],
     micro_steps: int,
     micro_base: int,
     root_type: str,
@@ -171,9 +175,12 @@ def loss_finding(
 ) -> Finding | None:
     """The non-finite loss as the window's finding, unless ``first`` (what
     the probes found) comes before it: an input, a forward output or a
-    parameter (the loss only carries those on), or an earlier micro-step's.
+    parameter (the loss only carries those on), an earlier micro-step's, or
+    a value seen before the loss's backward started (a gradient penalty's
+    loss is made by a first backward: a NaN that backward made came first).
     The loss's micro-step: its backward's position among the window's (the
     last micro-step where there were fewer backwards than micro-steps)."""
+    losses, marks = taken
     bad = next(
         ((i, t) for i, t in enumerate(losses) if not bool(torch.isfinite(t.detach()).all())), None
     )
@@ -185,11 +192,41 @@ def loss_finding(
     if _model_made(first, micro) and _only_the_loss(*sites):  # (an HF model given labels=)
         assert first is not None
         return dataclasses.replace(first, phase="loss")
+    seen, reached = _seen_before(sites[0], marks[index] if index < len(marks) else 0, micro_base)
     if first is not None and (
         first.phase in ("param", "optimizer_state")
         or (first.micro, PHASE_RANK[first.phase]) < (micro, PHASE_RANK["loss"])
+        or first.order < seen.get((first.micro, first.site.phase), 0)
     ):
         return first
+    return _value_finding(loss, micro, reached.get(micro, 0), root_type)
+
+
+def _seen_before(
+    sites: list[Site | None], mark: int, micro_base: int
+) -> tuple[dict[tuple[int, str], int], dict[int, int]]:
+    """Of the window's probe entries before ``mark`` (a backward's start):
+    how many per (micro-step, phase), as ``analysis.first_finding`` orders
+    them, and per micro-step how many gradients reached the model's output
+    (a backward through the model before the loss was made)."""
+    seen: dict[tuple[int, str], int] = {}
+    reached: dict[int, int] = {}
+    micro = micro_base - 1
+    for site in sites[:mark]:
+        if site is None:
+            micro += 1
+            continue
+        at = max(micro, micro_base)
+        seen[at, site.phase] = seen.get((at, site.phase), 0) + 1
+        if site.kind == "loss":
+            reached[at] = reached.get(at, 0) + 1
+    return seen, reached
+
+
+def _value_finding(loss: Tensor, micro: int, call: int, root_type: str) -> Finding:
+    """The loss's own finding; ``call``: the gradients that reached the
+    model's output in its micro-step before its backward (a replay starts
+    from the first of them: ``rerun.light.needs_probes``)."""
     site = Site(
         phase="loss",
         module="",
@@ -206,6 +243,7 @@ def loss_finding(
         module_type=root_type,
         micro=micro,
         order=0,
+        call=call,
         lo=value,
         hi=value,
         cause="produced",

@@ -48,8 +48,9 @@ class Window:
     #: This rank's own parts of tensor-parallel reductions (``detect.tensor_parallel``).
     partials: list[Partial] = field(default_factory=list)
     pipeline: Handoff | None = None  # a pipeline stage's micro-batch marks (``handoff.py``)
-    #: The losses of the window, in backward order, and its micro-steps (``losses.py``).
-    losses: list[Tensor] = field(default_factory=list)
+    #: The losses of the window, in backward order, with their marks, and its
+    #: micro-steps (``losses.py``).
+    losses: tuple[list[Tensor], list[int]] = field(default_factory=lambda: ([], []))
     micro_steps: int = 0
 
     def __post_init__(self) -> None:  # the buffer's marks start afresh at its clear: keep these
