@@ -29,6 +29,11 @@ the wall-clock ratio is printed alongside. Detectors:
   boundary: a host-device sync on CUDA; on CPU the same as ``nand``);
 - ``nand-deferred``: ``read="deferred"``, what ``nand`` is on CUDA, forced on
   CPU (the copy is synchronous there; parameters read every step);
+- ``nand-no-loss``: ``nand`` without its loss checks (issue 42): no listener on
+  ``Tensor.backward``, so neither the loss a backward starts from in the step's
+  read nor the recording of the calls that made it (``nand/agent/rerun/loss.py``);
+  with both, a line gives ``nand``'s paired ratio against it: what checking
+  and recording the loss costs a healthy step;
 - ``naive``: a forward hook on every module and a tensor hook on every output
   gradient, each doing ``if torch.isnan(t).any(): raise`` (a host sync each);
 - ``anomaly``: ``torch.autograd.set_detect_anomaly(True)``;
@@ -91,7 +96,15 @@ import nand
 
 Step = Callable[[], None]
 KINDS = ["none", "nand", "naive", "anomaly"]
-ALL_KINDS = [*KINDS, "nand-full", "nand-light", "nand-sync", "nand-deferred", "floor"]
+ALL_KINDS = [
+    *KINDS,
+    "nand-full",
+    "nand-light",
+    "nand-sync",
+    "nand-deferred",
+    "nand-no-loss",
+    "floor",
+]
 #: Each nand detector's ``nand.watch(read=, mode=)`` (None: the default).
 WATCH_ARGS: dict[str, tuple[str | None, str | None]] = {
     "nand": (None, None),
@@ -99,6 +112,7 @@ WATCH_ARGS: dict[str, tuple[str | None, str | None]] = {
     "nand-light": (None, "light"),
     "nand-sync": ("sync", None),
     "nand-deferred": ("deferred", None),
+    "nand-no-loss": (None, None),
 }
 
 
@@ -196,7 +210,9 @@ def make_step(
     _, inputs, loss_fn = case
     if kind in WATCH_ARGS:
         read, mode = WATCH_ARGS[kind]
-        nand.watch(model, opt, read=read, mode=mode)
+        watch = nand.watch(model, opt, read=read, mode=mode)
+        if kind == "nand-no-loss":
+            watch._rerun.loss.remove()  # (its listener, recorder and hooks: see above)
     elif kind == "naive":
         naive_hooks(model)
     run = torch.compile(model, backend=backend) if backend else model
@@ -268,6 +284,13 @@ def bench(b: Bench, reps: int, steps: int, kinds: list[str], device: str = "cpu"
         print(
             f"  {k:13s} {med:9.3f}   {ratio:5.2f}x  {med_wall:9.3f}   {ratio_wall:5.2f}x"
             f"   {paired:.3f}x [{low:.3f}, {high:.3f}]"
+        )
+    if "nand" in kinds and "nand-no-loss" in kinds:
+        paired, low, high = paired_ratio(cpu["nand"], cpu["nand-no-loss"])
+        diff, dlow, dhigh = paired_difference(cpu["nand"], cpu["nand-no-loss"])
+        print(
+            f"  the loss checks: nand / nand-no-loss {paired:.3f}x [{low:.3f}, {high:.3f}],"
+            f" {diff * 1e3:+.1f} us/step [{dlow * 1e3:+.1f}, {dhigh * 1e3:+.1f}]"
         )
 
 

@@ -259,9 +259,10 @@ def replay_words(event: Event) -> str:
         return "the replay did not make it again: suspect the device (a transient fault)"
     if event.phase == "input":
         return "the replay saw it again: it is in the batch"
+    look = "the loss computation" if event.phase == "loss" else "the layer"
     if not where:
-        return "the replay made it again (look at the batch, the layer)"
-    return f"made by {where}; the replay made it again (look at the batch, the layer)"
+        return f"the replay made it again (look at the batch, {look})"
+    return f"made by {where}; the replay made it again (look at the batch, {look})"
 
 
 @dataclass(kw_only=True)

@@ -45,7 +45,7 @@ def test_the_replay_cost_benchmark_replays_the_planted_step_and_reports_its_figu
 
 
 def test_the_overhead_benchmark_times_each_mode_of_nand_against_the_bare_step() -> None:
-    detectors = ["none", "floor", "nand", "nand-full", "nand-light", "nand-sync"]
+    detectors = ["none", "floor", "nand", "nand-full", "nand-light", "nand-sync", "nand-no-loss"]
     quick = ["--quick", "--only", "mlp", "--detectors", *detectors]
     done = subprocess.run(
         [sys.executable, str(BENCHMARKS / "overhead.py"), *quick],
@@ -56,4 +56,5 @@ def test_the_overhead_benchmark_times_each_mode_of_nand_against_the_bare_step() 
     assert done.returncode == 0, done.stderr
     rows = {line.split()[0] for line in done.stdout.splitlines() if line.startswith("  ")}
     assert set(detectors) <= rows, done.stdout
+    assert "the loss checks: nand / nand-no-loss" in done.stdout, done.stdout  # (issue 42)
     assert "switched itself off" not in done.stderr, done.stderr

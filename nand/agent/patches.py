@@ -14,6 +14,10 @@ place, and each is undone by its own rule:
   shape inference are wrapped on torch's classes while a watch of a stage's
   module is open (``detect/pipeline.py``): the micro-batch each chunk is.
   Restored when the last such watch is closed.
+- ``torch.Tensor.backward`` is wrapped on the class while a watch is open
+  (:func:`listen_to_backward`): each watch is told the tensor a backward
+  starts from (its loss, ``step/losses.py``), then the backward runs as
+  usual. Restored when the last listening watch is closed or collected.
 - At interpreter exit (:func:`at_exit`): the reads of deferred watches never
   closed (``step/deferred.py``), then the transport's goodbye and close
   (``transport/server_sink.py``). ``atexit`` runs the handler registered last
@@ -38,6 +42,9 @@ from typing import Any
 #: id(optimizer) -> the watch's "a scaler steps my optimizer" method, held weakly.
 _listeners: dict[int, weakref.WeakMethod[Callable[[Any], None]]] = {}
 _original_step: Any = None
+#: token -> a watch's "a backward starts from this tensor" method, held weakly.
+_backward_listeners: dict[int, weakref.WeakMethod[Callable[[Any], None]]] = {}
+_original_backward: Any = None
 #: Handlers registered with ``atexit`` / ``os.register_at_fork``, by name.
 _at_exit: dict[str, Callable[[], None]] = {}
 _after_fork: dict[str, Callable[[], None]] = {}
@@ -47,6 +54,7 @@ def installed() -> list[str]:
     """What nand has changed in this process now, e.g. ``["GradScaler.step",
     "at exit: transport"]``."""
     found = ["GradScaler.step"] if _original_step is not None else []
+    found += ["Tensor.backward"] if _original_backward is not None else []
     pipeline = sys.modules.get("nand.agent.detect.pipeline")  # (imported with the agent)
     if pipeline is not None and pipeline.installed():
         found.append("pipeline stage chunks")
@@ -119,3 +127,49 @@ def _scaler_step(self: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
     if adopt is not None:
         adopt(self)  # guarded by the watch: never raises into the loop
     return _original_step(self, optimizer, *args, **kwargs)
+
+
+def listen_to_backward(told: Callable[[Any], None]) -> Callable[[], None]:
+    """Call ``told(tensor)`` before every ``tensor.backward()`` (the loss,
+    in a user's loop and in the frameworks'); returns the function that stops
+    listening. The wrap comes off the class with the last listener, at its
+    ``close`` or once its owner is garbage collected."""
+    global _original_backward
+    import torch
+
+    if _original_backward is None:
+        _original_backward = torch.Tensor.backward
+        torch.Tensor.backward = _backward  # type: ignore[method-assign]
+    reference = weakref.WeakMethod(told)
+    key = id(reference)
+    _backward_listeners[key] = reference
+
+    def unlisten() -> None:
+        _backward_listeners.pop(key, None)
+        _restore_backward_when_unheard()
+
+    collected = weakref.finalize(getattr(told, "__self__", told), unlisten)
+    collected.atexit = False
+    return unlisten
+
+
+def _restore_backward_when_unheard() -> None:
+    global _original_backward
+    if any(reference() is not None for reference in list(_backward_listeners.values())):
+        return
+    _backward_listeners.clear()
+    if _original_backward is not None:
+        import torch
+
+        if torch.Tensor.__dict__.get("backward") is _backward:
+            torch.Tensor.backward = _original_backward  # type: ignore[method-assign]
+        _original_backward = None
+
+
+def _backward(self: Any, *args: Any, **kwargs: Any) -> Any:
+    """``Tensor.backward`` while a watch listens: tell each, then run it."""
+    for reference in list(_backward_listeners.values()):
+        told = reference()
+        if told is not None:
+            told(self)  # guarded by the watch: never raises into the loop
+    return _original_backward(self, *args, **kwargs)

@@ -175,8 +175,8 @@ class Watch:
         return self._boundary.deferred.waits if self._boundary.deferred is not None else 0
 
     def loss(self, loss: Tensor) -> Tensor:
-        """Record the loss of this step for telemetry, without a sync; returns it."""
-        self._boundary.loss_tensor = loss
+        """Record the loss of this step (checked, in the heartbeats), no sync; returns it."""
+        self._boundary.losses.given = loss
         return loss
 
     def new_batch(self, batch: Any, step: Callable[[Any], Tensor] | None = None) -> None:

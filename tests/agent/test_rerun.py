@@ -374,9 +374,12 @@ def test_a_float16_overflow_under_autocast_is_replayed_under_the_same_autocast()
     event = watch.first
     assert (event.step, event.phase, event.module, event.dtype) == (1, "forward", "0", "float16")
     assert event.reproduced is True  # in float32 the replay would be finite
-    # autocast's cast of the input to float16 is what overflowed, in torch's Linear
+    # autocast's cast of the input to float16 is what overflowed, in torch's Linear:
+    # the line is the user's that called the model (torch's own are passed over)
     assert event.op == "aten::_to_copy"
-    assert event.source == line_of(nn.Linear.forward, "F.linear")
+    assert event.source == line_of(
+        test_a_float16_overflow_under_autocast_is_replayed_under_the_same_autocast, "model(x)"
+    )
 
 
 def test_under_gradient_checkpointing_the_backward_fault_is_named_not_the_recomputed_mask():

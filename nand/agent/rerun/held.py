@@ -36,6 +36,7 @@ step's window one step late). Buffers are not kept per step: see
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -46,6 +47,8 @@ from nand.agent.detect.grads import register_tensor_hook
 from nand.agent.detect.probes import iter_tensors
 from nand.agent.detect.state import HookState, LossProbe, LossProbes
 from nand.agent.rerun.attrs import HeldAttrs, take
+from nand.agent.rerun.recorder import LossPlan
+from nand.agent.rerun.source import calling_line
 
 log = logging.getLogger("nand")
 _is_compiling = torch.compiler.is_dynamo_compiling
@@ -63,7 +66,18 @@ class HeldStep:
     that arrived at its outputs (``grads``: output path -> gradient). Or one
     batch with the framework's ``step`` that runs it again (see :meth:`Held.hold_batch`)."""
 
-    __slots__ = ("args", "attrs", "autocast", "cuda_rng", "grads", "kwargs", "rng", "step")
+    __slots__ = (
+        "args",
+        "attrs",
+        "autocast",
+        "cuda_rng",
+        "grads",
+        "kwargs",
+        "line",
+        "loss",
+        "rng",
+        "step",
+    )
 
     def __init__(
         self,
@@ -82,6 +96,8 @@ class HeldStep:
         self.cuda_rng = torch.cuda.get_rng_state(cuda) if cuda is not None else None
         self.autocast = _autocast() if _any_autocast() else {}
         self.grads: dict[str, Tensor] = {}
+        self.line = calling_line(sys._getframe(1))  # where the user called the model
+        self.loss: LossPlan | None = None  # its loss computation, recorded (``recorder.py``)
 
     def keep_grad(self, path: str, t: Tensor, probe: LossProbe | None = None) -> None:
         """Keep the gradient that arrives at output ``t`` (named ``path``);
@@ -167,6 +183,7 @@ class Held:
         self._keep_earlier = keep_earlier
         self._earlier: tuple[int, list[HeldStep]] = (-1, [])
         self._state = state
+        self.recorder: Any = None  # the loss recorder (``loss.py``), if any
         state.held = self
 
     def remove(self) -> None:
@@ -183,7 +200,10 @@ class Held:
         return steps if window == number else []
 
     def hold_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """A root call starts (not under torch.compile): keep what re-runs it."""
+        """A root call starts (not under torch.compile): keep what re-runs it;
+        what ran since the last call's return was no loss of that call."""
+        if self.recorder is not None and self.recorder.on:
+            self.recorder.stop()
         if not self._state.external_batches:  # (else a batch is the micro-step)
             self._hold(args, kwargs, None)
 

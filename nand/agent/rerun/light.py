@@ -34,15 +34,33 @@ EXACT_FIELDS = (
 )  # fmt: skip
 
 
-def needs_probes(event: Event) -> bool:
+def needs_probes(event: Event, external: bool) -> bool:
     """Whether a light event needs the probed replay to be exact: not the
-    data, the loss's gradient, the update's values, nor a received value
-    (the same event as the full mode's). A gradient that reached the model's
-    output a second time in a micro-step (``call`` > 0: a gradient penalty's
-    second backward) went through the modules' backward first, unprobed."""
+    data, the loss, the update's values, nor a received value (the same
+    event as the full mode's). A loss, or a gradient that reached the
+    model's output, a second time in a micro-step (``call`` > 0: a gradient
+    penalty's) went through the modules' backward first, unprobed; and
+    where a framework's step runs the model (``external``: micro-steps
+    marked by ``new_batch``, Lightning's ``training_step`` calling the
+    model's parts), no root output was checked before the loss: the
+    forward may have made it."""
     if event.phase == "loss":
-        return event.call > 0
+        return event.call > 0 or external
     return event.phase in NEEDS_PROBES and event.cause != "received"
+
+
+def before_the_loss(finding: Finding | None) -> Finding | None:
+    """Of a loss event's probed replay, ``finding`` where it is what the
+    loss carried on (the input, a module's forward output; the backward of
+    a second-call loss event replays a backward that ran before it), not
+    the loss itself (a 0-d output of the root: a model given ``labels=``)
+    nor the gradient the loss sent back."""
+    if finding is None or finding.phase == "loss":
+        return None
+    site = finding.site
+    if finding.phase == "forward" and not finding.module and site.shape == ():
+        return None
+    return finding
 
 
 def probed_finding(buf: ProbeBuffer, micro: int) -> Finding | None:

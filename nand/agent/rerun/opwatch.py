@@ -44,6 +44,8 @@ from nand.agent.rerun.source import (
     traceback_source,
 )
 
+#: ``OpWatch.user_call`` of a loss's calls, run by nand for the user (``recorder.py``).
+LOSS = "loss:"
 #: Ops recorded at most per replay (a NaN spreading makes every op after it
 #: non-finite, but only from non-finite inputs: those are recorded once per module).
 MAX_RECORDS = 256
@@ -100,6 +102,10 @@ class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]  # (torch's, 
         self.names = names
         self.owners = owners
         self.records: list[OpRecord] = []
+        #: Where the user called what the replay runs now (the model, a loss
+        #: function): the line of an op that has none of the user's on the stack.
+        self.user_call = ""
+        self.node_lines: dict[Any, str] = {}  # a replayed loss's nodes: the user's line
         self._seen: set[tuple[str, str | None, str]] = set()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -128,7 +134,7 @@ class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]  # (torch's, 
         # mode on; the replay's own backward runs with it off (no create_graph).
         phase = "forward" if node is None or torch.is_grad_enabled() else "backward"
         frame = caller(2)  # the code that called the op (the caller of __torch_dispatch__)
-        if nands(frame, __file__):
+        if nands(frame, __file__) and not self.user_call.startswith(LOSS):
             return  # a probe of nand's, reading a value the model made: not the model's op
         module = None
         if phase == "forward":
@@ -139,7 +145,8 @@ class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]  # (torch's, 
         if kind != "produced" and (phase, module, kind) in self._seen:
             return
         self._seen.add((phase, module, kind))
-        source = stack_source(frame, __file__)
+        call = self.user_call.removeprefix(LOSS)
+        source = stack_source(frame, __file__, "" if node is not None else call)
         if not source and node is not None:
-            source = traceback_source(node)
+            source = traceback_source(node) or self.node_lines.get(node, "") or call
         self.records.append(OpRecord(op_name(func), source, phase, module, kind))

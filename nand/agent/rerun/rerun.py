@@ -16,8 +16,10 @@ What is replayed, and when (``replay`` says why not, otherwise):
   in the light mode: ``step.deferred.read_mode``) or there is no optimizer:
   then the step's micro-steps are replayed at the next boundary, before
   that step's update, with the weights they ran with;
-- not a ``loss`` event (the loss computation runs outside the model, and
-  nand re-runs the model), nor ``param``/``optimizer_state`` (made by the
+- a ``loss`` event with its loss computation: the calls recorded between
+  the root's return and the backward (``loss.py``, ``recorder.py``), a
+  framework's step, or the model's own output; not where none was recorded;
+- not ``param``/``optimizer_state`` (made by the
   update), nor a value ``received`` through a collective (the rank that
   made it replays its own), nor a GradScaler's overflow (no incident), nor
   under FSDP (a sharded forward all-gathers: the other ranks would have to
@@ -54,7 +56,8 @@ from nand.agent.detect.state import HookState
 from nand.agent.detect.tiers import CHECKED, Tiers
 from nand.agent.rerun.attrs import own_dicts
 from nand.agent.rerun.held import MAX_HELD, Held, HeldStep
-from nand.agent.rerun.light import make_exact, needs_probes, probed_finding
+from nand.agent.rerun.light import before_the_loss, make_exact, needs_probes, probed_finding
+from nand.agent.rerun.loss import NOT_RECORDED, LossRun, LossSteps
 from nand.agent.rerun.opwatch import OpRecord
 from nand.agent.rerun.run import Replayed, replay
 from nand.agent.safety import Guard
@@ -66,7 +69,6 @@ log = logging.getLogger("nand")
 
 #: Why an event is not replayed, by phase or cause (see the module).
 NOT_REPLAYED = {
-    "loss": "not replayed: the loss is computed outside the model, which is what nand re-runs",
     "param": "not replayed: made by the optimizer's update, which a replay does not run",
     "optimizer_state": "not replayed: made by the optimizer's update, which a replay does not run",
     "received": "not replayed: received through a collective; the rank that made it replays",
@@ -92,6 +94,7 @@ class Rerun:
         self.left = 0
         self.held: Held | None = None
         self.tiers = tiers  # (the light mode's, see tiers.py)
+        self.loss = LossSteps(guard, boundary)  # (the losses backwards start from: loss.py)
         self._names = {module: name for name, module in root.named_modules()}
         self._modules = {name: module for module, name in self._names.items()}
 
@@ -104,6 +107,7 @@ class Rerun:
             lagged = self.boundary.deferred is not None
             dicts = own_dicts(self.root)
             self.held = Held(self.state, device, self._windows, dicts, keep_earlier=lagged)
+        self.loss.install(self.root, self.held)
 
     def _windows(self) -> int:
         """The boundary's windows so far: read, or copied to be read (deferred).
@@ -122,13 +126,14 @@ class Rerun:
         return self.boundary.skip_on_device or self.boundary.params is None
 
     def remove(self) -> None:
+        self.loss.remove()
         if self.held is not None:
             self.held.remove()
 
     def explain(self, event: Event, lagged: bool) -> None:
         """Replay ``event``'s micro-step; fill its replay fields and message."""
         tiers = self.tiers if self.tiers is not None and self.tiers.read_light else None
-        light = tiers is not None and needs_probes(event)
+        light = tiers is not None and needs_probes(event, self.state.external_batches)
         if self.held is None and not light:
             return
         try:
@@ -171,19 +176,22 @@ class Rerun:
                 f"(the model ran compiled or outside its root module, or after {MAX_HELD} calls)"
             )
         held = steps[event.micro_step]
+        if _loss(event) and held.step is None and held.loss is None:
+            return NOT_RECORDED
         if _backward(event) and not held.grads and held.step is None:
             return "not replayed: no gradient reached the model's outputs"
         return ""
 
     def _replay(self, event: Event, light: bool) -> None:
         assert self.held is not None
-        backward = _backward(event)
+        backward, loss = _backward(event), _loss(event)
         # A gradient read in light mode sums every micro-step's: the first that makes it.
         micros = range(len(self._steps())) if light and backward else [event.micro_step]
         was_off, self.guard.off, self.held.paused = self.guard.off, True, True
         try:
             for micro in micros:
-                replayed, finding = self._run(micro, backward, light)
+                replayed, finding = self._run(micro, backward, light, loss)
+                finding = before_the_loss(finding) if loss else finding  # (else: the loss's)
                 if finding is not None:
                     break
         except Exception as exc:  # the user's code raised, run again: said in the event
@@ -192,6 +200,7 @@ class Rerun:
         finally:
             self.guard.off, self.held.paused = was_off, False
         what = "forward and backward" if replayed.backward else "forward"
+        what += " and the loss computation" if loss else ""
         which = f"micro-step {micro if finding is not None else event.micro_step}"
         if finding is None and len(micros) > 1:
             which = f"micro-steps 0 to {len(micros) - 1}"
@@ -203,7 +212,12 @@ class Rerun:
             event.reproduced = True
             return
         chosen, event.reproduced = conclude(event, replayed)
-        if light and finding is None and not _seen_without_probes(event, replayed, backward):
+        if (
+            light
+            and not loss
+            and finding is None
+            and not _seen_without_probes(event, replayed, backward)
+        ):
             return
         event.reproduced = event.reproduced or finding is not None  # (the probes saw it)
         if chosen is not None:
@@ -212,7 +226,7 @@ class Rerun:
             if chosen.kind == "constant":
                 event.replay += "; written from a non-finite Python number in the code"
             elif chosen.kind != "produced":
-                event.replay += "; no op made it from finite values: its input came from outside"
+                event.replay += _made_from(chosen, replayed.records)
 
     def _blame_node_owner(self, event: Event, owner: str | None) -> None:
         """A backward event names the module whose backward node made the
@@ -225,15 +239,34 @@ class Rerun:
         event.module, event.module_type = owner, type(self._modules[owner]).__name__
         event.message = event.message.replace(f" of {before} at ", f" of {event.where()} at ", 1)
 
-    def _run(self, micro: int, backward: bool, light: bool) -> tuple[Replayed, Finding | None]:
-        """Replay micro-step ``micro``; in light mode with every module probed."""
+    def _run(
+        self, micro: int, backward: bool, light: bool, loss: bool = False
+    ) -> tuple[Replayed, Finding | None]:
+        """Replay micro-step ``micro``; in light mode with every module probed;
+        with ``loss``, its loss computation too (``loss.py``)."""
         assert self.held is not None
         held, device = self._steps()[micro], self.held.device
+        then = LossRun(held.loss) if loss else None
         if not light or self.tiers is None:
-            return replay(self.root, held, self._names, device, backward), None
+            return replay(self.root, held, self._names, device, backward, then), None
         with self.tiers.probed() as buf:
-            replayed = replay(self.root, held, self._names, device, backward)
+            replayed = replay(self.root, held, self._names, device, backward, then)
         return replayed, probed_finding(buf, micro)
+
+
+def _made_from(chosen: OpRecord, records: list[OpRecord]) -> str:
+    """What the op named took its non-finite input from, in words that agree
+    with the event's cause: an infinity the code wrote (a mask covering a
+    whole row), else a tensor no op of the step made (a buffer, a constant)."""
+    at = records.index(chosen)
+    written = [r for r in records[:at] if r.kind == "constant" and r.phase == chosen.phase]
+    if written:
+        w = written[-1]
+        return (
+            f"; from finite inputs, through an infinity the code wrote ({w.op} at "
+            f"{w.source or 'an unknown line'}): a whole row masked, say"
+        )
+    return "; its input held a non-finite value that no op of the step made (a buffer, a constant)"
 
 
 def _second(event: Event) -> bool:
@@ -241,6 +274,12 @@ def _second(event: Event) -> bool:
     micro-step (a gradient penalty's backward, ``call`` > 0): the first
     backward, held, went through the modules and is replayed."""
     return event.phase == "loss" and event.call > 0
+
+
+def _loss(event: Event) -> bool:
+    """A loss event whose loss value, or the gradient it started, is replayed
+    with its loss computation (not a second backward's: ``_second``)."""
+    return event.phase == "loss" and not _second(event)
 
 
 def _backward(event: Event) -> bool:
@@ -251,12 +290,14 @@ def conclude(event: Event, replayed: Replayed) -> tuple[OpRecord | None, bool]:
     """The op to name and whether the replay reproduced the value (see the module)."""
     if event.phase == "input":
         return None, not replayed.inputs_finite
-    phase = "forward" if event.phase == "forward" else "backward"
+    phase = "forward" if event.phase == "forward" or _loss(event) else "backward"
     scope = [
         r
         for r in replayed.records
         if r.phase == phase and (phase == "backward" or _within(r, event))
     ]
+    if not scope and _loss(event):  # a finite loss, its gradient not: the loss's backward
+        scope = [r for r in replayed.records if r.phase == "backward" and not r.module]
     made = [r for r in scope if r.kind != "constant"]  # (a mask's -inf: on purpose)
     produced = [r for r in made if r.kind == "produced"]
     candidates = produced or made or scope
@@ -301,4 +342,6 @@ def _owns(module: str, param: str) -> bool:
 
 def _within(record: OpRecord, event: Event) -> bool:
     name, module = record.module, event.module
+    if _loss(event):  # the root's own code (a loss the model computes) or none of the model's
+        return not name
     return name is not None and (not module or name == module or name.startswith(module + "."))

@@ -19,7 +19,9 @@ gradient already came through that output, and would be counted twice.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from contextlib import ExitStack
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -46,8 +48,10 @@ def replay(
     names: dict[nn.Module, str],
     device: torch.device,
     backward: bool,
+    then: Callable[[Any, OpWatch], None] | None = None,
 ) -> Replayed:
-    """Run ``held`` again; everything it changed is put back before returning."""
+    """Run ``held`` again; everything it changed is put back before returning.
+    ``then(output, watch)``: run after the forward, under the same watch (a loss)."""
     owners = NodeOwners(root, names)
     watch = OpWatch(names, owners)
     saved = Saved(root, device)
@@ -60,7 +64,10 @@ def replay(
             for kind, dtype in held.autocast.items():
                 stack.enter_context(torch.autocast(kind, dtype=dtype))
             with torch.autograd.set_detect_anomaly(True, check_nan=False):
+                watch.user_call = held.line
                 output = (held.step or root)(*held.args, **held.kwargs)
+                if then is not None:
+                    then(output, watch)
         grads = held.grads if held.step is None else _ones(output)
         seeds = _seeds(output, grads) if backward else []
         params = [p for p in root.parameters() if p.requires_grad]

@@ -56,24 +56,40 @@ def _where(filename: str) -> bool | None:
     return not (filename.startswith("<") or filename.startswith(_SKIPPED))
 
 
-def stack_source(frame: FrameType | None, own_file: str) -> str:
+def stack_source(frame: FrameType | None, own_file: str, outer: str = "") -> str:
     """The user's innermost line on the live stack from ``frame`` outwards
     (frames of ``own_file``, the dispatch mode's, are passed over). Without
-    one (an op inside torch's own ``nn.Linear``, called by the replay), the
-    innermost ``forward`` of torch's on the way: the module's code."""
+    one (an op inside torch's own ``nn.Linear``, called by the replay): the
+    ``outer`` line, where the user called what the replay calls (the model,
+    a loss's function: :func:`calling_line`, held with the step); failing
+    that, the innermost ``forward`` of torch's on the way."""
     inside = ""
     while frame is not None:
         filename = frame.f_code.co_filename
         if filename != own_file:
             user = _where(filename)
             if user is None:
-                return inside
+                return outer or inside
             if user:
                 return f"{filename}:{frame.f_lineno}"
             if not inside and frame.f_code.co_name == "forward":
                 inside = f"{filename}:{frame.f_lineno}"
         frame = frame.f_back
     return inside
+
+
+def calling_line(frame: FrameType | None) -> str:
+    """The user's innermost line from ``frame`` outwards, passing over torch's,
+    the standard library's and nand's own frames: where the user called the
+    model or a torch function (held with a step, to be named in its replay)."""
+    while frame is not None:  # (_where's tests inline: this runs on every root call)
+        filename = frame.f_code.co_filename
+        if filename.startswith(_DEMO) or not (
+            filename.startswith(_NAND) or filename.startswith("<") or filename.startswith(_SKIPPED)
+        ):
+            return f"{filename}:{frame.f_lineno}"
+        frame = frame.f_back
+    return ""
 
 
 def traceback_source(node: torch.autograd.graph.Node | None) -> str:

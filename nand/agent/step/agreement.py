@@ -35,6 +35,7 @@ from nand.agent.detect.zero import settle_zero
 from nand.agent.safety import PeerGone
 from nand.agent.step.analysis import ParamSource
 from nand.agent.step.finding import Finding
+from nand.agent.step.losses import nonfinite_flag
 from nand.events import VIA_FSDP_ALL_GATHER
 
 #: A rank's own finding that FSDP's parameter all-gather carries to the others.
@@ -43,16 +44,17 @@ SHARD_PHASES = ("param", "optimizer_state")
 NAMED_BY_SHARD = "named by the parameter shard the ranks found non-finite (not replayed)"
 
 
-def with_agreed_flag(gathered: Tensor | None, n_extras: int, device: torch.device) -> Tensor:
+def with_agreed_flag(
+    gathered: Tensor | None, n_extras: int, device: torch.device, n_losses: int = 0
+) -> Tensor:
     """``gathered`` and, last, the flag all-reduced over the ranks (1: some
-    rank's window held a non-finite value). The extras (loss, AMP scale…)
-    do not count: they are not findings."""
+    rank's window held a non-finite value). The extras (AMP scale…) do not
+    count, they are not findings, except the last ``n_losses``: the losses."""
     if gathered is None:
         flag = torch.zeros(1, device=device)
         gathered = torch.zeros(0, device=device)
     else:
-        main = gathered[: gathered.numel() - n_extras]
-        flag = (~torch.isfinite(main)).any().float().reshape(1)
+        flag = nonfinite_flag(gathered, n_extras, n_losses).reshape(1)
     _all_reduce_max(flag, "the agreed non-finite flag")
     return torch.cat([gathered, flag.to(gathered.device)])
 

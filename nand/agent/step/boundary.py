@@ -21,7 +21,6 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from nand.agent.detect.amp import AmpWatch, amp_figures
@@ -30,6 +29,7 @@ from nand.agent.detect.ddp import LocalGradCheck, grads_are_reduced, install, pa
 from nand.agent.detect.probes import MICRO, ProbeBuffer
 from nand.agent.detect.tensor_parallel import TensorParallelCheck, received_through_tp
 from nand.agent.identity import Identity
+from nand.agent.step import losses
 from nand.agent.step.agreement import settle, settle_shards, with_agreed_flag
 from nand.agent.step.analysis import (
     COMPILED_NOTE,
@@ -43,6 +43,7 @@ from nand.agent.step.blowup import BlowUpWatch, global_norm
 from nand.agent.step.deferred import DeferredRead
 from nand.agent.step.finding import Finding
 from nand.agent.step.fingerprint import Fingerprints
+from nand.agent.step.losses import StepLosses, loss_finding, losses_bad
 from nand.agent.step.recorder import FlightRecorder
 from nand.agent.step.report import build_event
 from nand.agent.step.window import HEALTHY, SCALED_PHASES, Outcome, Window
@@ -80,7 +81,7 @@ class Boundary:
         self.tp: TensorParallelCheck | None = None  # TP: this rank's parts before each reduction
         self.grads_reduced = False  # a wrapper (DDP, FSDP) averages gradients across ranks
         self.params_gathered = False  # FSDP: a shard's NaN reaches every rank's forward
-        self.loss_tensor: Tensor | None = None
+        self.losses = StepLosses(buf)  # Watch.loss's and the backward's (see losses.py)
         self.seq = 0
         self.blowup = BlowUpWatch(who.rank)  # early warnings (see blowup.py)
         self.reads = 0  # host reads done, for tests and the benchmark
@@ -164,7 +165,7 @@ class Boundary:
             return self._analyse(values, any_bad, extras, window)
         finally:
             self.buf.clear()
-            self.loss_tensor = None
+            self.losses.take()  # (taken into the window when one was read)
             # After the step's read: send the last fingerprint, take this one's.
             reduced = self.grads_reduced
             self._fingerprint(lambda f: f.at_boundary(step, reduced) if decides else f.flush())
@@ -204,6 +205,7 @@ class Boundary:
             n_pairs=n_pairs, n_norms=len(buf.norms), spans=spans, pipeline=buf.pipeline,
             compiled=buf.slotted is not None, grads_scaled=scaled, lagged=self.deferred is not None,
             partials=self.tp.take(self.micro_steps, micro_base) if self.tp is not None else [],
+            losses=self.losses.take(), micro_steps=self.micro_steps,
         )  # fmt: skip
 
     def _analyse(self, values: list[float], any_bad: bool, extras: list[str], w: Window) -> Outcome:
@@ -223,12 +225,13 @@ class Boundary:
         n_main = len(values) - len(extras)
         # A float64 sum overflows only for float64 figures near their
         # limit: then the slow path finds nothing, a false alarm.
-        self.clean = math.isfinite(sum(values[:n_main]))
+        loss_bad = losses_bad(values, extras, overflow)  # (0/0: every gradient may be 0)
+        self.clean = math.isfinite(sum(values[:n_main])) and not loss_bad
         settle = not self.clean or any_bad  # (most steps: nothing to settle)
         event = self._settled_event(values, extras, scale, w, any_bad) if settle else None
-        if overflow and event is not None and event.phase not in SCALED_PHASES:
+        if overflow and event is not None and (event.phase not in SCALED_PHASES or loss_bad):
             # The scaler skipped the update, but what went non-finite was not
-            # a scaled gradient (a bad input, forward or weight): an incident.
+            # a scaled gradient (a bad input, forward, weight or the loss): an incident.
             overflow = False
         alerts = self._alerts(row, w) if not overflow else ()
         if event is None and not any_bad and not overflow and not alerts:
@@ -292,6 +295,9 @@ class Boundary:
         """
         grad_cause = self._grad_cause(values, extras)
         finding = first_finding(w, values, grad_cause, w.prev_micro, w.micro_base, w.lagged)
+        finding = loss_finding(
+            finding, w.losses, w.micro_steps, w.micro_base, self.root_type, (w.sites, values)
+        )
         if (
             finding is not None
             and finding.phase == "forward"
@@ -326,11 +332,9 @@ class Boundary:
         if local is not None:
             self.buf.extras.append(local)
             names.append("ddp_local")
-        if self.loss_tensor is not None:  # last: read as values[-1]
-            loss = self.loss_tensor.detach()
-            self.buf.extras.append(loss if loss.dim() == 0 else loss.float().mean())
-            names.append("loss")
-        return names
+        kept, loss_names = self.losses.extras()  # ("loss" last: read as values[-1])
+        self.buf.extras.extend(kept)
+        return names + loss_names
 
     def _grad_cause(self, values: list[float], extras: list[str]) -> Cause:
         """A non-finite ``.grad`` first seen here: made on this rank, or received?
@@ -353,7 +357,8 @@ class Boundary:
         """The host read when every rank must take the same decision: the 0-d
         "anything non-finite here" flag is all-reduced (MAX) first, and rides
         along in the same read."""
-        values = with_agreed_flag(self.buf.gather(), len(extras), self.buf.device).tolist()
+        gathered, device = self.buf.gather(), self.buf.device
+        values = with_agreed_flag(gathered, len(extras), device, losses.count(extras)).tolist()
         self.reads += 1
         return (values[:-1] or None), values[-1] > 0
 
@@ -367,11 +372,10 @@ class Boundary:
         gathered = self.buf.gather()
         n_extras = len(extras)
         if agree:  # the flag all-reduced on the device, last in the copy
-            gathered = with_agreed_flag(gathered, n_extras, self.buf.device)
+            gathered = with_agreed_flag(gathered, n_extras, self.buf.device, losses.count(extras))
             self.flag = gathered[-1].reshape(()).float() if self.skip_on_device else None
         elif self.skip_on_device and gathered is not None:
-            main = gathered[: gathered.numel() - n_extras]
-            self.flag = (~torch.isfinite(main)).any().float()
+            self.flag = losses.nonfinite_flag(gathered, n_extras, losses.count(extras))
         else:
             self.flag = None
         self.deferred.put(gathered, (w, extras, agree))

@@ -6,7 +6,7 @@ parameters (the slow path of a forward finding), the compiled probes' slots,
 the DDP replicas' fingerprints, whether ranks agree on each step's flag and
 whether it reads one step late. Only what is found while the loop runs is
 learnt later: the wrapper (``Boundary.wrapped_in``), a framework's GradScaler
-(``Boundary.amp``) and the loss (``Boundary.loss_tensor``).
+(``Boundary.amp``) and the loss (``Boundary.losses``).
 """
 
 from __future__ import annotations

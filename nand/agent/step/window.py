@@ -6,6 +6,8 @@ from __future__ import annotations
 from copy import copy
 from dataclasses import dataclass, field
 
+from torch import Tensor
+
 from nand.agent.detect.probes import Site
 from nand.agent.detect.stage import Handoff
 from nand.agent.detect.tensor_parallel import Partial
@@ -46,6 +48,10 @@ class Window:
     #: This rank's own parts of tensor-parallel reductions (``detect.tensor_parallel``).
     partials: list[Partial] = field(default_factory=list)
     pipeline: Handoff | None = None  # a pipeline stage's micro-batch marks (``handoff.py``)
+    #: The losses of the window, in backward order, with their marks, and its
+    #: micro-steps (``losses.py``).
+    losses: tuple[list[Tensor], list[int]] = field(default_factory=lambda: ([], []))
+    micro_steps: int = 0
 
     def __post_init__(self) -> None:  # the buffer's marks start afresh at its clear: keep these
         self.pipeline = copy(self.pipeline)
