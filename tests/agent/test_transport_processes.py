@@ -21,6 +21,7 @@ from nand.agent.identity import Identity
 from nand.agent.transport import spool as sp
 from nand.agent.transport.server_sink import ServerSink
 from nand.testing import Receiver
+from nand.testing.ports import free_port
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -235,6 +236,29 @@ def test_at_exit_the_sink_flushes_and_says_bye_only_if_the_process_did_not_crash
         assert rx.all("bye")[0]["body"] == {"step": 7, "reason": "exit"}
     else:
         assert kinds == ["hello", "heartbeat"]  # flushed, but no bye: the server sees a crash
+
+
+def test_a_job_that_exits_before_its_connection_is_up_waits_for_it_within_the_grace(tmp_path):
+    """The process says its last words before the handshake is done (as on a
+    loaded host): within the connect grace the sender waits for the server
+    instead of spooling what a live server would take."""
+    port = free_port()
+    script = _script(tmp_path, "exiting.py", EXITING, PATIENT)
+    endpoint = f"tcp://127.0.0.1:{port}"
+    job = subprocess.Popen(
+        [sys.executable, str(script), endpoint, "run-exit", "normal"],
+        env=_env(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(1.5)  # (the gap being tested: no server yet while the job ends)
+    with Receiver(endpoint) as rx:
+        _, err = job.communicate(timeout=60)
+        kinds = [m["kind"] for m in rx.all()]
+    assert job.returncode == 0, err
+    assert kinds == ["hello", "heartbeat", "bye"], err
+    assert not list((tmp_path / "spool").rglob("*.spool")), err
 
 
 NO_SERVER_TRAINING = """

@@ -322,7 +322,7 @@ class Sender(threading.Thread):
                 self._read_incoming()
                 self._route(self.mailbox.take_all())
                 self._pump()
-            if not self.connected or self.rejected is not None:
+            if self.rejected is not None or not (self.connected or self._connecting()):
                 break
         # Each last step on its own: what is left is said even if one fails.
         self._guarded(lambda: self._route(self.mailbox.take_all()))
@@ -330,6 +330,13 @@ class Sender(threading.Thread):
         self._guarded(self.outbox.lose_memory)
         self._guarded(self._say_what_is_left)
         self._release()
+
+    def _connecting(self) -> bool:
+        """Still within the connect grace: a job that exits right after its
+        first message (or on a loaded host, where the handshake takes a while)
+        waits for the connection instead of spooling what a live server would
+        take; a server that is down costs at most the grace."""
+        return time.monotonic() < self._grace_until
 
     def _spool_the_rest(self) -> None:
         if self.outbox.mode == "direct" and self.outbox.has_unacked():
