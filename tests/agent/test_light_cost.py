@@ -7,6 +7,7 @@ autograd into nand's Python in backward, module hooks on the root.
 
 from __future__ import annotations
 
+import gc
 import sys
 from collections.abc import Callable
 from types import FrameType
@@ -129,12 +130,18 @@ def nand_calls_per_step(model: nn.Module, steps: int = 20) -> float:
     with nand.watch(model, opt, mode="light", log_events=False) as watch:
         for _ in range(12):  # (the early warnings' windows fill up: their usual path)
             step()
+        # Objects of earlier tests in this worker (a watch of theirs, its
+        # finalizers) are collected now, not inside the counted steps: a
+        # collection there ran nand's code that is no part of this step.
+        gc.collect()
+        gc.disable()
         sys.setprofile(profile)
         try:
             for _ in range(steps):
                 step()
         finally:
             sys.setprofile(None)
+            gc.enable()
         assert watch.first is None and watch.step == 12 + steps
     return calls / steps
 

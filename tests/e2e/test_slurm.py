@@ -250,9 +250,10 @@ def test_a_second_cluster_on_the_machine_does_not_meet_the_first(slurm_cluster):
     assert slurm_cluster.run("srun", "--ntasks=1", "echo", "still").split() == ["still"]
 
 
-def test_the_gpu_example_and_the_readme_run_the_step_as_the_tested_example_does():
-    """train.sbatch (2 nodes x 8 GPUs, never run here) and the README's Slurm
-    section launch the step the way train_cpu.sbatch, which runs above, does."""
+def test_the_gpu_example_and_the_docs_run_the_step_as_the_tested_example_does():
+    """train.sbatch (2 nodes x 8 GPUs, never run here) and the docs' Slurm
+    section (docs/schedulers.md, where the README's Slurm line points) launch
+    the step the way train_cpu.sbatch, which runs above, does."""
 
     def launch_line(path: Path) -> str:
         [line] = [w for w in path.read_text().splitlines() if w.startswith("nand watchdog")]
@@ -261,8 +262,9 @@ def test_the_gpu_example_and_the_readme_run_the_step_as_the_tested_example_does(
     tested = launch_line(SCRIPT)
     assert tested.startswith("nand watchdog -- srun --kill-on-bad-exit=1 torchrun")
     assert launch_line(SCRIPT.with_name("train.sbatch")) == tested
-    readme = (REPO / "README.md").read_text()
-    assert "nand watchdog -- srun --kill-on-bad-exit=1 torchrun ... train.py" in readme
+    page = (REPO / "docs" / "schedulers.md").read_text()
+    assert "nand watchdog -- srun --kill-on-bad-exit=1 torchrun ... train.py" in page
+    assert "nand watchdog -- srun" in (REPO / "README.md").read_text()
     for name in ("train.sbatch", "train_cpu.sbatch"):
         text = (SCRIPT.parent / name).read_text()
         assert "NAND_RUN" not in text and "scancel" not in text.replace("(scancel)", "")
