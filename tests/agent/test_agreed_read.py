@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 import nand
 from tests.agent.models import mlp
@@ -65,4 +66,37 @@ def test_an_agreed_read_finds_the_first_non_finite_layer_and_skips_its_update(on
     assert len(w.events) == 1
     assert torch.equal(weights[BAD - 1], weights[BAD])  # the bad step's update: dropped
     assert not torch.equal(weights[BAD], weights[BAD + 1])  # the next one: applied
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.nand_mode("full")
+def test_a_gradient_made_non_finite_on_the_only_ddp_rank_was_produced_there(one_rank_group):
+    # DDP averages gradients across ranks, so a non-finite .grad may have come
+    # from another rank; nand's local check (a DDP communication hook) reads
+    # this rank's own before the all-reduce. With one rank nothing can be
+    # received: the NaN a hook writes into one weight's gradient was made here.
+    torch.manual_seed(0)
+    inner = mlp()
+    model = DistributedDataParallel(inner)
+    weight = inner[4].weight
+    step_now = [0]
+
+    def plant(grad: torch.Tensor) -> torch.Tensor:
+        if step_now[0] != BAD:
+            return grad
+        grad = grad.clone()
+        grad.view(-1)[0] = math.nan
+        return grad
+
+    weight.register_hook(plant)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with nand.watch(model, opt, on_nonfinite="skip") as w:
+        for step in range(STEPS):
+            step_now[0] = step
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert w.first is not None
+    assert (w.first.step, w.first.phase, w.first.cause) == (BAD, "grad", "produced")
+    assert w.first.module == "4.weight"
     assert all(torch.isfinite(p).all() for p in model.parameters())
