@@ -128,3 +128,19 @@ def test_a_sampled_layer_is_never_the_finding_nor_hides_the_root_s_output_after_
     assert finding is not None
     assert finding.site is root and finding.phase == "forward"
     assert finding.module == "" and finding.cause == "produced"
+
+
+def test_a_finding_s_order_counts_the_entries_of_its_phase_before_it_in_its_micro_step():
+    # Event.order: the position in execution order among the micro-step's
+    # probed entries of that phase (a light-mode sample is not one).
+    # Two forward entries come before the NaN, one in the micro-step before.
+    names = ["0", "2", "4"]
+    sites = [
+        Site(phase="forward", module=n, module_type="Linear", index=i) for i, n in enumerate(names)
+    ]
+    window = [None, sites[0], None, sites[0], sites[1], sites[2]]
+    nan = math.nan
+    values = [0.0, 1.0, 0.0, 1.0, -1.0, 1.0, nan, nan]
+    finding = first_finding(Read(window), values)
+    assert finding is not None
+    assert (finding.module, finding.micro, finding.order) == ("4", 1, 2)

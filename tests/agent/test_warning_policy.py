@@ -66,6 +66,7 @@ def test_on_warning_raise_stops_at_the_spiking_step_before_its_update() -> None:
     # Raised from opt.step() of the bad batch: its loss was the last one computed.
     assert spikes(losses) == [len(losses) - 1] == [BAD]
     assert info.value.alert.step == BAD
+    assert info.value.alert.kind == "loss_spike"  # the first warning: the loop's own rule's
     assert w.first is None  # a warning, not a non-finite value
 
 
