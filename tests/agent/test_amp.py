@@ -220,3 +220,30 @@ def test_under_a_scaler_the_flight_recorder_holds_the_unscaled_figures_a_plain_l
     for i, step in enumerate(window.steps):
         assert window.act_max_abs[i][column] == acts[step]
         assert window.grad_norm[i] == pytest.approx(norms[step], rel=1e-5)
+
+
+def test_read_one_step_late_a_scaler_s_overflow_leaves_the_next_step_s_update_alone():
+    # The scaler skips an overflow step itself; a deferred read learns of it
+    # at the next boundary, whose own gradients are that step's, not the
+    # skipped one's: they must be applied. Which steps overflowed and which
+    # updates moved the weights, the loop sees for itself.
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127)  # overflows at first
+    overflowed, moved = [], []
+    gen = torch.Generator().manual_seed(0)
+    with nand.watch(model, opt, scaler=scaler, on_nonfinite="skip", read="deferred") as w:
+        for _ in range(30):
+            before, scale = model[4].weight.detach().clone(), scaler.get_scale()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(torch.randn(4, 8, generator=gen)).float().pow(2).mean() * 1e6
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            overflowed.append(scaler.get_scale() < scale)
+            moved.append(not torch.equal(before, model[4].weight))
+    assert any(overflowed) and not all(overflowed)
+    assert moved == [not skipped for skipped in overflowed]
+    assert w.first is None and w.amp_skipped == sum(overflowed)
