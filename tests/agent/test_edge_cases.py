@@ -204,3 +204,27 @@ def test_parameter_norms_record_no_autograd_graph(monkeypatch):
     # close, with the 2 momentum buffers (weight decay: no bound, read them)
     assert len(outputs) == 2 + 4 + 6 + 6
     assert not any(t.requires_grad for t in outputs)
+
+
+@pytest.mark.nand_mode("full")  # the full mode's per-layer telemetry
+def test_the_root_s_gradient_column_never_holds_its_input_data():
+    # The flight recorder's grad_max_abs of a module is the gradient flowing
+    # out of it. The root's input data (a million, here) and the gradient
+    # arriving at its output (1/16, a mean of 16 values) are probed at the
+    # root's place in the table; the input is no gradient, so the root's
+    # column holds at most that gradient, measured by a plain tensor hook.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    arriving: list[float] = []
+    with nand.watch(model, opt) as w:
+        for _ in range(2):
+            out = model(torch.randn(4, 8) * 1e6)
+            out.register_hook(lambda g: arriving.append(g.abs().max().item()))
+            out.mean().backward()
+            opt.step()
+            opt.zero_grad()
+        window = w.flight_window()
+    assert arriving == [1 / 16, 1 / 16]
+    root = window.modules.index("")
+    assert all(row[root] in (None, 1 / 16) for row in window.grad_max_abs)
