@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 
 import pytest
 import torch
@@ -181,3 +182,68 @@ def test_a_second_watch_of_the_same_optimizer_still_adopts_scalers_after_the_fir
         first.close()
         amp_train(model, opt, torch.amp.GradScaler("cpu", init_scale=2.0**127), 5, factor=1e6)
     assert second.amp_skipped > 0 and second.first is None
+
+
+@pytest.mark.nand_mode("full")
+def test_under_a_scaler_the_flight_recorder_holds_the_unscaled_figures_a_plain_loop_measures():
+    # A fused optimizer gets the scale from the scaler and never unscales the
+    # .grad: nand's gradient norms are taken of scaled gradients, and its
+    # activations are not scaled at all. The loop measures both itself.
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    acts: dict[int, float] = {}  # step -> max |output| of layer "2", by a plain hook
+    norms: dict[int, float] = {}  # step -> 2-norm of the unscaled gradients
+    step_now = [0]
+
+    def record(module, args, output) -> None:
+        acts[step_now[0]] = output.detach().abs().max().item()
+
+    model[2].register_forward_hook(record)
+    gen = torch.Generator().manual_seed(0)
+    with nand.watch(model, opt, scaler=scaler) as w:
+        for step in range(3):
+            step_now[0] = step
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(torch.randn(4, 8, generator=gen)).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scale = scaler.get_scale()
+            squares = [(p.grad.double() / scale).pow(2).sum().item() for p in model.parameters()]
+            norms[step] = math.sqrt(sum(squares))
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        window = w.flight_window()
+    assert scale == 1024.0 and window.steps == [0, 1, 2]  # (no overflow: the scale stayed)
+    column = window.modules.index("2")
+    for i, step in enumerate(window.steps):
+        assert window.act_max_abs[i][column] == acts[step]
+        assert window.grad_norm[i] == pytest.approx(norms[step], rel=1e-5)
+
+
+def test_read_one_step_late_a_scaler_s_overflow_leaves_the_next_step_s_update_alone():
+    # The scaler skips an overflow step itself; a deferred read learns of it
+    # at the next boundary, whose own gradients are that step's, not the
+    # skipped one's: they must be applied. Which steps overflowed and which
+    # updates moved the weights, the loop sees for itself.
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127)  # overflows at first
+    overflowed, moved = [], []
+    gen = torch.Generator().manual_seed(0)
+    with nand.watch(model, opt, scaler=scaler, on_nonfinite="skip", read="deferred") as w:
+        for _ in range(30):
+            before, scale = model[4].weight.detach().clone(), scaler.get_scale()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(torch.randn(4, 8, generator=gen)).float().pow(2).mean() * 1e6
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            overflowed.append(scaler.get_scale() < scale)
+            moved.append(not torch.equal(before, model[4].weight))
+    assert any(overflowed) and not all(overflowed)
+    assert moved == [not skipped for skipped in overflowed]
+    assert w.first is None and w.amp_skipped == sum(overflowed)

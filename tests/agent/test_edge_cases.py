@@ -204,3 +204,53 @@ def test_parameter_norms_record_no_autograd_graph(monkeypatch):
     # close, with the 2 momentum buffers (weight decay: no bound, read them)
     assert len(outputs) == 2 + 4 + 6 + 6
     assert not any(t.requires_grad for t in outputs)
+
+
+@pytest.mark.nand_mode("full")  # the full mode's per-layer telemetry
+def test_the_root_s_gradient_column_never_holds_its_input_data():
+    # The flight recorder's grad_max_abs of a module is the gradient flowing
+    # out of it. The root's input data (a million, here) and the gradient
+    # arriving at its output (1/16, a mean of 16 values) are probed at the
+    # root's place in the table; the input is no gradient, so the root's
+    # column holds at most that gradient, measured by a plain tensor hook.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    arriving: list[float] = []
+    with nand.watch(model, opt) as w:
+        for _ in range(2):
+            out = model(torch.randn(4, 8) * 1e6)
+            out.register_hook(lambda g: arriving.append(g.abs().max().item()))
+            out.mean().backward()
+            opt.step()
+            opt.zero_grad()
+        window = w.flight_window()
+    assert arriving == [1 / 16, 1 / 16]
+    root = window.modules.index("")
+    assert all(row[root] in (None, 1 / 16) for row in window.grad_max_abs)
+
+
+@pytest.mark.parametrize("policy", ["raise", "skip"])
+def test_an_optimizer_step_with_nothing_probed_is_healthy_and_the_watch_stays_on(policy, caplog):
+    # No forward, no backward: every .grad is None, nothing was probed, the
+    # window is empty. Nothing went non-finite anywhere: no policy acts, and
+    # a fault planted afterwards is still found where it was made.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), Plant(), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    caplog.set_level(logging.WARNING, logger="nand")
+    with nand.watch(model, opt, on_nonfinite=policy) as w:
+        train(model, opt, 2)
+        opt.zero_grad()
+        opt.step()  # step 2: nothing to read
+        opt.step()  # step 3
+        assert w.step == 4 and w.first is None
+        said = [r.getMessage() for r in caplog.records if r.name == "nand"]
+        assert not [m for m in said if "skipped" in m or "internal error" in m]
+        model[1].value = float("nan")
+        try:
+            train(model, opt, 1)  # step 4
+        except nand.NonFiniteError:
+            assert policy == "raise"
+    assert w.first is not None
+    assert (w.first.step, w.first.phase, w.first.module) == (4, "forward", "1")

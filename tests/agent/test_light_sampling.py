@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
@@ -11,7 +12,9 @@ import torch
 from torch import nn
 
 import nand
-from nand.agent.detect.sampling import PERIOD, per_step
+from nand.agent.detect.probes import Site
+from nand.agent.detect.sampling import PERIOD, SAMPLE, per_step
+from nand.agent.step.analysis import first_finding
 
 LAYERS = 6  # Linear layers: a step samples some of them (two)
 
@@ -100,3 +103,44 @@ def test_a_layer_near_its_dtype_limit_warns_headroom_in_the_light_mode_too(caplo
     assert len(headroom) == 1
     assert "overflow headroom: 2 (RunAway) reached max |x| 2e+38" in headroom[0]  # the layer
     assert "float32" in headroom[0]
+
+
+@dataclasses.dataclass
+class Read:
+    """A window as the analysis reads it (``analysis.Probed``): its sites in
+    the order the hooks probed them, ``None`` where a micro-step starts."""
+
+    sites: list[Site | None]
+    norm_sites: list[Site] = dataclasses.field(default_factory=list)
+    pipeline: None = None
+
+
+def test_a_sampled_layer_is_never_the_finding_nor_hides_the_root_s_output_after_it():
+    # The light mode's window: two layers sampled (the first finite, the
+    # second NaN), then the root's output, NaN. A sample is telemetry: the
+    # finding is the first non-finite entry that is not one, the root's
+    # output (the light mode's replay then finds the op).
+    root = Site(phase="forward", module="", module_type="Sequential", index=0)
+    early = Site(phase="forward", module="0", module_type="Linear", index=1, kind=SAMPLE)
+    late = Site(phase="forward", module="4", module_type="Linear", index=5, kind=SAMPLE)
+    nan = math.nan
+    finding = first_finding(Read([None, early, late, root]), [-1.0, 2.0, nan, nan, nan, nan])
+    assert finding is not None
+    assert finding.site is root and finding.phase == "forward"
+    assert finding.module == "" and finding.cause == "produced"
+
+
+def test_a_finding_s_order_counts_the_entries_of_its_phase_before_it_in_its_micro_step():
+    # Event.order: the position in execution order among the micro-step's
+    # probed entries of that phase (a light-mode sample is not one).
+    # Two forward entries come before the NaN, one in the micro-step before.
+    names = ["0", "2", "4"]
+    sites = [
+        Site(phase="forward", module=n, module_type="Linear", index=i) for i, n in enumerate(names)
+    ]
+    window = [None, sites[0], None, sites[0], sites[1], sites[2]]
+    nan = math.nan
+    values = [0.0, 1.0, 0.0, 1.0, -1.0, 1.0, nan, nan]
+    finding = first_finding(Read(window), values)
+    assert finding is not None
+    assert (finding.module, finding.micro, finding.order) == ("4", 1, 2)

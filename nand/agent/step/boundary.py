@@ -146,7 +146,7 @@ class Boundary:
         mid-step: a rank that exited early must not hang the others).
         """
         self.clean = False
-        self.read_norms = []
+        self.read_norms, self.read_spans = [], {}  # (an empty window reads none)
         self.row = None
         try:
             extras = self._extras()
