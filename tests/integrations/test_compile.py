@@ -141,10 +141,9 @@ def test_a_forward_fault_in_a_compiled_model_is_found_where_the_eager_truth_saw_
 BRACKET = re.compile(r"made between (\S+), the last module in forward order")
 
 
+@pytest.mark.nand_mode("full")
 @pytest.mark.parametrize("model", MODELS)
-def test_a_backward_fault_in_a_compiled_model_is_bracketed_around_the_eager_truth_in_full(
-    model, monkeypatch
-):
+def test_a_backward_fault_in_a_compiled_model_is_bracketed_around_the_eager_truth_in_full(model):
     # Inside a compiled graph no gradient is probed, only the parameters'
     # gradients: the full mode names the step and phase exactly and brackets
     # the module (the last module whose parameters got a non-finite gradient,
@@ -152,7 +151,6 @@ def test_a_backward_fault_in_a_compiled_model_is_bracketed_around_the_eager_trut
     # must lie in that bracket, in the model's module order.
     fault = last_step_fault(model, "backward")
     answer = planted_answer(expected(model, FP32, fault, STEPS), fault)
-    monkeypatch.setenv("NAND_MODE", "full")
     run = compiled_run(model, AOT_EAGER, "nand", fault)
     first = run.loop.watch.first if run.loop.watch is not None else None
     assert first is not None and (first.step, first.phase) == (answer.step, answer.phase)
@@ -165,6 +163,7 @@ def test_a_backward_fault_in_a_compiled_model_is_bracketed_around_the_eager_trut
     assert inside or lower <= order.index(answer.module) < upper, (answer.module, first.message)
 
 
+@pytest.mark.nand_mode("light")  # the full mode's answer is the bracket above
 @pytest.mark.parametrize("model", MODELS)
 def test_a_backward_fault_in_a_compiled_model_is_found_where_the_eager_truth_saw_it(model):
     # The default (light) mode replays the step eagerly (force_eager) with
