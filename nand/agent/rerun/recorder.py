@@ -55,6 +55,10 @@ class Made:
     leaf: int
 
 
+#: A model that returned one tensor: its output.
+_MODEL_OUTPUT = Made(-1, 0)
+
+
 @dataclasses.dataclass(slots=True)
 class Call:
     func: Any
@@ -112,10 +116,13 @@ class CallRecorder(TorchFunctionMode):
         for i in range(depth):
             if not isinstance(_stack_at(i), DeviceContext):
                 return
-        leaves, self._spec = ([output], None) if isinstance(output, Tensor) else _flatten(output)
-        for i, leaf in enumerate(leaves):
-            if isinstance(leaf, Tensor):
-                self._made[id(leaf)] = (weakref.ref(leaf), Made(-1, i))
+        if isinstance(output, Tensor):  # (most models: no walk)
+            self._made[id(output)], self._spec = (weakref.ref(output), _MODEL_OUTPUT), None
+        else:
+            leaves, self._spec = _flatten(output)
+            for i, leaf in enumerate(leaves):
+                if isinstance(leaf, Tensor):
+                    self._made[id(leaf)] = (weakref.ref(leaf), Made(-1, i))
         _push(self)
         self.on = True
 

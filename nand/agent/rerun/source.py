@@ -21,7 +21,7 @@ import os
 import re
 import sys
 import sysconfig
-from types import FrameType
+from types import CodeType, FrameType
 from typing import Any
 
 import torch
@@ -82,14 +82,28 @@ def calling_line(frame: FrameType | None) -> str:
     """The user's innermost line from ``frame`` outwards, passing over torch's,
     the standard library's and nand's own frames: where the user called the
     model or a torch function (held with a step, to be named in its replay)."""
-    while frame is not None:  # (_where's tests inline: this runs on every root call)
-        filename = frame.f_code.co_filename
-        if filename.startswith(_DEMO) or not (
-            filename.startswith(_NAND) or filename.startswith("<") or filename.startswith(_SKIPPED)
-        ):
-            return f"{filename}:{frame.f_lineno}"
+    users = _USER_CODE
+    while frame is not None:  # (this runs on every root call and recorded loss call)
+        code = frame.f_code
+        user = users.get(code)
+        if user is None:
+            user = users[code] = _is_users(code.co_filename)
+        if user:
+            return f"{code.co_filename}:{frame.f_lineno}"
         frame = frame.f_back
     return ""
+
+
+#: Whether a code object is the user's (see calling_line), by code object: a
+#: dict lookup a frame rather than four prefix tests. (Code objects are as
+#: many as the functions the program has; a dynamic ``exec`` may add some.)
+_USER_CODE: dict[CodeType, bool] = {}
+
+
+def _is_users(filename: str) -> bool:
+    return filename.startswith(_DEMO) or not (
+        filename.startswith(_NAND) or filename.startswith("<") or filename.startswith(_SKIPPED)
+    )
 
 
 def traceback_source(node: torch.autograd.graph.Node | None) -> str:

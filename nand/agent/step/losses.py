@@ -69,8 +69,8 @@ class StepLosses:
         given = self.given
         values = []
         for t in self.started:  # (a loop, not a comprehension: no frame of its own)
-            if t is not given:
-                values.append(t.detach().reshape(()))
+            if t is not given:  # (0-d mostly: a reshape is an op of its own)
+                values.append(t.detach() if t.ndim == 0 else t.detach().reshape(()))
         names = ["backward_loss"] * len(values)
         if given is not None:
             values.append(given.detach() if given.dim() == 0 else given.detach().float().mean())
