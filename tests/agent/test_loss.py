@@ -8,24 +8,21 @@ contrastive loss with ``acos`` of a cosine that rounds above 1, a masked mean
 over no element. The ground truth is found without nand: the loss and the
 gradients looked at directly, and the first op that makes a non-finite value
 from finite inputs found by a plain ``TorchDispatchMode`` with its line
-(:func:`first_op`). Each runs in the light (default) and the full mode.
+(``tests/first_op.py``). Each runs in the light (default) and the full mode.
 """
 
 from __future__ import annotations
 
 import inspect
-import math
-import traceback
 from collections.abc import Callable
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 import nand
+from tests.first_op import FirstOp
 
 MODES = ["light", "full"]
 BAD = 2  # the step whose batch makes the loss non-finite
@@ -38,36 +35,6 @@ def line_of(function, text: str) -> str:
     lines, start = inspect.getsourcelines(function)
     index = next(i for i, line in enumerate(lines) if text in line)
     return f"{inspect.getsourcefile(function)}:{start + index}"
-
-
-def _finite(value) -> bool:
-    return all(
-        bool(torch.isfinite(t).all())
-        for t in tree_leaves(value)
-        if isinstance(t, Tensor) and t.is_floating_point()
-    )
-
-
-class FirstOp(TorchDispatchMode):
-    """Ground truth without nand: the first aten op of the forward that makes
-    a non-finite value from finite inputs, and this file's innermost line then."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.found: tuple[str, str] | None = None
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        fresh = "empty" in func._schema.name  # (memory not written yet: no value)
-        if self.found is None and not fresh and _finite((args, kwargs)) and not _finite(out):
-            if not all(
-                math.isfinite(x) for x in tree_leaves((args, kwargs)) if isinstance(x, float)
-            ):
-                return out  # an infinity the code wrote (an attention mask): on purpose
-            name = f"{func._schema.name}.{func._overloadname}".removesuffix(".default")
-            here = [f for f in traceback.extract_stack() if f.filename == __file__]
-            self.found = (name, f"{here[-2].filename}:{here[-2].lineno}")
-        return out
 
 
 def model() -> nn.Module:
@@ -156,7 +123,7 @@ def truth(name: str, lr: float = 0.1) -> tuple[int, bool, tuple[str, str] | None
     net, xs = model(), inputs(name)
     opt = torch.optim.SGD(net.parameters(), lr=rate(name, lr))
     for step in range(STEPS):
-        with FirstOp() as first:
+        with FirstOp(lambda filename: filename == __file__) as first:
             loss = loss_fn(net(xs[step]), step)
         loss.backward()
         if not bool(torch.isfinite(loss)):

@@ -15,9 +15,6 @@ with the innermost line outside torch (:class:`FirstOp`).
 from __future__ import annotations
 
 import contextlib
-import math
-import os
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -25,49 +22,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from torch.utils.data import DataLoader
 
 import nand
+from tests.first_op import FirstOp
 from tests.integrations.zoo import VOCAB, case
 
 pytest.importorskip("transformers")
 pytest.importorskip("lightning")
 
 STEPS, BAD = 3, 1
-_OUTSIDE = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.__file__) + os.sep)
-
-
-def _finite(value: Any) -> bool:
-    return all(
-        bool(torch.isfinite(t).all())
-        for t in tree_leaves(value)
-        if isinstance(t, Tensor) and t.is_floating_point()
-    )
-
-
-class FirstOp(TorchDispatchMode):
-    """The first aten op that makes a non-finite value from finite inputs, and
-    the innermost line then that is neither torch's nor the standard library's."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.found: tuple[str, str] | None = None
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        fresh = "empty" in func._schema.name  # (memory not written yet: no value)
-        if self.found is None and not fresh and _finite((args, kwargs)) and not _finite(out):
-            if not all(
-                math.isfinite(x) for x in tree_leaves((args, kwargs)) if isinstance(x, float)
-            ):
-                return out  # an infinity the code wrote (an attention mask): on purpose
-            name = f"{func._schema.name}.{func._overloadname}".removesuffix(".default")
-            stack = traceback.extract_stack()[:-1]  # (not this frame)
-            user = [f for f in stack if not f.filename.startswith(_OUTSIDE)]
-            self.found = (name, f"{user[-1].filename}:{user[-1].lineno}")
-        return out
 
 
 class Dataset(torch.utils.data.Dataset):

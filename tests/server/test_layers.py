@@ -3,16 +3,17 @@ storage ← schemas ← analysis ← metrics ← agents, http, notify. Each impo
 the layers below it; the three at the top are peers that do not import each
 other; no module imports another that imports it back.
 
-Read from the source with ``ast``: every ``import`` counts, also those inside
-functions and under ``TYPE_CHECKING``.
+Read from the source (tests/layering.py): every ``import`` counts, also those
+inside functions and under ``TYPE_CHECKING``.
 """
 
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
-SERVER = Path(__file__).resolve().parents[2] / "nand" / "server"
+from tests.layering import NAND, import_cycles, import_graph, module_name
+
+SERVER = NAND / "server"
 
 #: Lowest first; the packages (or top-level modules) of one layer are peers.
 LAYERS: list[set[str]] = [
@@ -28,41 +29,8 @@ SHARED = {"settings", "observe", "collector", "__init__"}
 WIRING = {"http.app", "embedded", "__main__", "preflight"}
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(SERVER).with_suffix("").parts
-    return ".".join(p for p in parts if p != "__init__") or "__init__"
-
-
-def imports_of(path: Path) -> set[str]:
-    """The nand.server modules ``path`` imports, as names relative to nand.server."""
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module:
-            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-        elif isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        else:
-            continue
-        for name in names:
-            if name.startswith("nand.server."):
-                found.add(name.removeprefix("nand.server."))
-    return found
-
-
 def graph() -> dict[str, set[str]]:
-    modules = {module_name(p): p for p in SERVER.rglob("*.py") if "migrations" not in p.parts}
-    edges: dict[str, set[str]] = {}
-    for name, path in modules.items():
-        targets = set()
-        for imported in imports_of(path):
-            parts = imported.split(".")
-            for cut in range(len(parts), 0, -1):
-                candidate = ".".join(parts[:cut])
-                if candidate in modules:
-                    targets.add(candidate)
-                    break
-        edges[name] = targets - {name}
-    return edges
+    return import_graph("nand.server", skip=("migrations",))
 
 
 def layer(module: str) -> int | None:
@@ -93,20 +61,8 @@ def test_no_layer_imports_a_layer_above_it_or_a_peer() -> None:
 
 
 def test_no_module_imports_itself_back() -> None:
-    edges = graph()
-    cycles = []
-
-    def visit(start: str, node: str, seen: set[str]) -> None:
-        for target in edges.get(node, ()):
-            if target == start:
-                cycles.append(start)
-            elif target not in seen:
-                seen.add(target)
-                visit(start, target, seen)
-
-    for module in edges:
-        visit(module, module, {module})
-    assert not cycles, f"import cycles through: {sorted(set(cycles))}"
+    cycles = import_cycles(graph())
+    assert not cycles, f"import cycles through: {cycles}"
 
 
 def test_the_check_sees_known_imports() -> None:
@@ -139,13 +95,14 @@ def path_callers() -> dict[str, set[str]]:
                 and isinstance(node.value, ast.Name)
                 and (node.value.id, node.attr) in PATHS
             ):
-                users.setdefault(f"{node.value.id}.{node.attr}", set()).add(module_name(path))
+                user = module_name(path, SERVER)
+                users.setdefault(f"{node.value.id}.{node.attr}", set()).add(user)
     return users
 
 
 def big_run_readers() -> set[str]:
     return {
-        module_name(path)
+        module_name(path, SERVER)
         for path in SERVER.rglob("*.py")
         for node in ast.walk(ast.parse(path.read_text()))
         if isinstance(node, ast.Attribute) and node.attr == "big_run_ranks"
