@@ -14,8 +14,9 @@ from pathlib import Path
 AGENT = Path(__file__).resolve().parents[2] / "nand" / "agent"
 
 #: Lowest first. Modules at the top of nand/agent outside this list are shared
-#: by all (identity, sink, safety); watch wires everything, api is the entry point.
-LAYERS = ["transport", "output", "detect", "step", "rerun", "watch", "api"]
+#: by all (identity, sink, safety); readout is the watch's read-only members,
+#: watch wires everything, api is the entry point.
+LAYERS = ["transport", "output", "detect", "step", "rerun", "readout", "watch", "api"]
 SHARED = {"identity", "sink", "safety", "patches", "__init__"}
 
 
