@@ -109,12 +109,20 @@ def measure_server(repeats: int) -> tuple[float, float]:
         runs = {flag: uuid.uuid4().hex[:8] for flag in (False, True)}
         for run in runs.values():  # (hellos first: the runs and ranks exist)
             hellos = [
-                wire.decode(wire.encode(wire.agent_message(
-                    "hello", agent=f"{run}-{r}", seq=0, run=run, rank=r,
-                    body={"world_size": RANKS, "host": "h", "pid": 1},
-                )))
+                wire.decode(
+                    wire.encode(
+                        wire.agent_message(
+                            "hello",
+                            agent=f"{run}-{r}",
+                            seq=0,
+                            run=run,
+                            rank=r,
+                            body={"world_size": RANKS, "host": "h", "pid": 1},
+                        )
+                    )
+                )
                 for r in range(RANKS)
-            ]  # fmt: skip
+            ]
             write_batch(engine, hellos, time.time())
         timings: dict[bool, list[float]] = {False: [], True: []}
         for i in range(repeats):

@@ -21,8 +21,11 @@ def test_gpu_checks_says_there_is_no_cuda_and_exits_2(tmp_path: Path) -> None:
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"  # this python3
     done = subprocess.run(
         [str(ROOT / "scripts" / "gpu-checks"), str(logs)],
-        capture_output=True, text=True, timeout=120, env={**os.environ, "PATH": path},
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PATH": path},
+    )
     assert done.returncode == 2, done.stderr
     assert "sees no CUDA device" in done.stderr
     assert logs.is_dir() and not any(logs.iterdir())  # nothing ran

@@ -40,9 +40,12 @@ def run_setup(tmp_path: Path, index: str) -> tuple[subprocess.CompletedProcess[s
     env["NAND_SETUP_ONLY"] = "torch"
     started = time.monotonic()
     done = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "setup")], capture_output=True, text=True, env=env,
+        ["bash", str(ROOT / "scripts" / "setup")],
+        capture_output=True,
+        text=True,
+        env=env,
         timeout=120,
-    )  # fmt: skip
+    )
     log = tmp_path / "pip.log"
     return done, time.monotonic() - started, log.read_text() if log.exists() else ""
 

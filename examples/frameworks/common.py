@@ -33,9 +33,14 @@ def arguments(description: str) -> argparse.Namespace:
 def tiny_gpt2() -> GPT2LMHeadModel:
     torch.manual_seed(0)
     config = GPT2Config(
-        n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64, bos_token_id=0,
+        n_layer=2,
+        n_embd=64,
+        n_head=4,
+        vocab_size=256,
+        n_positions=64,
+        bos_token_id=0,
         eos_token_id=0,
-    )  # fmt: skip
+    )
     return GPT2LMHeadModel(config)
 
 

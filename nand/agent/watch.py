@@ -32,6 +32,7 @@ from nand.agent.detect.state import HookState
 from nand.agent.detect.tiers import Tiers
 from nand.agent.identity import distributed_up
 from nand.agent.output.session import Session
+from nand.agent.readout import Readout
 from nand.agent.rerun import Rerun
 from nand.agent.safety import Guard
 from nand.agent.step.build import build_boundary, param_cache
@@ -43,17 +44,17 @@ from nand.agent.step.recorder import FlightRecorder
 from nand.agent.step.window import HEALTHY, Outcome
 from nand.config import AgentConfig
 from nand.errors import NandError, NonFiniteError, StopRequested
-from nand.events import Event, FlightWindow, StepSummary
 
 __all__ = ["Watch"]
 
 
-class Watch:
+class Watch(Readout):
     """A watched model (and optimizer); use :func:`watch` to make one.
 
     ``first`` is the first :class:`nand.Event` on this rank, ``events`` the
     incidents recorded (bounded, the first always kept), ``step`` the optimizer
-    steps completed (root forward calls without an optimizer).
+    steps completed (root forward calls without an optimizer); these and the
+    other read-only members are :class:`~nand.agent.readout.Readout`'s.
     """
 
     def __init__(
@@ -83,24 +84,24 @@ class Watch:
         self.recorder = FlightRecorder(settings.flight_steps, names)
         self._slots = CompiledSlots.for_model(self._root, self._infos.values())
         deferred, on_device = read_mode(settings, self._root, optimizer)  # (step/deferred.py)
-        self._policy = StepPolicy(
-            settings.on_nonfinite, drop_grads=self._drop_grads, on_stop=on_stop,
-            on_warning=settings.on_warning, lagged=deferred, on_device=on_device,
-        )  # fmt: skip
-        root_step = self._root_step if optimizer is None else None  # (each root call a step)
-        state = HookState(
-            self._buf, self._guard, self._slots,
-            before_root=root_step, window_full=self._window_full,
-        )  # fmt: skip
+        self._policy = self._step_policy(on_stop, deferred, on_device)
+        state = self._hook_state(stepped_by_optimizer=optimizer is not None)
         self._hooks = Hooks(state)
         self._tiers = Tiers(self._hooks, self._root, self._infos)  # (the mode: see tiers.py)
         cache = param_cache(settings, optimizer, self._root, self._infos, wrapped)
         self._boundary = build_boundary(
-            settings, session, root=self._root, buf=self._buf, recorder=self.recorder,
-            slots=self._slots, optimizer=optimizer, params=cache, read=(deferred, on_device),
-        )  # fmt: skip
+            settings,
+            session,
+            root=self._root,
+            buf=self._buf,
+            recorder=self.recorder,
+            slots=self._slots,
+            optimizer=optimizer,
+            params=cache,
+            read=(deferred, on_device),
+        )
         self._opt: OptimizerHooks | None = None
-        self._amp: amp.AmpWatch | None = None
+        self._amp = None
         self._unlisten: Callable[[], None] | None = None
         self._looking: RemovableHandle | None = None
         self._rerun = Rerun(self._root, self._guard, state, self._boundary, self._tiers)
@@ -113,9 +114,12 @@ class Watch:
         self._hello(optimizer)
 
     def _install(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-        cache: ParamCache | None, scaler: Any,
-    ) -> None:  # fmt: skip
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        cache: ParamCache | None,
+        scaler: Any,
+    ) -> None:
         """Hook the model, the optimizer, the scaler and the DDP wrapper."""
         if self.deferred:
             flush_at_exit(self._exit)
@@ -133,46 +137,34 @@ class Watch:
             self._looking = ddp.find_wrapper(self._root, self._found_wrapper)
         self._rerun.install(self.settings.replays)  # (after nand's own root hooks: see rerun)
 
+    def _step_policy(
+        self, on_stop: Callable[[], None] | None, deferred: bool, on_device: bool
+    ) -> StepPolicy:
+        """The policy applied to each step's outcome; it drops the gradients
+        through this watch's optimizer hooks."""
+        return StepPolicy(
+            self.settings.on_nonfinite,
+            drop_grads=self._drop_grads,
+            on_stop=on_stop,
+            on_warning=self.settings.on_warning,
+            lagged=deferred,
+            on_device=on_device,
+        )
+
+    def _hook_state(self, stepped_by_optimizer: bool) -> HookState:
+        """What the model's hooks share, with the two calls they make back
+        into this watch: a full window, and (without an optimizer) each root
+        call, which is a step."""
+        root_step = None if stepped_by_optimizer else self._root_step
+        return HookState(
+            self._buf,
+            self._guard,
+            self._slots,
+            before_root=root_step,
+            window_full=self._window_full,
+        )
+
     # --- public API ------------------------------------------------------------
-
-    @property
-    def first(self) -> Event | None:
-        """The first non-finite event on this rank."""
-        return self._incidents.first
-
-    @property
-    def events(self) -> list[Event]:
-        """Incidents on this rank, oldest first; the first one is always kept."""
-        return self._incidents.events
-
-    @property
-    def nonfinite_steps(self) -> int:
-        """Steps read non-finite so far (an incident's later steps included)."""
-        return self._incidents.nonfinite_steps
-
-    @property
-    def amp_skipped(self) -> int:
-        """Overflow steps the GradScaler skipped (not incidents)."""
-        return self._amp.skipped if self._amp is not None else 0
-
-    @property
-    def host_reads(self) -> int:
-        """Host reads nand did so far (one per optimizer step at most)."""
-        return self._boundary.reads
-
-    @property
-    def deferred(self) -> bool:
-        """Whether each step is read one boundary late (``read=``, see the README)."""
-        return self._boundary.deferred is not None
-
-    @property
-    def closed(self) -> bool:  # (close() ran, or the watch is disabled)
-        return self._closed
-
-    @property
-    def read_waits(self) -> int:
-        """Deferred reads that had to wait for their copy (the device a step behind)."""
-        return self._boundary.deferred.waits if self._boundary.deferred is not None else 0
 
     def loss(self, loss: Tensor) -> Tensor:
         """Record the loss of this step (checked, in the heartbeats), no sync; returns it."""
@@ -186,10 +178,6 @@ class Watch:
         runs ``step(batch)``, which returns the loss its backward started from.
         """
         self._tiers.new_batch(batch, step)  # (light mode without a step: full from now on)
-
-    def flight_window(self) -> FlightWindow:
-        """The flight recorder: per-module telemetry of the last steps."""
-        return self.recorder.window()
 
     def close(self, reason: str = "closed") -> None:
         """Remove every hook, read what is left, say goodbye. Idempotent."""
@@ -383,11 +371,16 @@ class Watch:
         self, optimizer: torch.optim.Optimizer, cache: ParamCache
     ) -> OptimizerHooks:
         return OptimizerHooks(
-            optimizer, self._buf, self._guard, cache, self._on_step, window=self._boundary,
+            optimizer,
+            self._buf,
+            self._guard,
+            cache,
+            self._on_step,
+            window=self._boundary,
             evaluated=self._on_evaluation,
             # Deferred, no plan can wait for the window read one step late.
             read_params_every_step=self.settings.read_params_every_step or self.deferred,
-        )  # fmt: skip
+        )
 
     def _hello(self, optimizer: Any) -> None:
         p = next(iter(self._root.parameters()), None)
@@ -395,6 +388,3 @@ class Watch:
         device = str(p.device) if p is not None else "cpu"
         policy = self.settings.on_nonfinite
         self.session.hello(device, described(self._infos), optimizer_type, policy)
-
-    def _summary(self, steps_per_s: float) -> StepSummary:  # (a heartbeat's)
-        return self.recorder.summary(self.step, steps_per_s, self._amp)

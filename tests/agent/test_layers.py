@@ -10,8 +10,9 @@ from __future__ import annotations
 from tests.layering import import_cycles, import_graph
 
 #: Lowest first. Modules at the top of nand/agent outside this list are shared
-#: by all (identity, sink, safety); watch wires everything, api is the entry point.
-LAYERS = ["transport", "output", "detect", "step", "rerun", "watch", "api"]
+#: by all (identity, sink, safety); readout is the watch's read-only members,
+#: watch wires everything, api is the entry point.
+LAYERS = ["transport", "output", "detect", "step", "rerun", "readout", "watch", "api"]
 SHARED = {"identity", "sink", "safety", "patches", "__init__"}
 
 

@@ -33,8 +33,11 @@ def test_a_light_replay_that_raises_says_what_was_checked_and_the_next_incident_
     assert first.replay.startswith("replay raised StopIteration")
     assert "light mode checked" in first.replay and "mode='full'" in first.replay
     assert (second.step, second.phase, second.module, second.cause) == (
-        3, "forward", "log", "produced",
-    )  # fmt: skip
+        3,
+        "forward",
+        "log",
+        "produced",
+    )
     assert watch.step == 5
 
 

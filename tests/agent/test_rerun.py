@@ -277,9 +277,13 @@ def test_the_op_the_line_and_reproduced_reach_the_jsonl_file_the_rest_api_and_th
         opt = torch.optim.SGD(model.parameters(), lr=1e-2)
         events_file = tmp_path / "events.jsonl"
         with nand.watch(
-            model, opt, on_nonfinite="skip", server=server.zmq_endpoint, run="replayed",
+            model,
+            opt,
+            on_nonfinite="skip",
+            server=server.zmq_endpoint,
+            run="replayed",
             events_file=str(events_file),
-        ):  # fmt: skip
+        ):
             train(model, opt, 3, zero_row_at=1)
         line = line_of(Log.forward, "torch.log")
         records = [json.loads(text) for text in events_file.read_text().splitlines()]

@@ -19,9 +19,16 @@ from nand.events import VIA_TP_ALL_REDUCE, VIA_TP_GRAD_ALL_REDUCE
 def _finding(phase: str = "forward", module: str = "mlp.fc2", cause: str = "produced") -> Finding:
     site = Site(phase=phase, module=module, module_type="Linear")  # type: ignore[arg-type]
     return Finding(
-        site=site, phase=phase, module=module, module_type="Linear", micro=1, order=3,
-        lo=-math.inf, hi=math.inf, cause=cause,  # type: ignore[arg-type]
-    )  # fmt: skip
+        site=site,
+        phase=phase,
+        module=module,
+        module_type="Linear",
+        micro=1,
+        order=3,
+        lo=-math.inf,
+        hi=math.inf,
+        cause=cause,  # type: ignore[arg-type]
+    )
 
 
 def _part(value: float, module: str = "mlp.fc2", phase: str = "forward", micro: int = 1) -> Partial:

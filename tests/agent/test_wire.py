@@ -96,9 +96,14 @@ def test_hello_heartbeat_flight_and_bye_round_trip():
         "token": "s3cret",
     }
     summary = StepSummary(
-        step=9, steps_per_s=3.5, loss=0.25, grad_norm=1.5, max_activation=7.0, amp_skipped=2,
+        step=9,
+        steps_per_s=3.5,
+        loss=0.25,
+        grad_norm=1.5,
+        max_activation=7.0,
+        amp_skipped=2,
         local_grad_norms=[[8, 1.25], [9, 0.0]],
-    )  # fmt: skip
+    )
     cases = {
         "hello": hello,
         "heartbeat": {**summary.to_dict(), "dropped": {"queue_full": 3}},

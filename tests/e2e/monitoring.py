@@ -49,8 +49,10 @@ def command(name: str, flags: dict[str, str], paths: dict[str, Path]) -> list[st
     """The service's compose command for this host: its mounts mapped, the
     ``--flag=`` values in ``flags`` replaced (listen addresses, storage)."""
     if not Path(BINARIES[name]).exists():
-        pytest.fail(f"{BINARIES[name]} is missing: `apt-get install -y prometheus "
-                    "prometheus-alertmanager` (scripts/test does)")  # fmt: skip
+        pytest.fail(
+            f"{BINARIES[name]} is missing: `apt-get install -y prometheus "
+            "prometheus-alertmanager` (scripts/test does)"
+        )
     words = []
     for word in services()[name]["command"]:
         flag, equals, value = word.partition("=")

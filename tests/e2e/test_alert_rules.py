@@ -19,8 +19,10 @@ DEPLOY = REPO / "deploy"
 def tool(name: str) -> str:
     found = shutil.which(name)
     if found is None:
-        pytest.fail(f"{name} is missing: `apt-get install -y prometheus prometheus-alertmanager` "
-                    "(scripts/test does)")  # fmt: skip
+        pytest.fail(
+            f"{name} is missing: `apt-get install -y prometheus prometheus-alertmanager` "
+            "(scripts/test does)"
+        )
     return found
 
 

@@ -152,8 +152,18 @@ def _fill(base: str, zmq_port: int) -> None:
     agent = FakeAgent(f"tcp://127.0.0.1:{zmq_port}", run="monitored")
     agent.hello(token=TOKEN)
     agent.heartbeat(3)
-    agent.send("warning", {"kind": "loss_spike", "step": 3, "module": "", "value": 9.0,
-                           "reference": 1.0, "message": "spike", "time": 0.0})  # fmt: skip
+    agent.send(
+        "warning",
+        {
+            "kind": "loss_spike",
+            "step": 3,
+            "module": "",
+            "value": 9.0,
+            "reference": 1.0,
+            "message": "spike",
+            "time": 0.0,
+        },
+    )
     agent.event(step=4, phase="forward", module="fc1", cause="produced", nan=1)
     agent.wait_acked()
     agent.close()

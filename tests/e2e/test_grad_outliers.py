@@ -43,10 +43,14 @@ def _bert_regressor() -> nn.Module:
     from transformers import BertConfig, BertForSequenceClassification
 
     config = BertConfig(
-        num_hidden_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
-        intermediate_size=2 * HIDDEN, vocab_size=VOCAB, max_position_embeddings=SEQ,
+        num_hidden_layers=LAYERS,
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        intermediate_size=2 * HIDDEN,
+        vocab_size=VOCAB,
+        max_position_embeddings=SEQ,
         num_labels=1,  # one float label: transformers trains it with MSE
-    )  # fmt: skip
+    )
     return BertForSequenceClassification(config)
 
 

@@ -63,9 +63,13 @@ def _rank_main(rank: int, port: int, endpoint: str) -> None:
     """Every job in the same processes, one after the other (a third of the
     start-ups), each its own run."""
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-        NAND_SERVER=endpoint, NAND_TOKEN=TOKEN, NAND_HEARTBEAT_S="0.5",
-    )  # fmt: skip
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+        NAND_SERVER=endpoint,
+        NAND_TOKEN=TOKEN,
+        NAND_HEARTBEAT_S="0.5",
+    )
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     for run, (planted, every) in RUNS.items():

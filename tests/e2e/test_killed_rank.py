@@ -28,10 +28,14 @@ KILL_STEP = 5
 def start_job(server, tmp_path: Path, run: str, kill_at: str, **extra: str) -> Job:
     env = agent_env(server.zmq_endpoint, run, TOKEN, WORLD_SIZE="2", **extra)
     env.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OUT=str(tmp_path),
-        KILL_RANK="1", KILL_STEP=str(KILL_STEP), KILL_AT=kill_at,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        OUT=str(tmp_path),
+        KILL_RANK="1",
+        KILL_STEP=str(KILL_STEP),
+        KILL_AT=kill_at,
         GLOO_TIMEOUT_S=str(GLOO_TIMEOUT_S),
-    )  # fmt: skip
+    )
     return launch(
         [sys.executable, "-m", "tests.e2e.killed_job"],
         env,

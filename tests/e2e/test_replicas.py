@@ -158,9 +158,13 @@ def test_a_rank_on_which_nand_switched_itself_off_is_not_taken_for_a_drifted_rep
 
 def _closing_ranks(rank: int, port: int, endpoint: str) -> None:
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-        NAND_SERVER=endpoint, NAND_TOKEN=TOKEN, NAND_HEARTBEAT_S="0.5",
-    )  # fmt: skip
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+        NAND_SERVER=endpoint,
+        NAND_TOKEN=TOKEN,
+        NAND_HEARTBEAT_S="0.5",
+    )
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
     for run, (fails, every) in CLOSING.items():

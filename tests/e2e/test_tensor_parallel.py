@@ -102,9 +102,13 @@ def _train(run: str, rank: int, with_nand: bool) -> dict[str, Any]:
 
 def _rank_main(rank: int, port: int, endpoint: str, results: Any) -> None:
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-        NAND_SERVER=endpoint, NAND_TOKEN=TOKEN, NAND_HEARTBEAT_S="0.5",
-    )  # fmt: skip
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+        NAND_SERVER=endpoint,
+        NAND_TOKEN=TOKEN,
+        NAND_HEARTBEAT_S="0.5",
+    )
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     for run in RUNS:
@@ -226,9 +230,13 @@ def _train_2d(rank: int, with_nand: bool) -> dict[str, Any]:
 
 def _rank_main_2d(rank: int, port: int, endpoint: str, results: Any) -> None:
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-        NAND_SERVER=endpoint, NAND_TOKEN=TOKEN, NAND_HEARTBEAT_S="0.5",
-    )  # fmt: skip
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+        NAND_SERVER=endpoint,
+        NAND_TOKEN=TOKEN,
+        NAND_HEARTBEAT_S="0.5",
+    )
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=4)
     results[rank] = (_train_2d(rank, with_nand=False), _train_2d(rank, with_nand=True))

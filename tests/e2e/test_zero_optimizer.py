@@ -70,8 +70,11 @@ def test_the_rank_whose_shard_update_made_the_parameter_inf_produced_it_the_othe
     verdict = _verdict(job, "zero-lr")
     origin = verdict["origin"]
     assert (origin["rank"], origin["module"], origin["step"], origin["phase"]) == (
-        PLANTED_RANK, param, PLANTED_STEP, "param",
-    )  # fmt: skip
+        PLANTED_RANK,
+        param,
+        PLANTED_STEP,
+        "param",
+    )
     assert origin["cause"] == "produced" and not verdict["simultaneous"]
     assert verdict["ranks_received"] == [0], verdict["summary"]
     assert f"rank {PLANTED_RANK} produced" in verdict["summary"]
@@ -108,16 +111,22 @@ def test_a_nan_in_one_ranks_optimizer_state_is_its_finding_and_the_parameter_it_
     received = results[("zero-state", 0)]["nand"]["first"]
     # (labelled with the update that left the state behind)
     assert _first(produced) == (
-        "optimizer_state", f"{param}:exp_avg_sq", PLANTED_STEP, 0, "produced",
-    )  # fmt: skip
+        "optimizer_state",
+        f"{param}:exp_avg_sq",
+        PLANTED_STEP,
+        0,
+        "produced",
+    )
     assert _first(received) == ("param", param, PLANTED_STEP + 1, 0, "received")
     assert received["via"] == VIA_ZERO_BROADCAST
 
     verdict = _verdict(job, "zero-state")
     origin = verdict["origin"]
     assert (origin["rank"], origin["phase"], origin["step"]) == (
-        PLANTED_RANK, "optimizer_state", PLANTED_STEP,
-    )  # fmt: skip
+        PLANTED_RANK,
+        "optimizer_state",
+        PLANTED_STEP,
+    )
     assert verdict["ranks_received"] == [0] and not verdict["simultaneous"]
     assert f"rank 0 received it through {VIA_ZERO_BROADCAST}" in verdict["summary"]
 

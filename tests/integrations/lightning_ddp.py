@@ -53,10 +53,16 @@ def main(out: Path) -> None:
     data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
     module, callback = Regression(), NandCallback(log_events=False)
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy="ddp", max_steps=STEPS, callbacks=[callback],
-        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_steps=STEPS,
+        callbacks=[callback],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
         enable_model_summary=False,
-    )  # fmt: skip
+    )
     plant(module, trainer)
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4))
     first = callback.watch.first if callback.watch is not None else None

@@ -65,10 +65,15 @@ def fit_normalising_module(batches: list[torch.Tensor], **options: object) -> tu
     torch.manual_seed(0)
     callback = NandCallback(log_events=False, **options)
     trainer = pl.Trainer(
-        max_steps=len(batches), accelerator="cpu", devices=1, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        max_steps=len(batches),
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
         callbacks=[callback],
-    )  # fmt: skip
+    )
     trainer.fit(Normalising(), DataLoader(batches, batch_size=None))
     return callback, finite_before_net
 

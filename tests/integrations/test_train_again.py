@@ -52,16 +52,26 @@ def _train(s: Scenario, model: nn.Module, tmp_path: Path, fail_at: int | None) -
             self.hooks.append(len(model._forward_hooks) + len(model._forward_pre_hooks))
 
     args = TrainingArguments(
-        output_dir=str(tmp_path / "hf"), max_steps=STEPS, per_device_train_batch_size=1,
-        train_sampling_strategy="sequential", report_to=[], save_strategy="no",
-        logging_strategy="no", remove_unused_columns=False, disable_tqdm=True,
+        output_dir=str(tmp_path / "hf"),
+        max_steps=STEPS,
+        per_device_train_batch_size=1,
+        train_sampling_strategy="sequential",
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        remove_unused_columns=False,
+        disable_tqdm=True,
         use_cpu=DEVICE.type == "cpu",
-    )  # fmt: skip
+    )
     nand_callback, counter = NandCallback(run="again"), CountHooks()
     trainer = Trainer(
-        model=model, args=args, train_dataset=s.dataset(STEPS), data_collator=collate,
-        optimizers=(s.optimizer(model), None), callbacks=[nand_callback, counter],
-    )  # fmt: skip
+        model=model,
+        args=args,
+        train_dataset=s.dataset(STEPS),
+        data_collator=collate,
+        optimizers=(s.optimizer(model), None),
+        callbacks=[nand_callback, counter],
+    )
     with contextlib.suppress(BrokenLoader):  # (what the user's own except does)
         trainer.train()
     return nand_callback.watch, counter.hooks

@@ -75,9 +75,15 @@ def _gpt2() -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(
-        n_layer=LAYERS, n_embd=HIDDEN, n_head=HEADS, vocab_size=VOCAB, n_positions=SEQ,
-        bos_token_id=0, eos_token_id=0, use_cache=False,
-    )  # fmt: skip
+        n_layer=LAYERS,
+        n_embd=HIDDEN,
+        n_head=HEADS,
+        vocab_size=VOCAB,
+        n_positions=SEQ,
+        bos_token_id=0,
+        eos_token_id=0,
+        use_cache=False,
+    )
     return GPT2LMHeadModel(config)  # lm_head.weight is transformer.wte.weight (tied)
 
 
@@ -85,10 +91,14 @@ def _bert() -> nn.Module:
     from transformers import BertConfig, BertForSequenceClassification
 
     config = BertConfig(
-        num_hidden_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
-        intermediate_size=2 * HIDDEN, vocab_size=VOCAB, max_position_embeddings=SEQ,
+        num_hidden_layers=LAYERS,
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        intermediate_size=2 * HIDDEN,
+        vocab_size=VOCAB,
+        max_position_embeddings=SEQ,
         num_labels=3,
-    )  # fmt: skip
+    )
     return BertForSequenceClassification(config)
 
 
@@ -96,10 +106,17 @@ def _llama() -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        num_hidden_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
-        num_key_value_heads=HEADS // 2, intermediate_size=2 * HIDDEN, vocab_size=VOCAB,
-        max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0, use_cache=False,
-    )  # fmt: skip
+        num_hidden_layers=LAYERS,
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        num_key_value_heads=HEADS // 2,
+        intermediate_size=2 * HIDDEN,
+        vocab_size=VOCAB,
+        max_position_embeddings=SEQ,
+        bos_token_id=0,
+        eos_token_id=0,
+        use_cache=False,
+    )
     return LlamaForCausalLM(config)
 
 
@@ -107,9 +124,14 @@ def _vit() -> nn.Module:
     from transformers import ViTConfig, ViTForImageClassification
 
     config = ViTConfig(
-        num_hidden_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
-        intermediate_size=2 * HIDDEN, image_size=IMAGE, patch_size=8, num_labels=5,
-    )  # fmt: skip
+        num_hidden_layers=LAYERS,
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        intermediate_size=2 * HIDDEN,
+        image_size=IMAGE,
+        patch_size=8,
+        num_labels=5,
+    )
     return ViTForImageClassification(config)
 
 
@@ -118,9 +140,12 @@ def _resnet18() -> nn.Module:
 
     # ResNet-18's layout (basic blocks, 2-2-2-2), narrower.
     config = ResNetConfig(
-        layer_type="basic", depths=[2, 2, 2, 2], hidden_sizes=[16, 32, 64, 128],
-        embedding_size=16, num_labels=5,
-    )  # fmt: skip
+        layer_type="basic",
+        depths=[2, 2, 2, 2],
+        hidden_sizes=[16, 32, 64, 128],
+        embedding_size=16,
+        num_labels=5,
+    )
     return ResNetForImageClassification(config)
 
 

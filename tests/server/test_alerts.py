@@ -26,8 +26,17 @@ def server(tmp_path_factory) -> Iterator[ServerProcess]:
 
 
 def warning(step: int, kind: str = "loss_spike", **fields) -> dict:
-    return {"kind": kind, "step": step, "module": "", "value": 9.0, "reference": 1.0,
-            "message": f"{kind} at step {step}", "time": 0.0, "rank": 0, **fields}  # fmt: skip
+    return {
+        "kind": kind,
+        "step": step,
+        "module": "",
+        "value": 9.0,
+        "reference": 1.0,
+        "message": f"{kind} at step {step}",
+        "time": 0.0,
+        "rank": 0,
+        **fields,
+    }
 
 
 def test_warnings_are_counted_and_the_first_is_in_the_verdict(server):

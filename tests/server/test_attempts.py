@@ -184,8 +184,11 @@ def test_earlier_attempts_stay_readable(server, connect) -> None:
 
     old = get(server, "/api/runs/history/verdict?attempt=1")
     assert (old["attempt"], old["state"], old["live"], old["stoppable"]) == (
-        1, "diverged", False, False,
-    )  # fmt: skip
+        1,
+        "diverged",
+        False,
+        False,
+    )
     assert old["origin"]["rank"] == 1
     assert [e["rank"] for e in get(server, "/api/runs/history/events?attempt=1")["items"]] == [1]
     assert get(server, "/api/runs/history/events")["items"] == []

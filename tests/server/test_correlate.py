@@ -45,9 +45,17 @@ def test_a_tensor_parallel_lone_producer_is_not_told_to_suspect_its_batch() -> N
     # Its tensor-parallel peers ran the same batch through their own shards.
     firsts = [ev(1, 9, "forward", "mlp.fc1", module_type="Linear", posinf=3, host="gpu1")]
     firsts += [
-        ev(0, 9, "forward", "mlp.fc2", module_type="Linear", posinf=3, cause="received",
-           via=VIA_TP_ALL_REDUCE)
-    ]  # fmt: skip
+        ev(
+            0,
+            9,
+            "forward",
+            "mlp.fc2",
+            module_type="Linear",
+            posinf=3,
+            cause="received",
+            via=VIA_TP_ALL_REDUCE,
+        )
+    ]
     text = summary.diverged_summary(firsts, 2, "produced_in_layer", devices={1: "cuda:1"})
     assert "rank 0 received it through the tensor-parallel all-reduce" in text
     assert (
@@ -280,8 +288,15 @@ def test_an_optimizer_state_going_non_finite_is_the_optimizer_update() -> None:
 
 
 def test_a_rank_is_lost_or_stalled_only_after_more_than_the_limit() -> None:
-    at_limit = dict(last_seen=100.0, step_changed_at=100.0, now=160.0, diverged=False,
-                    finished=False, lost_after_s=60.0, stalled_after_s=60.0)  # fmt: skip
+    at_limit = dict(
+        last_seen=100.0,
+        step_changed_at=100.0,
+        now=160.0,
+        diverged=False,
+        finished=False,
+        lost_after_s=60.0,
+        stalled_after_s=60.0,
+    )
     assert correlate.rank_state(**at_limit) == "running"  # type: ignore[arg-type]
     assert correlate.rank_state(**{**at_limit, "now": 160.5}) == "lost"  # type: ignore[arg-type]
     progressing = {**at_limit, "last_seen": 160.0, "stalled_after_s": 60.0}

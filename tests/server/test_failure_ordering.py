@@ -23,9 +23,13 @@ def lost(rank: int, at: float, step: int = 5) -> RankFacts:
 
 def crashed(rank: int, at: float, step: int = 5, exception: str = "RuntimeError") -> RankFacts:
     return RankFacts(
-        rank=rank, step=step, last_seen=at, step_changed_at=at - 50, finished_at=at,
+        rank=rank,
+        step=step,
+        last_seen=at,
+        step_changed_at=at - 50,
+        finished_at=at,
         bye_reason=f"exception: {exception}",
-    )  # fmt: skip
+    )
 
 
 def order(facts: list[RankFacts], states: dict[int, str], nonfinite=None, tolerance=1.0):
@@ -101,14 +105,16 @@ def test_a_stalled_rank_failed_when_its_next_step_was_due() -> None:
     slow = RankFacts(rank=0, step=3, last_seen=500.0, step_changed_at=100.0, steps_per_s=0.5)
     assert ordered([slow], {0: "stalled"}, None, 1.0)[0].at == 102.0  # a step every 2 s
     for rate in (None, 0.0):  # no rate known: its last step change
-        unknown = RankFacts(rank=0, step=3, last_seen=500.0, step_changed_at=100.0,
-                            steps_per_s=rate)  # fmt: skip
+        unknown = RankFacts(
+            rank=0, step=3, last_seen=500.0, step_changed_at=100.0, steps_per_s=rate
+        )
         assert ordered([unknown], {0: "stalled"}, None, 1.0)[0].at == 100.0
 
 
 def test_a_crashed_rank_without_a_bye_time_failed_when_last_heard_from() -> None:
-    facts = RankFacts(rank=0, step=3, last_seen=77.0, step_changed_at=70.0,
-                      bye_reason="exception:   ValueError")  # fmt: skip
+    facts = RankFacts(
+        rank=0, step=3, last_seen=77.0, step_changed_at=70.0, bye_reason="exception:   ValueError"
+    )
     assert ordered([facts], {0: "crashed"}, None, 1.0) == [
         Failure("crashed", (0,), 77.0, 3, "ValueError")
     ]
@@ -133,15 +139,35 @@ def test_a_ranks_state_reads_its_bye_and_its_silence() -> None:
     assert rank_state(quiet, lost_after_s=60, stalled_after_s=60, now=now) == "running"
     assert rank_state(quiet, lost_after_s=5, stalled_after_s=60, now=now) == "lost"
     assert rank_state(quiet, lost_after_s=60, stalled_after_s=5, now=now) == "stalled"
-    said_bye = RankFacts(rank=0, step=1, last_seen=now, step_changed_at=now, finished_at=now,
-                         bye_reason="done")  # fmt: skip
+    said_bye = RankFacts(
+        rank=0, step=1, last_seen=now, step_changed_at=now, finished_at=now, bye_reason="done"
+    )
     assert rank_state(said_bye, 60, 60, now) == "finished"
-    raised = RankFacts(rank=0, step=1, last_seen=now, step_changed_at=now, finished_at=now,
-                       bye_reason="exception: RuntimeError")  # fmt: skip
+    raised = RankFacts(
+        rank=0,
+        step=1,
+        last_seen=now,
+        step_changed_at=now,
+        finished_at=now,
+        bye_reason="exception: RuntimeError",
+    )
     assert rank_state(raised, 60, 60, now) == "crashed"
-    stopped = RankFacts(rank=0, step=1, last_seen=now, step_changed_at=now, finished_at=now,
-                        bye_reason="exception: StopRequested")  # fmt: skip
+    stopped = RankFacts(
+        rank=0,
+        step=1,
+        last_seen=now,
+        step_changed_at=now,
+        finished_at=now,
+        bye_reason="exception: StopRequested",
+    )
     assert rank_state(stopped, 60, 60, now) == "finished"
-    bad = RankFacts(rank=0, step=1, last_seen=now, step_changed_at=now, diverged=True,
-                    finished_at=now, bye_reason="exception: RuntimeError")  # fmt: skip
+    bad = RankFacts(
+        rank=0,
+        step=1,
+        last_seen=now,
+        step_changed_at=now,
+        diverged=True,
+        finished_at=now,
+        bye_reason="exception: RuntimeError",
+    )
     assert rank_state(bad, 60, 60, now) == "diverged"

@@ -37,9 +37,14 @@ odd_or_list = (
 def heartbeat(**envelope: Any) -> dict[str, Any]:
     """A real agent's heartbeat (``ServerSink.heartbeat``): the summary, a loss count."""
     body = StepSummary(
-        step=41, steps_per_s=12.5, loss=2.3, grad_norm=0.9, max_activation=30.0,
-        amp_scale=65536.0, local_grad_norms=[(41, 0.7)],
-    ).to_dict()  # fmt: skip
+        step=41,
+        steps_per_s=12.5,
+        loss=2.3,
+        grad_norm=0.9,
+        max_activation=30.0,
+        amp_scale=65536.0,
+        local_grad_norms=[(41, 0.7)],
+    ).to_dict()
     body["dropped"] = {"queue_full": 3}
     message = wire.agent_message(
         "heartbeat", agent="a1b2c3d4", seq=7, run="run-1", rank=2, body=body
@@ -57,9 +62,19 @@ def outcome(decode: Any, frame: bytes) -> Any:
 
 ENVELOPE = ("v", "kind", "agent", "seq", "run", "rank", "time", "body")
 BODY = (
-    "step", "steps_per_s", "loss", "grad_norm", "max_activation", "amp_scale", "amp_skipped",
-    "world_size", "pid", "dropped", "local_grad_norms", "event",
-)  # fmt: skip
+    "step",
+    "steps_per_s",
+    "loss",
+    "grad_norm",
+    "max_activation",
+    "amp_scale",
+    "amp_skipped",
+    "world_size",
+    "pid",
+    "dropped",
+    "local_grad_norms",
+    "event",
+)
 
 
 @settings(max_examples=600, deadline=None)
@@ -197,8 +212,10 @@ def test_rows_inserted_many_a_statement_are_the_rows_inserted_one_a_statement(
     columns = "(run_id, rank, time, step, loss, grad_norm, steps_per_s, max_activation)"
     db = sqlite3.connect(tmp_path / "rows.db")
     for table in ("one", "many"):
-        db.execute(f"CREATE TABLE {table} (id INTEGER PRIMARY KEY, run_id, rank, time, step, "
-                   "loss, grad_norm, steps_per_s, max_activation)")  # fmt: skip
+        db.execute(
+            f"CREATE TABLE {table} (id INTEGER PRIMARY KEY, run_id, rank, time, step, "
+            "loss, grad_norm, steps_per_s, max_activation)"
+        )
     db.executemany(f"INSERT INTO one {columns} VALUES ({', '.join('?' * 8)})", rows)
     bulk.insert(db.executemany, f"INSERT INTO many {columns}", 8, rows)
     one = db.execute("SELECT * FROM one ORDER BY id").fetchall()

@@ -93,8 +93,15 @@ def rejected(server: ServerProcess, reason: str) -> float:
 
 
 def event_body(step: int) -> dict[str, Any]:
-    event = {"step": step, "micro_step": 0, "phase": "forward", "module": "fc1", "order": 0,
-             "cause": "produced", "nan": 1}  # fmt: skip
+    event = {
+        "step": step,
+        "micro_step": 0,
+        "phase": "forward",
+        "module": "fc1",
+        "order": 0,
+        "cause": "produced",
+        "nan": 1,
+    }
     return {"event": event, "flight": None}
 
 

@@ -47,8 +47,15 @@ def ranks(server, run: str, world: int = 1) -> list[FakeAgent]:
 
 
 def warning(kind: str) -> dict:
-    return {"kind": kind, "step": 6, "module": "", "value": 9.0, "reference": 1.0,
-            "message": f"{kind} at step 6", "time": 0.0}  # fmt: skip
+    return {
+        "kind": kind,
+        "step": 6,
+        "module": "",
+        "value": 9.0,
+        "reference": 1.0,
+        "message": f"{kind} at step 6",
+        "time": 0.0,
+    }
 
 
 def states_of(hook: WebhookProcess) -> Counter[tuple[str, str]]:
@@ -125,10 +132,15 @@ def test_every_state_is_posted_once_with_the_documented_fields_and_a_valid_signa
         time.sleep(0.3)
     stalled.bye(5)
     expected = {
-        ("n-diverged", "diverged"), ("n-replica", "replica_mismatch"), ("n-lost", "lost"),
-        ("n-crashed", "crashed"), ("n-stalled", "stalled"), ("n-warned", "warning:loss_spike"),
-        ("n-warned", "warning:grad_growth"), ("n-stopped", "stopped"),
-    }  # fmt: skip
+        ("n-diverged", "diverged"),
+        ("n-replica", "replica_mismatch"),
+        ("n-lost", "lost"),
+        ("n-crashed", "crashed"),
+        ("n-stalled", "stalled"),
+        ("n-warned", "warning:loss_spike"),
+        ("n-warned", "warning:grad_growth"),
+        ("n-stopped", "stopped"),
+    }
     assert {state.partition(":")[0] for _, state in expected} == set(NOTIFY_STATES)
     eventually(lambda: received_all(webhook, expected), timeout=20)
     more_turns(turns, 3)  # several more sweeps: nothing is sent twice, nothing else is sent
@@ -218,9 +230,11 @@ def test_a_slow_receiver_does_not_slow_ingest(start_server, tmp_path):
         ended = time.time()
         eventually(lambda: len(hook.requests()) == 8, timeout=60)
         median = {name: got[len(got) // 2] for name, got in (("calm", calm), ("busy", busy))}
-        print(f"ack latency: median {median['calm'] * 1e3:.1f} ms calm, "
-              f"{median['busy'] * 1e3:.1f} ms while the receiver sleeps "
-              f"(max {busy[-1] * 1e3:.1f} ms over {len(busy)} heartbeats)")  # fmt: skip
+        print(
+            f"ack latency: median {median['calm'] * 1e3:.1f} ms calm, "
+            f"{median['busy'] * 1e3:.1f} ms while the receiver sleeps "
+            f"(max {busy[-1] * 1e3:.1f} ms over {len(busy)} heartbeats)"
+        )
         # A notifier that held up ingest would show here as a wait of about 3 s.
         assert busy[-1] < 1.5 and median["busy"] < median["calm"] + 0.25
         answering = [r for r in hook.requests() if r["received"] < ended and r["answered"] > began]

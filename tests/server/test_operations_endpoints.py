@@ -60,8 +60,10 @@ def test_wait_follows_the_stream_and_rides_out_a_server_restart(tmp_path) -> Non
         ]
         proc = subprocess.Popen(
             [sys.executable, "-m", "nand", "server", *args],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-        )  # fmt: skip
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
         assert proc.stdout is not None and "http=" in proc.stdout.readline()
         return proc
 
@@ -71,10 +73,25 @@ def test_wait_follows_the_stream_and_rides_out_a_server_restart(tmp_path) -> Non
     agent.hello()
     agent.wait_acked()
     wait = subprocess.Popen(
-        [sys.executable, "-m", "nand", "wait", "restarted", "--until", "diverged", "--url", url,
-         "--interval", "0.2", "--timeout", "120"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "nand",
+            "wait",
+            "restarted",
+            "--until",
+            "diverged",
+            "--url",
+            url,
+            "--interval",
+            "0.2",
+            "--timeout",
+            "120",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     eventually(lambda: httpx.get(f"{url}/metrics").text.count("\nnand_stream_clients 1.0"))
     server.terminate()
     server.wait(20)

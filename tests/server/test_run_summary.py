@@ -33,12 +33,20 @@ class Ranks:
 
     def send(self, now: float, kind: str, ranks: range | list[int], **body: object) -> None:
         messages = [
-            wire.decode(wire.encode(wire.agent_message(
-                kind, agent=f"{self.run}-{r}", seq=next(self.seqs.setdefault(r, count(1))),
-                run=self.run, rank=r, body=body,
-            )))
+            wire.decode(
+                wire.encode(
+                    wire.agent_message(
+                        kind,
+                        agent=f"{self.run}-{r}",
+                        seq=next(self.seqs.setdefault(r, count(1))),
+                        run=self.run,
+                        rank=r,
+                        body=body,
+                    )
+                )
+            )
             for r in ranks
-        ]  # fmt: skip
+        ]
         for start in range(0, len(messages), 500):
             write_batch(self.engine, messages[start : start + 500], now)
 
@@ -54,8 +62,16 @@ class Ranks:
             if rank in DROPPED:
                 beat["dropped"] = DROPPED[rank]
             self.send(start + 10, "heartbeat", [rank], **beat)
-        event = {"step": 6, "micro_step": 0, "phase": "forward", "module": "fc", "order": 0,
-                 "cause": "produced", "nan": 1, "time": start + 20}  # fmt: skip
+        event = {
+            "step": 6,
+            "micro_step": 0,
+            "phase": "forward",
+            "module": "fc",
+            "order": 0,
+            "cause": "produced",
+            "nan": 1,
+            "time": start + 20,
+        }
         self.send(start + 20, "event", [0], event=event, flight=None)
         self.send(start + 30, "bye", [3], step=6, reason="exception: RuntimeError")
         self.send(time.time(), "heartbeat", alive, **StepSummary(step=9).to_dict())

@@ -31,8 +31,16 @@ ALIVE = {"NAND_LOST_AFTER_S": "1e9", "NAND_STALLED_AFTER_S": "1e9"}
 
 def _nan(step: int, phase: str, cause: str, module: str = "blocks.1.fc", order: int = 3) -> dict:
     name = module if phase in ("forward", "backward", "input") else f"{module}.weight"
-    return {"step": step, "micro_step": 0, "phase": phase, "module": name,
-            "module_type": "Linear", "order": order, "cause": cause, "nan": 1}  # fmt: skip
+    return {
+        "step": step,
+        "micro_step": 0,
+        "phase": phase,
+        "module": name,
+        "module_type": "Linear",
+        "order": order,
+        "cause": cause,
+        "nan": 1,
+    }
 
 
 RECEIVED = _nan(5, "grad", "received")

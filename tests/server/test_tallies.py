@@ -88,8 +88,12 @@ def test_ranks_reaching_two_servers_at_once_are_tallied_as_every_rank_recounted(
     finally:
         engine.dispose()
     assert recounted == {
-        "ranks": WORLD, "diverged": 12, "diverged_gone": 6, "crashed": 6, "finished": 12,
-    }  # fmt: skip
+        "ranks": WORLD,
+        "diverged": 12,
+        "diverged_gone": 6,
+        "crashed": 6,
+        "finished": 12,
+    }
     assert set(states) == {"diverged", "lost", "crashed", "finished", "stalled", "running"}
     assert page.states == dict(states) and page.total == WORLD
     assert every.origin is not None and every.origin.rank == ORIGIN

@@ -59,9 +59,16 @@ def nand(*args: str) -> subprocess.CompletedProcess[str]:
 def test_a_shard_written_after_the_step_is_not_blamed_on_the_learning_rate(server) -> None:
     ranks = join(server, "fsdp-shard", 4)
     ranks[1].event(
-        step=30, phase="param", module="blocks.1.fc2.weight", module_type="Linear",
-        posinf=1, shape=[64, 32], max_abs=0.25, dtype="float32", host="host-1",
-    )  # fmt: skip
+        step=30,
+        phase="param",
+        module="blocks.1.fc2.weight",
+        module_type="Linear",
+        posinf=1,
+        shape=[64, 32],
+        max_abs=0.25,
+        dtype="float32",
+        host="host-1",
+    )
     for agent in ranks:
         if agent.rank != 1:
             agent.event(step=31, phase="forward", module="blocks.1.fc2", nan=3, host="host-x")
@@ -97,8 +104,10 @@ def test_a_rank_that_left_with_an_exception_is_crashed_not_finished(server) -> N
     settle(ranks)
     found = verdict(server, "reset-by-peer")
     assert found["state"] == "crashed" and "rank 0 crashed" in found["summary"]
-    states = {r["rank"]: r["state"] for r in httpx.get(
-        f"{server.http_url}/api/runs/reset-by-peer/ranks").json()["items"]}  # fmt: skip
+    states = {
+        r["rank"]: r["state"]
+        for r in httpx.get(f"{server.http_url}/api/runs/reset-by-peer/ranks").json()["items"]
+    }
     assert states == {0: "crashed", 1: "finished"}
     waited = nand("wait", "reset-by-peer", "--url", server.http_url, "--timeout", "20")
     assert waited.returncode == exitcodes.CRASHED, waited.stderr
@@ -172,10 +181,19 @@ def plant_failures(server, clock: IngestClock, run: str, when: dict[str, float])
     for agent in ranks:
         at(clock, start, agent, lambda a=agent: a.hello(token=TOKEN))
     nonfinite, lost, crashed, stalled = ranks[2], ranks[1], ranks[0], ranks[3]
-    at(clock, when["diverged"], nonfinite, lambda: nonfinite.event(
-        step=5, phase="forward", module="fc1", module_type="Linear", nan=1,
-        time=when["diverged"],
-    ))  # fmt: skip
+    at(
+        clock,
+        when["diverged"],
+        nonfinite,
+        lambda: nonfinite.event(
+            step=5,
+            phase="forward",
+            module="fc1",
+            module_type="Linear",
+            nan=1,
+            time=when["diverged"],
+        ),
+    )
     at(clock, when["lost"], lost, lambda: lost.heartbeat(5, steps_per_s=10.0))
     at(clock, when["crashed"], crashed, lambda: crashed.bye(5, "exception: RuntimeError"))
     at(clock, when["stalled"] - 0.1, stalled, lambda: stalled.heartbeat(5, steps_per_s=10.0))
@@ -210,12 +228,20 @@ def test_the_verdict_names_the_first_failure_in_time_and_the_later_ones_as_conse
     listed = httpx.get(f"{server.http_url}/api/runs").json()
     assert next(r for r in listed if r["run"] == run)["state"] == order[0]
     text = found["summary"]
-    first = {"diverged": "rank 2 produced NaN", "lost": "rank 1 lost", "crashed": "rank 0 crashed",
-             "stalled": "rank 3 stalled"}  # fmt: skip
+    first = {
+        "diverged": "rank 2 produced NaN",
+        "lost": "rank 1 lost",
+        "crashed": "rank 0 crashed",
+        "stalled": "rank 3 stalled",
+    }
     assert text.startswith(first[order[0]]), text
     later = text[text.index("Then, as consequences: ") :]
-    named = {"diverged": "rank 2 went non-finite", "lost": "rank 1 went silent (lost)",
-             "crashed": "rank 0 crashed", "stalled": "rank 3 stalled"}  # fmt: skip
+    named = {
+        "diverged": "rank 2 went non-finite",
+        "lost": "rank 1 went silent (lost)",
+        "crashed": "rank 0 crashed",
+        "stalled": "rank 3 stalled",
+    }
     assert [later.find(named[state]) for state in order[1:]] == sorted(
         later.find(named[state]) for state in order[1:]
     ) and all(named[state] in later for state in order[1:]), text
@@ -227,8 +253,9 @@ def test_a_rank_silent_just_after_another_crashed_is_still_the_origin(clocked) -
     of the peer its death made raise: within a heartbeat the silent rank is first."""
     server, clock = clocked
     base = time.time() - 1000
-    survivor, victim = (FakeAgent(server.zmq_endpoint, run="race", rank=r, world_size=2)
-                        for r in range(2))  # fmt: skip
+    survivor, victim = (
+        FakeAgent(server.zmq_endpoint, run="race", rank=r, world_size=2) for r in range(2)
+    )
     for agent in (survivor, victim):
         at(clock, base, agent, lambda a=agent: a.hello(token=TOKEN))
     at(clock, base + 5.0, survivor, lambda: survivor.bye(5, "exception: RuntimeError"))

@@ -262,10 +262,19 @@ def _first_event(rank: int, origin_rank: int, bad: str, step: int) -> Event:
             message=f"rank {rank}: +inf x3 in forward of {bad} (Linear) at step {step}",
         )
     return Event(
-        step=step, phase="grad", module=f"{bad}.weight", module_type="Linear", order=3,
-        cause="received", nan=1024, posinf=0, neginf=0, shape=[512, 2048], dtype="float16",
+        step=step,
+        phase="grad",
+        module=f"{bad}.weight",
+        module_type="Linear",
+        order=3,
+        cause="received",
+        nan=1024,
+        posinf=0,
+        neginf=0,
+        shape=[512, 2048],
+        dtype="float16",
         message=f"rank {rank}: NaN x1024 in grad of {bad}.weight at step {step}; received",
-    )  # fmt: skip
+    )
 
 
 def healthy_run(
@@ -418,15 +427,25 @@ def short_run(
         if bad_step is not None:
             if rank == origin_rank:
                 event = Event(
-                    step=bad_step, phase="forward", module=modules[1]["name"],
-                    module_type="Linear", cause="produced", posinf=1, shape=[4, 8],
+                    step=bad_step,
+                    phase="forward",
+                    module=modules[1]["name"],
+                    module_type="Linear",
+                    cause="produced",
+                    posinf=1,
+                    shape=[4, 8],
                     dtype="float32",
-                )  # fmt: skip
+                )
             else:
                 event = Event(
-                    step=bad_step, phase="grad", module=f"{modules[1]['name']}.weight",
-                    cause="received", nan=32, shape=[8, 8], dtype="float32",
-                )  # fmt: skip
+                    step=bad_step,
+                    phase="grad",
+                    module=f"{modules[1]['name']}.weight",
+                    cause="received",
+                    nan=32,
+                    shape=[8, 8],
+                    dtype="float32",
+                )
             agent.event(event, None, last + 1)
         if said_bye:
             agent.send(

@@ -125,9 +125,20 @@ def test_the_flight_recorder_tells_non_finite_from_not_recorded_on_one_scale(
     expect(page.locator(".nonfinite-swatch")).to_be_visible()
     expect(page.locator(".none-label", has_text="not recorded")).to_be_visible()
     screenshot(page, "flight-recorder-colours")
-    base = {"run": "x", "rank": 0, "modules": ["a", "b"], "steps": [1, 2], "grad_max_abs": [],
-            "grad_norm": [], "loss": [], "dtype": "float32", "dtype_max": 3.4e38,
-            "grad_nonfinite": [], "scale_min": 1.0, "scale_max": 1e4}  # fmt: skip
+    base = {
+        "run": "x",
+        "rank": 0,
+        "modules": ["a", "b"],
+        "steps": [1, 2],
+        "grad_max_abs": [],
+        "grad_norm": [],
+        "loss": [],
+        "dtype": "float32",
+        "dtype_max": 3.4e38,
+        "grad_nonfinite": [],
+        "scale_min": 1.0,
+        "scale_max": 1e4,
+    }
     # Rank A: 100 in the last cell, one +inf (marked) and one unrecorded cell.
     a = {**base, "act_max_abs": [[None, 5.0], [None, 100.0]], "act_nonfinite": [[1, 0]]}
     # Rank B: its own values span 100..200 only, but the run's scale is shared.

@@ -27,11 +27,32 @@ CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 #: so probing them would only repeat their neighbour's probe. Their hook just
 #: keeps track of the last output (and checks for inline code before them).
 FINITE_PRESERVING = (
-    nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU,
-    nn.Mish, nn.Tanh, nn.Sigmoid, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid, nn.Softmax,
-    nn.LogSoftmax, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
-    nn.Identity, nn.Flatten, nn.Unflatten,
-)  # fmt: skip
+    nn.ReLU,
+    nn.ReLU6,
+    nn.LeakyReLU,
+    nn.PReLU,
+    nn.ELU,
+    nn.SELU,
+    nn.CELU,
+    nn.GELU,
+    nn.SiLU,
+    nn.Mish,
+    nn.Tanh,
+    nn.Sigmoid,
+    nn.Hardtanh,
+    nn.Hardswish,
+    nn.Hardsigmoid,
+    nn.Softmax,
+    nn.LogSoftmax,
+    nn.Dropout,
+    nn.Dropout1d,
+    nn.Dropout2d,
+    nn.Dropout3d,
+    nn.AlphaDropout,
+    nn.Identity,
+    nn.Flatten,
+    nn.Unflatten,
+)
 
 #: Of those, the ones whose backward zeroes the gradient exactly where their
 #: input was cut: a non-finite gradient made by the *next* module can vanish
@@ -47,10 +68,20 @@ MASKING = (nn.ReLU, nn.ReLU6, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid)
 #: of them consumes a masking module's output, that output's gradient probe
 #: would find nothing the next probe misses, so it is not attached.
 BENIGN_BACKWARD = (
-    nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
-    nn.ConvTranspose3d, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.BatchNorm1d,
-    nn.BatchNorm2d, nn.BatchNorm3d,
-)  # fmt: skip
+    nn.Linear,
+    nn.Conv1d,
+    nn.Conv2d,
+    nn.Conv3d,
+    nn.ConvTranspose1d,
+    nn.ConvTranspose2d,
+    nn.ConvTranspose3d,
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.RMSNorm,
+    nn.BatchNorm1d,
+    nn.BatchNorm2d,
+    nn.BatchNorm3d,
+)
 
 
 #: Modules whose bias gradient is their output gradient summed over every
@@ -59,11 +90,20 @@ BENIGN_BACKWARD = (
 #: ``grads.BiasProxy``).
 BIAS_IS_OUTPUT_SUM = frozenset(
     {
-        nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
-        nn.ConvTranspose3d, nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d,
+        nn.Linear,
+        nn.Conv1d,
+        nn.Conv2d,
+        nn.Conv3d,
+        nn.ConvTranspose1d,
+        nn.ConvTranspose2d,
+        nn.ConvTranspose3d,
+        nn.LayerNorm,
+        nn.GroupNorm,
+        nn.BatchNorm1d,
+        nn.BatchNorm2d,
         nn.BatchNorm3d,
     }
-)  # fmt: skip
+)
 
 
 def runs_as(module: nn.Module, kinds: tuple[type[nn.Module], ...]) -> bool:
@@ -152,9 +192,13 @@ class ModuleInfo:
     def _site(self, phase: Phase, slot: str, kind: str) -> Site:
         """A site of this module (its name, type and place in the table)."""
         return Site(
-            phase=phase, module=self.name, module_type=self.type, index=self.index, slot=slot,
+            phase=phase,
+            module=self.name,
+            module_type=self.type,
+            index=self.index,
+            slot=slot,
             kind=kind,
-        )  # fmt: skip
+        )
 
 
 def described(infos: dict[nn.Module, ModuleInfo]) -> list[dict[str, Any]]:

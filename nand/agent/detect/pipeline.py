@@ -49,8 +49,10 @@ CHUNK_METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one
 #: memory, NaN as likely as not) to learn the shapes it sends and receives:
 #: not the user's step, unseen by nand (torch >= 2.10; older ones: ``_shape_inference``).
 METADATA_METHODS = (
-    "_forward_metadata_inference", "_backward_metadata_inference", "_shape_inference",
-)  # fmt: skip
+    "_forward_metadata_inference",
+    "_backward_metadata_inference",
+    "_shape_inference",
+)
 
 
 class StageListener:

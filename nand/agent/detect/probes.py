@@ -172,9 +172,24 @@ class ProbeBuffer:
     """
 
     __slots__ = (
-        "device", "exact_norms", "extras", "heads", "norm_sites", "norms", "others", "pairs",
-        "pipeline", "room", "sites", "slab", "slots", "slotted", "spans", "spilled", "wide_norms",
-    )  # fmt: skip
+        "device",
+        "exact_norms",
+        "extras",
+        "heads",
+        "norm_sites",
+        "norms",
+        "others",
+        "pairs",
+        "pipeline",
+        "room",
+        "sites",
+        "slab",
+        "slots",
+        "slotted",
+        "spans",
+        "spilled",
+        "wide_norms",
+    )
 
     def __init__(self) -> None:
         self.pairs: list[Tensor] = []

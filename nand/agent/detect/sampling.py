@@ -120,7 +120,12 @@ class _Sites(dict[str, Site]):
     def __missing__(self, slot: str) -> Site:
         info = self.info
         site = self[slot] = Site(
-            phase="forward", module=info.name, module_type=info.type, index=info.index,
-            slot=slot, kind=SAMPLE, allow_neginf=info.allow_neginf,
-        )  # fmt: skip
+            phase="forward",
+            module=info.name,
+            module_type=info.type,
+            index=info.index,
+            slot=slot,
+            kind=SAMPLE,
+            allow_neginf=info.allow_neginf,
+        )
         return site

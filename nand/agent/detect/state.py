@@ -44,9 +44,19 @@ class HookState:
     """
 
     __slots__ = (
-        "before_root", "buf", "depth", "external_batches", "guard", "held", "last", "micro",
-        "pending", "pipelined", "slots", "window_full",
-    )  # fmt: skip
+        "before_root",
+        "buf",
+        "depth",
+        "external_batches",
+        "guard",
+        "held",
+        "last",
+        "micro",
+        "pending",
+        "pipelined",
+        "slots",
+        "window_full",
+    )
 
     def __init__(
         self,

@@ -110,9 +110,15 @@ def settle_zero(finding: Any, cache: ParamSites | None) -> Any:
         site = cache.param_site(own)
         order = next(i for i, q in enumerate(params) if q is own)
         return dataclasses.replace(
-            finding, site=site, module=site.module, module_type=site.module_type, tensor=own,
-            order=order, lo=math.nan, hi=math.nan,
-        )  # fmt: skip
+            finding,
+            site=site,
+            module=site.module,
+            module_type=site.module_type,
+            tensor=own,
+            order=order,
+            lo=math.nan,
+            hi=math.nan,
+        )
     owner = shard.owner(p)
     who = f"rank {owner}'s" if owner is not None else "another rank's"
     note = f"updated by {who} shard of the ZeRO optimizer; {VIA_ZERO_BROADCAST} brought it here"

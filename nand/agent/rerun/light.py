@@ -29,9 +29,23 @@ from nand.events import Event
 NEEDS_PROBES = ("forward", "backward", "grad")
 #: The event's fields a replay's finding decides (the rest: who, when, replay).
 EXACT_FIELDS = (
-    "micro_step", "phase", "module", "module_type", "order", "cause", "call", "nan", "posinf",
-    "neginf", "min", "max", "max_abs", "shape", "dtype", "message",
-)  # fmt: skip
+    "micro_step",
+    "phase",
+    "module",
+    "module_type",
+    "order",
+    "cause",
+    "call",
+    "nan",
+    "posinf",
+    "neginf",
+    "min",
+    "max",
+    "max_abs",
+    "shape",
+    "dtype",
+    "message",
+)
 
 
 def needs_probes(event: Event, external: bool) -> bool:

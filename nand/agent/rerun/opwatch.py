@@ -53,9 +53,15 @@ MAX_RECORDS = 256
 
 #: Ops whose output is memory not written yet: whatever it holds is no value.
 UNINITIALISED = frozenset(
-    {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty",
-     "aten::new_empty_strided", "aten::resize_"}
-)  # fmt: skip
+    {
+        "aten::empty",
+        "aten::empty_like",
+        "aten::empty_strided",
+        "aten::new_empty",
+        "aten::new_empty_strided",
+        "aten::resize_",
+    }
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -115,10 +115,18 @@ def _first_bad(params: list[Tensor]) -> int:
 def _param_finding(cache: ParamCache, p: Tensor, micro: int) -> Finding:
     site = cache.param_site(p)
     return Finding(
-        site=site, phase="param", module=site.module, module_type=site.module_type,
-        micro=micro, order=0, lo=math.nan, hi=math.nan, cause="produced", tensor=local(p),
+        site=site,
+        phase="param",
+        module=site.module,
+        module_type=site.module_type,
+        micro=micro,
+        order=0,
+        lo=math.nan,
+        hi=math.nan,
+        cause="produced",
+        tensor=local(p),
         note=NAMED_BY_SHARD,
-    )  # fmt: skip
+    )
 
 
 def _at_owner(finding: Finding, cache: ParamCache, p: Tensor) -> Finding:

@@ -204,10 +204,18 @@ def _activation_findings(buf: Probed, values: list[float], micro_base: int) -> l
             module = "" if site.phase == "loss" else site.module
             found.append(
                 Finding(
-                    site=site, phase=site.phase, module=module, module_type=site.module_type,
-                    micro=micro, order=order, call=call, lo=lo, hi=hi, cause=cause,
+                    site=site,
+                    phase=site.phase,
+                    module=module,
+                    module_type=site.module_type,
+                    micro=micro,
+                    order=order,
+                    call=call,
+                    lo=lo,
+                    hi=hi,
+                    cause=cause,
                 )
-            )  # fmt: skip
+            )
     return found
 
 
@@ -218,9 +226,16 @@ def _backward_finding(
     phase: Phase = "loss" if before is None else "backward"  # (none: the loss gradient)
     owner = site if before is None else before
     return Finding(
-        site=site, phase=phase, module=owner.module if before is not None else "",
-        module_type=owner.module_type, micro=micro, order=order, lo=lo, hi=hi, cause="produced",
-    )  # fmt: skip
+        site=site,
+        phase=phase,
+        module=owner.module if before is not None else "",
+        module_type=owner.module_type,
+        micro=micro,
+        order=order,
+        lo=lo,
+        hi=hi,
+        cause="produced",
+    )
 
 
 def _norm_findings(
@@ -242,10 +257,17 @@ def _norm_findings(
         cause = grad_cause if site.phase == "grad" else "produced"
         found.append(
             Finding(
-                site=site, phase=site.phase, module=site.module, module_type=site.module_type,
-                micro=micro, order=order, lo=norm, hi=norm, cause=cause,
+                site=site,
+                phase=site.phase,
+                module=site.module,
+                module_type=site.module_type,
+                micro=micro,
+                order=order,
+                lo=norm,
+                hi=norm,
+                cause=cause,
             )
-        )  # fmt: skip
+        )
         if lagged:
             if site.param is None or site.param.dtype is torch.float64:
                 found[-1].note = LAGGED_NOTE
@@ -298,9 +320,14 @@ def gradient_frontier(
         "parameters' gradients stayed finite"
     )
     return dataclasses.replace(
-        first, site=after, phase="backward", module=after.module,
-        module_type=after.module_type, note=note, tensor=None,
-    )  # fmt: skip
+        first,
+        site=after,
+        phase="backward",
+        module=after.module,
+        module_type=after.module_type,
+        note=note,
+        tensor=None,
+    )
 
 
 def _owners_by_gradient(
@@ -352,7 +379,15 @@ def param_behind(finding: Finding, micro: int, source: ParamSource) -> Finding |
         if not bool(torch.isfinite(local(p)).all()):
             site = source.param_site(p)
             return Finding(
-                site=site, phase="param", module=site.module, module_type=site.module_type,
-                micro=micro, order=0, lo=math.nan, hi=math.nan, cause="produced", tensor=local(p),
-            )  # fmt: skip
+                site=site,
+                phase="param",
+                module=site.module,
+                module_type=site.module_type,
+                micro=micro,
+                order=0,
+                lo=math.nan,
+                hi=math.nan,
+                cause="produced",
+                tensor=local(p),
+            )
     return None

@@ -5,7 +5,8 @@ GradScaler wrapper on an overflow-skipped step, from the root pre-hook when
 there is no optimizer, and from ``close``. Everything here runs at most once
 per step; only :meth:`Boundary.check` touches device values, in one
 ``tolist()`` of one gathered tensor (a slice of the probe buffer's slab, or
-a stack when the window spilled, see ``probes.ProbeBuffer``).
+a stack when the window spilled, see ``probes.ProbeBuffer``). A window
+that read non-finite takes the slow path of ``locate.py`` to find where.
 
 Deferred (``read="deferred"``, the default on CUDA under ``warn``; see
 ``deferred.py``) the gathered tensor is copied without blocking and the
@@ -27,27 +28,20 @@ from nand.agent.detect.amp import AmpWatch, amp_figures
 from nand.agent.detect.compiled import CompiledSlots
 from nand.agent.detect.ddp import LocalGradCheck, grads_are_reduced, install, params_are_gathered
 from nand.agent.detect.probes import MICRO, ProbeBuffer
-from nand.agent.detect.tensor_parallel import TensorParallelCheck, received_through_tp
+from nand.agent.detect.tensor_parallel import TensorParallelCheck
 from nand.agent.identity import Identity
 from nand.agent.step import losses
 from nand.agent.step.agreement import settle, settle_shards, with_agreed_flag
-from nand.agent.step.analysis import (
-    COMPILED_NOTE,
-    ParamSource,
-    StepRow,
-    first_finding,
-    gradient_frontier,
-    param_behind,
-)
+from nand.agent.step.analysis import ParamSource, StepRow
 from nand.agent.step.blowup import BlowUpWatch, global_norm
 from nand.agent.step.deferred import DeferredRead
-from nand.agent.step.finding import Finding
 from nand.agent.step.fingerprint import Fingerprints
-from nand.agent.step.losses import StepLosses, loss_finding, losses_bad
+from nand.agent.step.locate import extra, locate
+from nand.agent.step.losses import StepLosses, losses_bad
 from nand.agent.step.recorder import FlightRecorder
 from nand.agent.step.report import build_event
 from nand.agent.step.window import HEALTHY, SCALED_PHASES, Outcome, Window
-from nand.events import Alert, Cause, Event
+from nand.events import Alert, Event
 
 log = logging.getLogger("nand")
 
@@ -200,13 +194,25 @@ class Boundary:
         spans, buf.spans = buf.spans, {}  # handed over, not copied: the hooks fill a fresh one
         scaled = self.amp is not None and self.amp.grads_scaled()
         return Window(
-            step=step, prev_step=prev_step, prev_micro=prev_micro, skipped=skipped, record=record,
-            micro_base=micro_base, sites=buf.sites[:], norm_sites=buf.norm_sites[:],
-            n_pairs=n_pairs, n_norms=len(buf.norms), spans=spans, pipeline=buf.pipeline,
-            compiled=buf.slotted is not None, grads_scaled=scaled, lagged=self.deferred is not None,
+            step=step,
+            prev_step=prev_step,
+            prev_micro=prev_micro,
+            skipped=skipped,
+            record=record,
+            micro_base=micro_base,
+            sites=buf.sites[:],
+            norm_sites=buf.norm_sites[:],
+            n_pairs=n_pairs,
+            n_norms=len(buf.norms),
+            spans=spans,
+            pipeline=buf.pipeline,
+            compiled=buf.slotted is not None,
+            grads_scaled=scaled,
+            lagged=self.deferred is not None,
             partials=self.tp.take(self.micro_steps, micro_base) if self.tp is not None else [],
-            losses=self.losses.take(), micro_steps=self.micro_steps,
-        )  # fmt: skip
+            losses=self.losses.take(),
+            micro_steps=self.micro_steps,
+        )
 
     def _analyse(self, values: list[float], any_bad: bool, extras: list[str], w: Window) -> Outcome:
         """Telemetry, then the slow path when something was non-finite."""
@@ -216,12 +222,17 @@ class Boundary:
         )
         loss = values[-1] if "loss" in extras else None
         row = StepRow(
-            step=w.step, values=values, sites=w.sites, norm_sites=w.norm_sites,
-            scale=scale, norm_scale=norm_scale, loss=loss,
-        )  # fmt: skip
+            step=w.step,
+            values=values,
+            sites=w.sites,
+            norm_sites=w.norm_sites,
+            scale=scale,
+            norm_scale=norm_scale,
+            loss=loss,
+        )
         self._keep(row, w)
         if "ddp_local" in extras and w.record:  # (DDP buckets hold the AMP-scaled gradients)
-            self.recorder.local_norm(w.step, self._extra(values, extras, "ddp_local") / scale)
+            self.recorder.local_norm(w.step, extra(values, extras, "ddp_local") / scale)
         n_main = len(values) - len(extras)
         # A float64 sum overflows only for float64 figures near their
         # limit: then the slow path finds nothing, a false alarm.
@@ -266,7 +277,15 @@ class Boundary:
         with FSDP, settled with the other ranks (see ``agreement``)."""
         finding, error = None, None
         try:
-            finding = None if self.clean else self._finding(values, extras, w)
+            if not self.clean:  # the slow path (see locate.py)
+                finding = locate(
+                    w,
+                    values,
+                    extras,
+                    params=self.params,
+                    root_type=self.root_type,
+                    grads_reduced=self.grads_reduced,
+                )
         except Exception as exc:  # the others wait in the agreement below: take part first
             error = exc
         gathered = self.params_gathered and any_bad  # (every rank takes part: agreement.py)
@@ -286,33 +305,6 @@ class Boundary:
         if self.params_gathered:  # the others settle where their NaN came from
             settle_shards(None, self.params, 0, self.buf.device)
         return Outcome(any_rank_bad=any_bad)
-
-    def _finding(self, values: list[float], extras: list[str], w: Window) -> Finding | None:
-        """The slow path: the window's first verified non-finite entry.
-
-        A window read one step late (``w.lagged``) is not verified against
-        its tensors, which have moved on since: see ``analysis.first_finding``.
-        """
-        grad_cause = self._grad_cause(values, extras)
-        finding = first_finding(w, values, grad_cause, w.prev_micro, w.micro_base, w.lagged)
-        finding = loss_finding(
-            finding, w.losses, w.micro_steps, w.micro_base, self.root_type, (w.sites, values)
-        )
-        if (
-            finding is not None
-            and finding.phase == "forward"
-            and self.params is not None
-            and not w.lagged  # (deferred: every window reads the parameters)
-        ):
-            finding = param_behind(finding, w.prev_micro, self.params) or finding
-        if finding is None:
-            return None
-        received_through_tp(finding, w.partials)  # (a tensor-parallel layer's: see there)
-        if w.compiled:  # probed under torch.compile (see compiled.py)
-            if finding.phase == "grad" and finding.cause == "produced":
-                finding = gradient_frontier(w, values, finding, verify=not w.lagged)
-            finding.note = finding.note or COMPILED_NOTE
-        return finding
 
     def _take_slots(self) -> None:
         """The compiled slots' pairs join this window, after its own probes."""
@@ -335,23 +327,6 @@ class Boundary:
         kept, loss_names = self.losses.extras()  # ("loss" last: read as values[-1])
         self.buf.extras.extend(kept)
         return names + loss_names
-
-    def _grad_cause(self, values: list[float], extras: list[str]) -> Cause:
-        """A non-finite ``.grad`` first seen here: made on this rank, or received?
-
-        With DDP's local check the answer is measured: were this rank's own
-        gradients finite before the all-reduce. Under another wrapper that
-        averages gradients (FSDP) it arrived through the collective unless this
-        rank's backward showed it first (that finding would have come first).
-        """
-        if "ddp_local" in extras:
-            local = self._extra(values, extras, "ddp_local")
-            return "received" if math.isfinite(local) else "produced"
-        return "received" if self.grads_reduced else "produced"
-
-    @staticmethod
-    def _extra(values: list[float], extras: list[str], name: str) -> float:
-        return values[len(values) - len(extras) + extras.index(name)]
 
     def _read_agreed(self, extras: list[str]) -> tuple[list[float] | None, bool]:
         """The host read when every rank must take the same decision: the 0-d

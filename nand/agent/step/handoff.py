@@ -70,9 +70,14 @@ def handed_over(finding: Finding, pipeline: Handoff | None) -> Finding:
     note = f"{what} stage {sender} sent to this stage was non-finite: received through {via}"
     order = across_stages(phase, finding.order, pipeline)
     return dataclasses.replace(
-        finding, phase=phase, module="", cause="received", via=via, order=order,
+        finding,
+        phase=phase,
+        module="",
+        cause="received",
+        via=via,
+        order=order,
         note=f"{finding.note}; {note}" if finding.note else note,
-    )  # fmt: skip
+    )
 
 
 def across_stages(phase: Phase, order: int, pipeline: Handoff) -> int:
