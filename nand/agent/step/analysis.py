@@ -145,7 +145,7 @@ def first_finding(
     ``prev_micro`` labels param/optimizer_state entries, which were taken after
     the previous optimizer step and read with this one. ``grad_cause`` is the
     cause of a non-finite ``.grad`` (``received`` when it came through an
-    all-reduce; the boundary measures it, see ``Boundary._grad_cause``).
+    all-reduce; the boundary measures it, see ``locate.grad_cause``).
     ``micro_base`` is the micro-step the window's first root call is.
     ``lagged``: the window was read one step late, when its gradients and
     parameters have been updated or zeroed since; its norms were accumulated
