@@ -60,6 +60,54 @@ def test_a_compiled_model_s_backward_fault_is_bracketed_by_its_parameters_gradie
     assert "torch.compile" in first.message
 
 
+def test_a_compiled_model_s_bracket_names_both_ends_and_the_next_module_s_type_in_full():
+    # The whole note, and the module named: the first after the last module
+    # with non-finite parameter gradients whose own stayed finite (module 3,
+    # a Linear), not a module without parameters in between.
+    first = compiled_backward_fault("full")
+    assert first.module_type == "Linear"
+    assert (
+        "made between 0, the last module in forward order whose parameters got a non-finite "
+        "gradient, and 3, the first after it whose parameters' gradients stayed finite"
+    ) in first.message
+
+
+class Scaled(nn.Module):
+    """An MLP whose output the root scales by a parameter of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = mlp()
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x):
+        return self.body(x) * self.scale
+
+
+@pytest.mark.parametrize("make,upstream", [(mlp, "4"), (Scaled, "<root>")], ids=["mlp", "root"])
+def test_a_compiled_model_whose_every_parameter_gradient_is_nan_points_at_the_loss_in_full(
+    make, upstream
+):
+    # The loss is finite but its gradient is not (sqrt of |x - x| at 0: 0 times
+    # inf): every parameter gets a NaN gradient, none stays finite after the
+    # last, so the gradient came into the model non-finite from the loss. The
+    # note names the last module with parameters (the root itself: "<root>").
+    torch._dynamo.reset()
+    model = make()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+
+    def loss_fn(out, step):
+        kink = (out - out.detach()).abs().sqrt().sum() if step == 2 else 0.0
+        return out.pow(2).mean() + kink
+
+    with nand.watch(model, opt, mode="full") as w:
+        train(torch.compile(model, backend="aot_eager"), opt, 4, loss_fn=loss_fn)
+    first = w.first
+    assert first is not None and (first.step, first.phase, first.module) == (2, "loss", "")
+    note = f"every parameter up to {upstream} got a non-finite gradient"
+    assert note in first.message, first.message
+
+
 def test_a_compiled_model_s_backward_fault_is_exact_in_the_light_mode_by_an_eager_replay():
     # The light mode holds the step from the root's hooks, which compiled
     # code calls outside its graph, and replays it under force_eager with
