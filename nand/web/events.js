@@ -186,11 +186,13 @@ export function eventTable(root, { run, ranks, allRanks = true, modules, originI
 
   load();
   return {
-    /** The run got new events: an empty table shows them at once (else it would say
-     * "no non-finite value" under a red verdict); a table with rows offers to load
-     * them rather than move rows under the reader. */
+    /** The run got new events. A first page that is not full shows them at once:
+     * an empty one would say "no non-finite value" under a red verdict, and one
+     * with room holds every event, so the reader loses no row (the events of an
+     * incident arrive from its ranks over a second or two). A full page, or a
+     * later one, offers to load them rather than move rows under the reader. */
     changed: () => {
-      if (root.dataset.rows === "0" && state.offset === 0) load();
+      if (state.offset === 0 && Number(root.dataset.rows || 0) < state.limit) load();
       else notice.hidden = false;
     },
     /** Show one rank's events (from a click on the health strip). */

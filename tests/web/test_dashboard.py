@@ -210,6 +210,36 @@ def test_an_open_run_page_shows_the_incident_when_it_arrives(page, dashboard: Da
     assert page.evaluate("window.__notReloaded") is True
 
 
+def test_an_incident_s_events_arriving_apart_all_show_without_a_click(
+    page, dashboard: Dashboard
+) -> None:
+    # The ranks' events of one incident reach the server over a second or two:
+    # the page's first refresh may see only the first. The second must still
+    # show without a click (before: a "new events arrived" button, because the
+    # table had a row already, though its page had room for every event).
+    run = scenario.diverged_run(run="bad-in-turns", world_size=2, origin_rank=0, bad_step=8)
+    before, after = scenario.split_before_first_event(run)
+    event_times = {
+        agent: min(m["time"] for m in messages if m["kind"] == "event")
+        for agent, messages in after.messages.items()
+        if any(m["kind"] == "event" for m in messages)
+    }
+    first_agent = min(event_times, key=event_times.__getitem__)  # the origin's agent
+    first = scenario.Scenario(run.run, run.world_size, planted=run.planted)
+    rest = scenario.Scenario(run.run, run.world_size, planted=run.planted)
+    for agent, messages in after.messages.items():
+        (first if agent == first_agent else rest).messages[agent] = messages
+    scenario.replay(dashboard.server.zmq_endpoint, before, token=dashboard.token)
+    open_run(page, dashboard, run.run)
+    expect(page.locator(".verdict-title")).to_contain_text("All finite so far")
+    scenario.replay(dashboard.server.zmq_endpoint, first, token=dashboard.token)
+    rows = page.locator("#events tbody tr")
+    expect(rows).to_have_count(1)
+    scenario.replay(dashboard.server.zmq_endpoint, rest, token=dashboard.token)
+    expect(rows).to_have_count(2)
+    expect(page.get_by_role("button", name="New events arrived: show them")).to_be_hidden()
+
+
 def test_stop_asks_for_the_token_confirms_and_shows_the_agreed_step(
     page, dashboard: Dashboard, errors: PageErrors
 ) -> None:
