@@ -33,7 +33,7 @@ from nand.agent.detect.param_cache import ParamCache, usable
 from nand.agent.detect.probes import local
 from nand.agent.detect.zero import settle_zero
 from nand.agent.safety import PeerGone
-from nand.agent.step.analysis import ParamSource
+from nand.agent.step.analysis import ParamSource, param_finding
 from nand.agent.step.finding import Finding
 from nand.agent.step.losses import nonfinite_flag
 from nand.events import VIA_FSDP_ALL_GATHER
@@ -113,20 +113,7 @@ def _first_bad(params: list[Tensor]) -> int:
 
 
 def _param_finding(cache: ParamCache, p: Tensor, micro: int) -> Finding:
-    site = cache.param_site(p)
-    return Finding(
-        site=site,
-        phase="param",
-        module=site.module,
-        module_type=site.module_type,
-        micro=micro,
-        order=0,
-        lo=math.nan,
-        hi=math.nan,
-        cause="produced",
-        tensor=local(p),
-        note=NAMED_BY_SHARD,
-    )
+    return param_finding(cache.param_site(p), p, micro, NAMED_BY_SHARD)
 
 
 def _at_owner(finding: Finding, cache: ParamCache, p: Tensor) -> Finding:

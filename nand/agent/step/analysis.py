@@ -377,17 +377,22 @@ def param_behind(finding: Finding, micro: int, source: ParamSource) -> Finding |
     """
     for p in source.params_behind(finding.module):
         if not bool(torch.isfinite(local(p)).all()):
-            site = source.param_site(p)
-            return Finding(
-                site=site,
-                phase="param",
-                module=site.module,
-                module_type=site.module_type,
-                micro=micro,
-                order=0,
-                lo=math.nan,
-                hi=math.nan,
-                cause="produced",
-                tensor=local(p),
-            )
+            return param_finding(source.param_site(p), p, micro)
     return None
+
+
+def param_finding(site: Site, p: Tensor, micro: int, note: str = "") -> Finding:
+    """Parameter ``p`` (at ``site``) found non-finite, made on this rank."""
+    return Finding(
+        site=site,
+        phase="param",
+        module=site.module,
+        module_type=site.module_type,
+        micro=micro,
+        order=0,
+        lo=math.nan,
+        hi=math.nan,
+        cause="produced",
+        tensor=local(p),
+        note=note,
+    )
